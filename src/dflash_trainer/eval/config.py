@@ -1,0 +1,27 @@
+"""Configuration of acceptance-length evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from dflash_trainer.errors import ConfigError
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0
+    """Measure real tau every this many optimizer steps (0: only at the end of training)."""
+    prompts: Optional[str] = None
+    """JSONL of {"messages": [...]}; default: the run's plan/eval.jsonl."""
+    num_prompts: int = 16
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ConfigError(f"eval.interval must be >= 0, got {self.interval}")
+        if self.num_prompts < 1 or self.max_new_tokens < 1:
+            raise ConfigError("eval.num_prompts and eval.max_new_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}")

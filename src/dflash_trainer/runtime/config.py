@@ -1,0 +1,40 @@
+"""Configuration of the target/drafter pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_trainer.errors import ConfigError
+
+
+@dataclass
+class PipelineConfig:
+    token_budget: int = 16384
+    """Tokens per packed batch (fixed shape of every hidden-state batch)."""
+    num_targets: int = 1
+    """Target ranks per node (the first local ranks); ignored when colocated."""
+    colocated: bool = False
+    """Every rank runs both a target and a drafter (forced with one process)."""
+    min_ready: int = 2
+    """A drafter takes a batch only when this many are ready (or all producers are done)."""
+    pool_capacity: int = 4
+    """Slots in each drafter's buffered pool (bounds memory)."""
+    target_postprocess_depth: int = 2
+    """Batches in flight between a target's forward and its sender thread."""
+    deterministic: bool = False
+    """One target, first-in first-out pool, RNG keyed by job (exact tests)."""
+    timeout_s: float = 60.0
+    """Bound on how long any rank waits before failing the run (errors, hangs)."""
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 16:
+            raise ConfigError(f"pipeline.token_budget must be >= 16, got {self.token_budget}")
+        for key in ("num_targets", "min_ready", "pool_capacity", "target_postprocess_depth"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"pipeline.{key} must be >= 1, got {getattr(self, key)}")
+        if self.min_ready > self.pool_capacity:
+            raise ConfigError(
+                f"pipeline.min_ready ({self.min_ready}) must be <= pipeline.pool_capacity ({self.pool_capacity})"
+            )
+        if self.timeout_s <= 0:
+            raise ConfigError(f"pipeline.timeout_s must be > 0, got {self.timeout_s}")

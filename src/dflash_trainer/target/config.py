@@ -1,0 +1,32 @@
+"""Configuration of the frozen target model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from dflash_trainer.errors import ConfigError
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class TargetConfig:
+    path: Optional[str] = None
+    """HF model directory or hub id of the target (AutoModelForCausalLM)."""
+    random_init: Optional[str] = None
+    """Build the target with random weights from a config instead: a builtin preset
+    (tiny | qwen3-1.7b | qwen3-8b) or a path to a config.json / model directory."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory or hub id (default: target.path); `tiny` builds the test tokenizer."""
+    dtype: str = "bfloat16"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    compile: bool = False
+    """torch.compile the target forward (GPU)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.path is not None and self.random_init is not None:
+            raise ConfigError("set either target.path or target.random_init, not both")

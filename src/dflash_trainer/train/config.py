@@ -1,0 +1,55 @@
+"""Configuration of the optimizer, schedule and checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dflash_trainer.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    num_epochs: int = 1
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (None: run all epochs)."""
+    grad_accum: int = 1
+    """Pool batches per optimizer step on each drafter rank."""
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    dtype: str = "bfloat16"
+    """Compute dtype of the drafter (weights and optimizer state stay fp32)."""
+    compile: bool = False
+    fsdp: bool = False
+    resume: Optional[str] = None
+    """latest | a checkpoint path (--resume is short for latest)."""
+    keep_last: int = 3
+    checkpoint_interval: int = 500
+    log_interval: int = 10
+    max_nonfinite_steps: int = 10
+    """Stop the run after this many skipped NaN/inf steps."""
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"train.betas must be two values in [0, 1), got {self.betas}")
+        if self.num_epochs < 1:
+            raise ConfigError(f"train.num_epochs must be >= 1, got {self.num_epochs}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for key in ("grad_accum", "keep_last", "checkpoint_interval", "log_interval"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"train.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")

@@ -1,0 +1,61 @@
+import pytest
+
+from dflash_trainer.cli import main
+from dflash_trainer.config import load_config, save_config
+from dflash_trainer.errors import ConfigError
+
+
+def test_demo_recipe_loads_and_overrides_apply():
+    cfg = load_config("demo", ["train.lr=1e-4", "drafter.tap_layer_ids=[0,2]"])
+    assert cfg.train.lr == 1e-4
+    assert cfg.drafter.tap_layer_ids == [0, 2]
+    assert cfg.run.name == "demo"
+    assert cfg.target.random_init == "tiny"
+
+
+@pytest.mark.parametrize(
+    "override, key_in_message",
+    [
+        ("train.lrr=1", "train.lrr"),
+        ("nosuch.section=1", "nosuch"),
+        ("train.lr=abc", "train.lr"),
+        ("train.lr=-1", "train.lr"),
+        ("drafter.block_size=12", "drafter.gamma"),
+        ("pipeline.min_ready=9", "pipeline.min_ready"),
+        ("drafter.mask_token_id=-3", "drafter.mask_token_id"),
+        ("data.max_length=2", "data.max_length"),
+        ("run.device=tpu", "run.device"),
+    ],
+)
+def test_bad_config_names_the_key(override, key_in_message):
+    with pytest.raises(ConfigError, match=key_in_message.replace(".", r"\.")):
+        load_config("demo", [override])
+
+
+def test_target_required():
+    with pytest.raises(ConfigError, match="target.path"):
+        load_config(None, [])
+
+
+def test_unknown_recipe_is_clear():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no-such-recipe", [])
+
+
+def test_default_num_blocks_follows_recipe_density():
+    cfg = load_config(None, ["target.random_init=tiny", "pipeline.token_budget=3072"])
+    assert cfg.num_blocks == 512
+    cfg = load_config(None, ["target.random_init=tiny", "drafter.num_blocks=7"])
+    assert cfg.num_blocks == 7
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config("demo", ["train.lr=2e-4"])
+    path = save_config(cfg, tmp_path)
+    again = load_config(path, [])
+    assert again == cfg
+
+
+def test_cli_reports_config_errors(capsys):
+    assert main(["plan", "--config", "demo", "train.nope=1"]) == 2
+    assert "train.nope" in capsys.readouterr().err
