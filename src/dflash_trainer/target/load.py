@@ -1,0 +1,59 @@
+"""Load a frozen target: any AutoModelForCausalLM from a path or hub id, or random weights from a config."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target.presets import PRESETS, preset_config
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def target_model_config(cfg: TargetConfig) -> PretrainedConfig:
+    """The target's HF config, without loading weights."""
+    if cfg.random_init is not None:
+        if cfg.random_init in PRESETS:
+            return preset_config(cfg.random_init)
+        path = Path(cfg.random_init)
+        if not path.exists():
+            raise ConfigError(
+                f"target.random_init {cfg.random_init!r} is neither a preset ({sorted(PRESETS)}) nor a path"
+            )
+        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    assert cfg.path is not None
+    return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+
+
+def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) -> PreTrainedModel:
+    """The target, frozen and in eval mode, on `device` in `cfg.dtype`.
+
+    Random-init targets are built directly on the device (no host copy of the weights) from `seed`.
+    """
+    dtype = DTYPES[cfg.dtype]
+    device = torch.device(device)
+    model_config = target_model_config(cfg)
+    model_config._attn_implementation = cfg.attn_implementation
+    if cfg.random_init is not None:
+        with torch.device(device):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(
+                model_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        ).to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
