@@ -72,7 +72,13 @@ class Config:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks per packed batch (fixed)."""
         return self.drafter.blocks_for_budget(self.pipeline.token_budget)
+
+    @property
+    def max_seqs(self) -> int:
+        """Most sequences a packed batch can hold: every kept sequence has >= 2 * block_size tokens."""
+        return max(1, self.pipeline.token_budget // (2 * self.drafter.block_size))
 
 
 def resolve_recipe(recipe: str | os.PathLike) -> Path:
