@@ -69,6 +69,11 @@ class Config:
     def __post_init__(self) -> None:
         if self.target.path is None and self.target.random_init is None:
             raise ConfigError("set target.path (a model dir or hub id) or target.random_init (a config)")
+        if self.pipeline.pool_capacity < self.train.grad_accum:
+            raise ConfigError(
+                f"pipeline.pool_capacity ({self.pipeline.pool_capacity}) must be >= train.grad_accum "
+                f"({self.train.grad_accum}): a step holds its batches until it completes"
+            )
 
     @property
     def num_blocks(self) -> int:

@@ -1,0 +1,194 @@
+"""The control plane on the c10d store: job cursor, credits, claims, done counters, abort flag.
+
+Nothing else runs a server: `torchrun` already hosts a TCPStore; one process uses a HashStore.
+
+Keys (all under `prefix/`):
+- `epoch/E/next`            job cursor of epoch E (`add` hands out the next index of the epoch plan)
+- `credits/D/granted|taken` free-slot credits of drafter rank D (granted by D, taken by targets)
+- `claims/D/n`, `claims/D/i` claims addressed to drafter D, in claim order (i = 1, 2, ...)
+- `done/NAME`               done counters
+- `abort`                   JSON {rank, cause} of the first failing rank
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import torch.distributed as dist
+
+
+class Aborted(RuntimeError):
+    """Another rank failed; this rank stops."""
+
+
+class StallTimeout(RuntimeError):
+    """A wait outlasted pipeline.stall_timeout_s: the pipeline is stuck."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claim:
+    """A target's announcement that it will send one batch (or end of stream) to a drafter."""
+
+    target_rank: int
+    drafter_rank: int
+    epoch: int
+    job_id: int
+    """-1 for an end-of-stream claim."""
+    bucket_id: int = -1
+    num_tokens: int = 0
+    num_seqs: int = 0
+    end_of_stream: bool = False
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> "Claim":
+        return Claim(**json.loads(raw.decode()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortInfo:
+    rank: int
+    cause: str
+
+
+class ControlPlane:
+    """Typed access to the store. Every wait polls, re-checks the abort flag, and is bounded."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        prefix: str = "dft",
+        poll_s: float = 0.01,
+        stall_timeout_s: float = 900.0,
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.prefix = prefix
+        self.poll_s = poll_s
+        self.stall_timeout_s = stall_timeout_s
+
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    def _counter(self, key: str) -> int:
+        return int(self.store.add(key, 0))
+
+    def _poll(self, what: str, ready: Callable[[], Optional[object]]):
+        """Call `ready` until it returns non-None; raise on abort or after the stall timeout."""
+        deadline = time.monotonic() + self.stall_timeout_s
+        delay = self.poll_s
+        while True:
+            self.raise_if_aborted()
+            value = ready()
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise StallTimeout(f"rank {self.rank} waited over {self.stall_timeout_s:.0f}s for {what}")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
+
+    # -- job cursor ------------------------------------------------------------------------------
+    def next_job_index(self, epoch: int) -> int:
+        """Index of the next unclaimed job of the epoch's (remaining) job list."""
+        return int(self.store.add(self._key("epoch", epoch, "next"), 1)) - 1
+
+    # -- credits ---------------------------------------------------------------------------------
+    def grant_credits(self, drafter_rank: int, n: int = 1) -> None:
+        self.store.add(self._key("credits", drafter_rank, "granted"), n)
+
+    def free_credits(self, drafter_rank: int) -> int:
+        granted = self._counter(self._key("credits", drafter_rank, "granted"))
+        taken = self._counter(self._key("credits", drafter_rank, "taken"))
+        return granted - taken
+
+    def try_take_credit(self, drafter_ranks: Sequence[int], *, start: int = 0) -> Optional[int]:
+        """Take one credit from the drafter with the most free slots (ties: rotate from `start`).
+
+        Count-safe under races: a take that overshoots `granted` is undone and retried later.
+        """
+        order = [drafter_ranks[(start + i) % len(drafter_ranks)] for i in range(len(drafter_ranks))]
+        free = [(self.free_credits(d), -i, d) for i, d in enumerate(order)]
+        best_free, _, best = max(free)
+        if best_free <= 0:
+            return None
+        taken_key = self._key("credits", best, "taken")
+        taken = int(self.store.add(taken_key, 1))
+        if taken <= self._counter(self._key("credits", best, "granted")):
+            return best
+        self.store.add(taken_key, -1)
+        return None
+
+    def take_credit(self, drafter_ranks: Sequence[int], *, start: int = 0) -> int:
+        return self._poll("a free drafter slot", lambda: self.try_take_credit(drafter_ranks, start=start))
+
+    # -- claims ----------------------------------------------------------------------------------
+    def post_claim(self, claim: Claim) -> int:
+        index = int(self.store.add(self._key("claims", claim.drafter_rank, "n"), 1))
+        self.store.set(self._key("claims", claim.drafter_rank, index), claim.encode())
+        return index
+
+    def wait_claim(self, drafter_rank: int, index: int) -> Claim:
+        """The claim number `index` (1-based) addressed to `drafter_rank`."""
+        key = self._key("claims", drafter_rank, index)
+        raw = self._poll(f"claim {index} for drafter {drafter_rank}", lambda: self._get_if_set(key))
+        return Claim.decode(raw)
+
+    def _get_if_set(self, key: str) -> Optional[bytes]:
+        return self.store.get(key) if self.store.check([key]) else None
+
+    # -- done counters ---------------------------------------------------------------------------
+    def mark_done(self, name: str) -> int:
+        return int(self.store.add(self._key("done", name), 1))
+
+    def count_done(self, name: str) -> int:
+        return self._counter(self._key("done", name))
+
+    def wait_done(self, name: str, count: int) -> None:
+        self._poll(f"{count} x done/{name}", lambda: True if self.count_done(name) >= count else None)
+
+    # -- values ----------------------------------------------------------------------------------
+    def set_value(self, name: str, value: str) -> None:
+        self.store.set(self._key("value", name), value.encode())
+
+    def wait_value(self, name: str) -> str:
+        key = self._key("value", name)
+        return self._poll(f"value {name}", lambda: self._get_if_set(key)).decode()
+
+    # -- abort -----------------------------------------------------------------------------------
+    def abort(self, cause: str) -> None:
+        """Record this rank's failure (the first one wins: compare_set on an empty key)."""
+        info = json.dumps({"rank": self.rank, "cause": cause}).encode()
+        try:
+            self.store.compare_set(self._key("abort"), b"", info)
+        except Exception:  # the store may be gone while the job is ending
+            pass
+
+    def aborted(self) -> Optional[AbortInfo]:
+        key = self._key("abort")
+        try:
+            if not self.store.check([key]):
+                return None
+            data = json.loads(self.store.get(key).decode())
+        except Exception:
+            return None
+        return AbortInfo(rank=int(data["rank"]), cause=str(data["cause"]))
+
+    def raise_if_aborted(self) -> None:
+        info = self.aborted()
+        if info is not None and info.rank != self.rank:
+            raise Aborted(f"rank {info.rank} failed: {info.cause}")
+
+
+def make_local_store(timeout_s: float = 300.0) -> dist.Store:
+    """A store for a single process (no torchrun)."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store

@@ -1,0 +1,181 @@
+"""Training checkpoints: written atomically, rotated, validated on resume.
+
+Layout of `RUN_DIR/checkpoints/step_N/`: `drafter.safetensors` (fp32 weights), `optimizer.pt` (optimizer
+state, loaded with weights_only=True), `rng.pt`, `state.json` (step, epoch, job ledger, scheduler, model
+signature, data fingerprint) and `COMPLETE`. A checkpoint is written into a temporary directory and
+renamed into place only after `COMPLETE` is on disk, so a crash while saving never leaves a directory
+that looks valid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_trainer.errors import ConfigError
+
+COMPLETE = "COMPLETE"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointState:
+    step: int
+    """Optimizer steps completed."""
+    epoch: int
+    """Epoch in progress."""
+    ledger: dict[int, list[int]]
+    """Committed job ids per epoch."""
+    model_signature: dict[str, Any]
+    """Shapes that must match on resume (hidden size, layers, taps, block size, vocab)."""
+    data_fingerprint: str
+    """Hash of the tokenized data and plan settings; resume refuses other data."""
+    scheduler: dict[str, Any]
+    extra: dict[str, Any]
+    """Metrics counters and the like."""
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    run_dir: Path,
+    state: CheckpointState,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    *,
+    keep_last: int,
+) -> Path:
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{state.step}"
+    tmp = root / f".tmp-step_{state.step}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in weights.items()}, str(tmp / "drafter.safetensors"))
+    torch.save(optimizer_state, tmp / "optimizer.pt")
+    torch.save(
+        {"torch": torch.get_rng_state(), "cuda": _cuda_rng()},
+        tmp / "rng.pt",
+    )
+    payload = {
+        "step": state.step,
+        "epoch": state.epoch,
+        "ledger": {str(e): sorted(ids) for e, ids in state.ledger.items()},
+        "model_signature": state.model_signature,
+        "data_fingerprint": state.data_fingerprint,
+        "scheduler": state.scheduler,
+        "extra": state.extra,
+        "python_random": list(random.getstate()[1]),
+    }
+    (tmp / "state.json").write_text(json.dumps(payload))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    (tmp / COMPLETE).write_text("ok\n")
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _rotate(root, keep_last)
+    return final
+
+
+def _cuda_rng() -> Optional[list[torch.Tensor]]:
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def _rotate(root: Path, keep_last: int) -> None:
+    done = list_checkpoints(root.parent)
+    best = (root / "best").resolve() if (root / "best").exists() else None
+    for path in done[:-keep_last]:
+        if best is None or path.resolve() != best:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def resolve_resume(run_dir: Path, resume: str) -> Path:
+    if resume == "latest":
+        found = list_checkpoints(run_dir)
+        if not found:
+            raise ConfigError(
+                f"train.resume=latest but {checkpoints_dir(run_dir)} holds no complete checkpoint; "
+                "set run.dir to the run to resume, or drop --resume"
+            )
+        return found[-1]
+    path = Path(resume)
+    if not (path / COMPLETE).is_file():
+        raise ConfigError(f"train.resume={resume!r} is not a complete checkpoint directory (no {COMPLETE} file)")
+    return path
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedCheckpoint:
+    path: Path
+    state: CheckpointState
+    weights: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    rng: dict[str, Any]
+    python_random: list[int]
+
+
+def load_checkpoint(path: Path, *, model_signature: dict[str, Any], data_fingerprint: str) -> LoadedCheckpoint:
+    payload = json.loads((path / "state.json").read_text())
+    if payload["model_signature"] != model_signature:
+        diff = {
+            k: (payload["model_signature"].get(k), v)
+            for k, v in model_signature.items()
+            if payload["model_signature"].get(k) != v
+        }
+        raise ConfigError(
+            f"checkpoint {path} is of another model shape (checkpoint vs config: {diff}); "
+            "resume with the config it was trained with, or start a new run.dir"
+        )
+    if payload["data_fingerprint"] != data_fingerprint:
+        raise ConfigError(
+            f"checkpoint {path} was trained on other data or plan settings; resume with the same data.* "
+            "and pipeline.token_budget, or start a new run.dir"
+        )
+    state = CheckpointState(
+        step=payload["step"],
+        epoch=payload["epoch"],
+        ledger={int(e): list(ids) for e, ids in payload["ledger"].items()},
+        model_signature=payload["model_signature"],
+        data_fingerprint=payload["data_fingerprint"],
+        scheduler=payload["scheduler"],
+        extra=payload["extra"],
+    )
+    return LoadedCheckpoint(
+        path=path,
+        state=state,
+        weights=load_file(str(path / "drafter.safetensors")),
+        optimizer_state=torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"),
+        rng=torch.load(path / "rng.pt", weights_only=True, map_location="cpu"),
+        python_random=payload["python_random"],
+    )

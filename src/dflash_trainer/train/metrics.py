@@ -1,0 +1,78 @@
+"""Metrics sinks: JSONL always, TensorBoard when asked; disabled sinks are null objects."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+
+class NullSink:
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink(NullSink):
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", buffering=1)
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        row = {"step": step, "time": round(time.time(), 3)}
+        for k, v in values.items():
+            row[k] = None if isinstance(v, float) and not math.isfinite(v) else v
+        self._file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink(NullSink):
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+        self._writer = SummaryWriter(str(log_dir))
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        for k, v in values.items():
+            if isinstance(v, (int, float)):
+                self._writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MultiSink(NullSink):
+    def __init__(self, sinks: list[NullSink]) -> None:
+        self.sinks = sinks
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        for s in self.sinks:
+            s.log(step, values)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+def build_sinks(run_dir: Path, *, tensorboard: bool, wandb: bool, enabled: bool) -> NullSink:
+    """Sinks for rank 0 (`enabled`); other ranks get a null sink."""
+    if not enabled:
+        return NullSink()
+    sinks: list[NullSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    if tensorboard:
+        try:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        except ImportError:
+            log.warning("logging.tensorboard=true but the tensorboard package is missing: pip install tensorboard")
+    if wandb:
+        log.warning("logging.wandb=true: W&B logging is not built yet; metrics go to metrics.jsonl")
+    return MultiSink(sinks)

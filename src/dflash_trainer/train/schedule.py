@@ -1,0 +1,24 @@
+"""Learning-rate schedule: linear warmup then cosine decay to `min_lr_ratio * lr`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_factor(step: int, *, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based)."""
+    warmup = max(1, int(round(total_steps * warmup_ratio))) if warmup_ratio > 0 else 0
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_ratio: float, min_lr_ratio: float):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio),
+    )

@@ -1,0 +1,128 @@
+"""Roles, the store control plane and the buffered pool (single process, threads)."""
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.runtime.config import PipelineConfig
+from dflash_trainer.runtime.control import Aborted, Claim, ControlPlane, StallTimeout
+from dflash_trainer.runtime.pool import BufferedPool
+from dflash_trainer.runtime.roles import Role, plan_placement
+
+
+def test_roles_first_local_ranks_are_targets():
+    p = plan_placement(rank=5, world_size=8, local_rank=1, local_world_size=4, pipeline=PipelineConfig(num_targets=1))
+    assert p.roles == (Role.TARGET, Role.DRAFTER, Role.DRAFTER, Role.DRAFTER) * 2
+    assert p.role is Role.DRAFTER and p.target_ranks == (0, 4) and p.drafter_index == 3
+
+
+def test_roles_single_process_and_colocated():
+    p = plan_placement(rank=0, world_size=1, local_rank=0, local_world_size=1, pipeline=PipelineConfig())
+    assert p.role is Role.COLOCATED
+    p = plan_placement(rank=1, world_size=2, local_rank=1, local_world_size=2, pipeline=PipelineConfig(colocated=True))
+    assert p.roles == (Role.COLOCATED, Role.COLOCATED)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_size=2, local_world_size=2, pipeline=PipelineConfig(num_targets=2)), "no drafter"),
+        (dict(world_size=4, local_world_size=4, pipeline=PipelineConfig(), num_devices=2), "only 2 GPUs"),
+        (dict(world_size=3, local_world_size=3, pipeline=PipelineConfig(num_targets=2, deterministic=True)), "exactly one target"),
+    ],
+)
+def test_roles_misconfigurations_fail_clearly(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        plan_placement(rank=0, local_rank=0, **kwargs)
+
+
+def test_credits_never_overclaim_under_races():
+    store = dist.HashStore()
+    cp = ControlPlane(store, rank=0)
+    cp.grant_credits(7, 3)
+    cp.grant_credits(8, 1)
+    got = []
+    lock = threading.Lock()
+
+    def worker():
+        for _ in range(50):
+            d = cp.try_take_credit([7, 8])
+            if d is not None:
+                with lock:
+                    got.append(d)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(got) == [7, 7, 7, 8]
+    assert cp.free_credits(7) == 0 and cp.free_credits(8) == 0
+
+
+def test_claims_arrive_in_order_and_cursor_hands_out_each_index_once():
+    cp = ControlPlane(dist.HashStore(), rank=0)
+    for j in range(3):
+        cp.post_claim(Claim(target_rank=0, drafter_rank=1, epoch=0, job_id=j))
+    assert [cp.wait_claim(1, i).job_id for i in (1, 2, 3)] == [0, 1, 2]
+    assert [cp.next_job_index(0) for _ in range(3)] == [0, 1, 2]
+    assert cp.next_job_index(1) == 0
+
+
+def test_abort_flag_stops_waiters_and_first_cause_wins():
+    store = dist.HashStore()
+    waiter = ControlPlane(store, rank=1)
+    ControlPlane(store, rank=2).abort("boom in target")
+    ControlPlane(store, rank=3).abort("later failure")
+    with pytest.raises(Aborted, match="rank 2 failed: boom in target"):
+        waiter.wait_claim(1, 1)
+
+
+def test_stall_timeout_names_what_it_waited_for():
+    cp = ControlPlane(dist.HashStore(), rank=0, stall_timeout_s=0.2)
+    with pytest.raises(StallTimeout, match="claim 1 for drafter 4"):
+        cp.wait_claim(4, 1)
+
+
+def test_pool_min_ready_random_choice_and_capacity():
+    pool = BufferedPool(4, min_ready=2, seed=0, timeout_s=5)
+    s0 = pool.acquire_free()
+    pool.put_ready(s0, "a", 0)
+    taken = []
+    t = threading.Thread(target=lambda: taken.append(pool.take()))
+    t.start()
+    time.sleep(0.2)
+    assert not taken  # one ready < min_ready
+    s1 = pool.acquire_free()
+    pool.put_ready(s1, "b", 1)
+    t.join(2)
+    assert taken and taken[0].item in ("a", "b")
+    assert pool.occupied == 2
+    for _ in range(2):
+        pool.acquire_free()
+    assert pool.occupied == 4
+    with pytest.raises(TimeoutError):
+        BufferedPool(1, min_ready=1, timeout_s=0.2).take()
+
+
+def test_pool_drains_after_producers_done_and_forwards_errors():
+    pool = BufferedPool(2, min_ready=2, fifo=True, timeout_s=5)
+    for name in ("x", "y"):
+        pool.put_ready(pool.acquire_free(), name, 0)
+    pool.set_producers_done()
+    assert [pool.take().item, pool.take().item] == ["x", "y"]
+    assert pool.take() is None
+    bad = BufferedPool(2, min_ready=1, timeout_s=5)
+    bad.set_error(ValueError("recv broke"))
+    with pytest.raises(RuntimeError, match="recv broke"):
+        bad.take()
+
+
+def test_pool_does_not_deadlock_when_consumer_holds_slots():
+    pool = BufferedPool(2, min_ready=2, timeout_s=2)
+    pool.put_ready(pool.acquire_free(), 1, 0)
+    pool.put_ready(pool.acquire_free(), 2, 0)
+    first = pool.take()  # held by the consumer: its slot cannot refill, one more ready batch must suffice
+    assert pool.take() is not None
+    pool.release(first.slot)
