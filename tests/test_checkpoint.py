@@ -1,0 +1,72 @@
+import os
+
+import pytest
+import torch
+
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.train.checkpoint import (
+    CheckpointState,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from dflash_trainer.train.schedule import lr_factor
+
+
+def _state(step, sig=None, fp="data-a"):
+    return CheckpointState(
+        step=step,
+        epoch=0,
+        ledger={0: [3, 1, 2]},
+        model_signature=sig or {"hidden": 8, "layers": 1},
+        data_fingerprint=fp,
+        scheduler={"last_epoch": step},
+        extra={"tokens": 10},
+    )
+
+
+def _save(run, step, **kw):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return save_checkpoint(run, _state(step, **kw), dict(model.state_dict()), opt.state_dict(), keep_last=2), model
+
+
+def test_round_trip_and_rotation(tmp_path):
+    for step in (10, 20, 30):
+        path, model = _save(tmp_path, step)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_20", "step_30"]
+    assert resolve_resume(tmp_path, "latest") == path
+    loaded = load_checkpoint(path, model_signature={"hidden": 8, "layers": 1}, data_fingerprint="data-a")
+    assert loaded.state.ledger == {0: [1, 2, 3]} and loaded.state.step == 30
+    torch.testing.assert_close(loaded.weights["weight"], model.weight.detach())
+    opt = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters())
+    opt.load_state_dict(loaded.optimizer_state)
+
+
+def test_incomplete_checkpoint_is_ignored(tmp_path):
+    path, _ = _save(tmp_path, 5)
+    os.remove(path / "COMPLETE")
+    (tmp_path / "checkpoints" / ".tmp-step_9-1").mkdir()
+    assert list_checkpoints(tmp_path) == []
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        resolve_resume(tmp_path, "latest")
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        resolve_resume(tmp_path, str(path))
+
+
+def test_resume_refuses_other_shape_or_data(tmp_path):
+    path, _ = _save(tmp_path, 1)
+    with pytest.raises(ConfigError, match="another model shape.*hidden"):
+        load_checkpoint(path, model_signature={"hidden": 16, "layers": 1}, data_fingerprint="data-a")
+    with pytest.raises(ConfigError, match="other data"):
+        load_checkpoint(path, model_signature={"hidden": 8, "layers": 1}, data_fingerprint="data-b")
+
+
+def test_warmup_then_cosine():
+    f = [lr_factor(s, total_steps=100, warmup_ratio=0.1, min_lr_ratio=0.1) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert f[-1] == pytest.approx(0.1, abs=0.01)
