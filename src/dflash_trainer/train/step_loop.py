@@ -1,0 +1,219 @@
+"""The drafter step loop: gradient accumulation over pool batches, one small all-reduce per step.
+
+Per optimizer step each drafter rank takes up to `grad_accum` batches from its pool, runs forward +
+backward on the *unnormalised* weighted loss sum, then all ranks all-reduce one small stats vector
+(batches, loss-weight sum, loss sum, non-finite flag, ...). From it every rank knows, identically:
+- the step's total loss weight: gradients are summed over ranks and divided by it, so the loss is
+  normalised over the whole step (all microbatches of all ranks), not per microbatch;
+- whether any rank saw NaN/inf: then every rank skips the step together;
+- whether every rank ran dry: then the run ends together (a partial last step is still taken).
+A job is committed (enters the ledger) when the optimizer step that used it completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash_trainer.train.optim import clip_gradients, scale_and_sync_gradients
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MicroResult:
+    """What one microbatch's forward + backward produced (device tensors, no host sync)."""
+
+    loss_sum: torch.Tensor
+    """0-d fp32: sum of weighted per-slot losses (already back-propagated)."""
+    weight_sum: torch.Tensor
+    """0-d fp32: sum of the loss weights."""
+    correct_sum: torch.Tensor
+    """0-d fp32: weighted count of argmax hits (for accuracy)."""
+    tau_sum: torch.Tensor
+    """0-d fp32: sum over valid blocks of the simulated acceptance length."""
+    num_blocks: torch.Tensor
+    """0-d fp32: valid blocks."""
+    num_tokens: int
+    """Real tokens in the batch (host value from the batch header)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepRecord:
+    step: int
+    """Optimizer steps completed after this one."""
+    skipped: bool
+    loss: float
+    accuracy: float
+    sim_tau: float
+    grad_norm: float
+    lr: float
+    batches: int
+    tokens: int
+    job_ids: tuple[int, ...]
+    """Jobs committed by this step (all ranks)."""
+    step_time_s: float
+    wait_time_s: float
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    skipped_steps: int = 0
+    tokens: int = 0
+    committed: list[tuple[int, int]] = field(default_factory=list)
+    """(epoch, job_id) committed by this run, in commit order."""
+
+
+_STATS = ("batches", "loss_sum", "weight_sum", "correct_sum", "tau_sum", "blocks", "nonfinite", "tokens")
+
+
+class StepLoop(Generic[B]):
+    """Runs optimizer steps until the pools of all drafter ranks are dry or `max_steps` is reached."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        micro_step: Callable[[B], MicroResult],
+        job_key: Callable[[B], tuple[int, int]],
+        grad_accum: int,
+        grad_clip: float,
+        group: Optional[dist.ProcessGroup],
+        device: torch.device,
+        max_steps: Optional[int] = None,
+        max_nonfinite_steps: int = 10,
+    ) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.micro_step = micro_step
+        self.job_key = job_key
+        self.grad_accum = grad_accum
+        self.grad_clip = grad_clip
+        self.group = group
+        self.device = device
+        self.max_steps = max_steps
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.state = LoopState()
+
+    def run(
+        self,
+        take: Callable[[], Optional[tuple[B, Callable[[], None]]]],
+        on_step: Callable[[StepRecord], None] = lambda record: None,
+    ) -> LoopState:
+        """`take` returns (batch, release) or None when this rank's pool is dry for good."""
+        while self.max_steps is None or self.state.step < self.max_steps:
+            record = self.step(take)
+            if record is None:
+                break
+            on_step(record)
+        return self.state
+
+    def step(self, take) -> Optional[StepRecord]:
+        start = time.perf_counter()
+        wait = 0.0
+        stats = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
+        releases: list[Callable[[], None]] = []
+        keys: list[tuple[int, int]] = []
+        self.optimizer.zero_grad(set_to_none=False)
+        for _ in range(self.grad_accum):
+            t0 = time.perf_counter()
+            got = take()
+            wait += time.perf_counter() - t0
+            if got is None:
+                break
+            batch, release = got
+            releases.append(release)
+            keys.append(self.job_key(batch))
+            out = self.micro_step(batch)
+            finite = torch.isfinite(out.loss_sum).to(torch.float64)
+            stats += torch.stack(
+                [
+                    torch.ones((), dtype=torch.float64, device=self.device),
+                    torch.nan_to_num(out.loss_sum.detach().double(), nan=0.0, posinf=0.0, neginf=0.0),
+                    out.weight_sum.detach().double(),
+                    out.correct_sum.detach().double(),
+                    out.tau_sum.detach().double(),
+                    out.num_blocks.detach().double(),
+                    1.0 - finite,
+                    torch.tensor(float(out.num_tokens), dtype=torch.float64, device=self.device),
+                ]
+            )
+        if self.group is not None and self.world > 1:
+            dist.all_reduce(stats, group=self.group)
+        # One host sync per step: every rank needs the same skip / stop decision and the log values.
+        values = dict(zip(_STATS, stats.tolist()))
+        job_ids = self._gather_jobs(keys)
+        if values["batches"] == 0:
+            for release in releases:
+                release()
+            return None
+        weight_sum = max(values["weight_sum"], 1e-12)
+        skipped = values["nonfinite"] > 0
+        grad_norm = float("nan")
+        if not skipped:
+            scale = torch.tensor(1.0 / weight_sum, device=self.device)
+            scale_and_sync_gradients(self.params, scale, self.group)
+            norm = clip_gradients(self.params, self.grad_clip)
+            grad_norm = float(norm)  # host sync: a non-finite gradient skips the step on every rank alike
+            skipped = not torch.isfinite(torch.tensor(grad_norm)).item()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if skipped:
+            self.state.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=False)
+            log.warning("non-finite loss or gradient: step skipped on all ranks (%d so far)", self.state.skipped_steps)
+            if self.state.skipped_steps > self.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"{self.state.skipped_steps} steps had NaN/inf loss or gradients (limit "
+                    f"train.max_nonfinite_steps={self.max_nonfinite_steps}): check the data and lower train.lr"
+                )
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.state.step += 1
+            self.state.tokens += int(values["tokens"])
+        # Skipped jobs are committed too: they were consumed, and a resume must not redo them.
+        self.state.committed.extend(job_ids)
+        for release in releases:
+            release()
+        blocks = max(values["blocks"], 1.0)
+        return StepRecord(
+            step=self.state.step,
+            skipped=skipped,
+            loss=values["loss_sum"] / weight_sum,
+            accuracy=values["correct_sum"] / weight_sum,
+            sim_tau=values["tau_sum"] / blocks,
+            grad_norm=grad_norm,
+            lr=lr,
+            batches=int(values["batches"]),
+            tokens=int(values["tokens"]),
+            job_ids=tuple(j for _, j in job_ids),
+            step_time_s=time.perf_counter() - start,
+            wait_time_s=wait,
+        )
+
+    def _gather_jobs(self, keys: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(epoch, job_id) of this step's batches on all ranks: a fixed-size all-gather, -1 padded."""
+        local = torch.full((self.grad_accum, 2), -1, dtype=torch.int64, device=self.device)
+        if keys:
+            local[: len(keys)] = torch.tensor(keys, dtype=torch.int64)
+        if self.group is None or self.world == 1:
+            gathered = local
+        else:
+            gathered = torch.empty(self.world * self.grad_accum, 2, dtype=torch.int64, device=self.device)
+            dist.all_gather_into_tensor(gathered, local, group=self.group)
+        rows = gathered.tolist()  # host sync: the ledger lives on the host (once per step)
+        return [(e, j) for e, j in rows if j >= 0]

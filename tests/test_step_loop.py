@@ -1,0 +1,91 @@
+"""The step loop normalises the loss over the whole step across ranks, skips NaN steps together and
+ends together with uneven inputs (2 gloo ranks against a single-process reference)."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dflash_trainer.train.step_loop import MicroResult, StepLoop
+
+DIM = 4
+
+
+def _batches():
+    g = torch.Generator().manual_seed(7)
+    # (epoch, job_id, x (n, DIM), y (n,)) with different sizes: the loss weight differs per batch
+    return [(0, j, torch.randn(n, DIM, generator=g), torch.randn(n, generator=g)) for j, n in enumerate([3, 5, 2, 7, 4])]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(DIM, 1, bias=False)
+
+
+def _micro(model):
+    def step(batch):
+        _, _, x, y = batch
+        if torch.isnan(x).any():
+            loss_sum = torch.tensor(float("nan"), requires_grad=True)
+        else:
+            loss_sum = ((model(x).squeeze(-1) - y) ** 2).sum()
+        loss_sum.backward()
+        n = torch.tensor(float(x.shape[0]))
+        return MicroResult(loss_sum=loss_sum.detach(), weight_sum=n, correct_sum=n * 0, tau_sum=n * 0, num_blocks=n * 0 + 1, num_tokens=x.shape[0])
+
+    return step
+
+
+def _run(batches, group, grad_accum):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    loop = StepLoop(model=model, optimizer=opt, scheduler=sched, micro_step=_micro(model), job_key=lambda b: (b[0], b[1]),
+                    grad_accum=grad_accum, grad_clip=0.0, group=group, device=torch.device("cpu"))
+    queue = list(batches)
+    records = []
+    loop.run(lambda: (queue.pop(0), lambda: None) if queue else None, records.append)
+    return model.weight.detach().clone(), records, loop.state
+
+
+def _worker(rank, port, shards, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    weight, records, state = _run(shards[rank], dist.group.WORLD, grad_accum=2)
+    torch.save({"weight": weight, "steps": state.step, "committed": state.committed, "skipped": state.skipped_steps,
+                "losses": [r.loss for r in records]}, os.path.join(out_dir, f"r{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_equal_one_process_with_uneven_inputs(tmp_path):
+    b = _batches()
+    # Step 1: rank0 {0,1}, rank1 {2,3}; step 2 (partial): rank0 {4}, rank1 nothing.
+    shards = [[b[0], b[1], b[4]], [b[2], b[3]]]
+    mp.start_processes(_worker, args=(_free_port(), shards, str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = (torch.load(tmp_path / f"r{i}.pt", weights_only=True) for i in range(2))
+    ref_weight, ref_records, _ = _run([b[0], b[1], b[2], b[3], b[4]], None, grad_accum=4)
+    torch.testing.assert_close(r0["weight"], r1["weight"])
+    torch.testing.assert_close(r0["weight"], ref_weight)
+    assert r0["steps"] == r1["steps"] == 2
+    assert sorted(j for _, j in r0["committed"]) == [0, 1, 2, 3, 4]
+    assert r0["losses"] == pytest.approx([ref_records[0].loss, ref_records[1].loss])
+
+
+def test_nonfinite_step_is_skipped_and_counted():
+    b = _batches()
+    bad = (0, 9, torch.full((2, DIM), float("nan")), torch.zeros(2))
+    weight, records, state = _run([b[0], bad, b[1], b[2]], None, grad_accum=2)
+    assert [r.skipped for r in records] == [True, False]
+    assert state.step == 1 and state.skipped_steps == 1
+    assert sorted(j for _, j in state.committed) == [0, 1, 2, 9]
+    ref, _, _ = _run([b[1], b[2]], None, grad_accum=2)
+    torch.testing.assert_close(weight, ref)
