@@ -133,8 +133,11 @@ class TapCapture:
         h, n = self.hidden, inputs.num_tokens
         if out.taps.shape[1] != len(self.tap_layer_ids) * h:
             raise ValueError(f"out.taps has {out.taps.shape[1]} columns, need {len(self.tap_layer_ids)} x {h}")
-        if self.capture_last_hidden and out.last_hidden is None:
-            raise ValueError("capture_last_hidden is on but the wire buffers have no last_hidden")
+        if self.capture_last_hidden != (out.last_hidden is not None):
+            raise ValueError(
+                f"capture_last_hidden={self.capture_last_hidden} but the wire buffers "
+                f"{'have' if out.last_hidden is not None else 'lack'} last_hidden: build both from one WireSpec"
+            )
         destinations: dict[int, list[torch.Tensor]] = {}
         for k, layer_id in enumerate(self.tap_layer_ids):
             destinations.setdefault(layer_id, []).append(out.taps[:n, k * h : (k + 1) * h])  # (n, H) strided view
