@@ -68,14 +68,12 @@ class WireSpec:
 
     @classmethod
     def from_config(cls, config: "Config", *, hidden_size: int, num_taps: int) -> "WireSpec":
-        from dflash_trainer.target.load import DTYPES
-
         return cls(
             token_budget=config.pipeline.token_budget,
             max_seqs=config.max_seqs,
             num_taps=num_taps,
             hidden=hidden_size,
-            dtype=DTYPES[config.target.dtype],
+            dtype=getattr(torch, config.target.dtype),  # a validated name: bfloat16 | float16 | float32
             has_last_hidden=config.drafter.kd_weight > 0,
         )
 
