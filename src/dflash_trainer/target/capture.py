@@ -173,7 +173,12 @@ class TapCapture:
 
 
 def compile_decoder_layers(model: nn.Module, *, upto: Optional[int] = None, **compile_kwargs) -> None:
-    """`torch.compile` each decoder layer's forward (layers 0..upto), leaving hooks and early exit eager."""
+    """`torch.compile` each decoder layer's forward (layers 0..upto), leaving hooks and early exit eager.
+
+    All layers share one code object, so dynamo may specialise per layer; the recompile limit is raised
+    (a process-wide dynamo setting) so no layer silently falls back to eager.
+    """
     layers = find_decoder(model).layers
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(layers))
     for layer in list(layers)[: None if upto is None else upto + 1]:
         layer.forward = torch.compile(layer.forward, **compile_kwargs)
