@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from dflash_trainer.errors import ConfigError
@@ -57,3 +58,26 @@ def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) ->
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def find_decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM (embeddings + layers + final norm, no LM head).
+
+    Llama/Qwen/Mistral-like models keep it in `model.model` with its layers in `.layers`. Calling the
+    decoder instead of the causal LM never computes logits.
+    """
+    decoder = getattr(model, "model", None)
+    if isinstance(decoder, nn.Module) and isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        return decoder
+    arch = type(model).__name__
+    archs = getattr(getattr(model, "config", None), "architectures", None)
+    raise ConfigError(
+        f"cannot find the decoder layers of target {arch} (architectures={archs}): expected "
+        "`model.model.layers` (an nn.ModuleList) as in Llama/Qwen/Mistral-like causal LMs; "
+        "this architecture is not supported as a target yet"
+    )
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM: layer `l` outputs what HF reports as `hidden_states[l + 1]`."""
+    return find_decoder(model).layers

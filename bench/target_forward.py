@@ -1,0 +1,172 @@
+"""Target forward benchmark: tokens/s and MFU of the tap-capture forward, early-exit savings, capture overhead.
+
+    python bench/target_forward.py                 # CUDA: Qwen3-8B shape, random bf16 weights made on the GPU
+    python bench/target_forward.py --smoke         # tiny target on the CPU (checks the script runs)
+
+For each token budget, 3072-token sequences (the last one shorter) fill the budget exactly; they are
+right-padded into one batch as the target worker does. Modes, each eager and with compiled decoder layers:
+  full      the causal LM to logits (every layer, final norm, LM head): the baseline
+  to_tap    decoder stopped after the last tap by a hook, no capture
+  capture   TapCapture.run: to_tap + one gather-copy per tap into the packed buffer
+Derived: early-exit saving = 1 - capture/full; capture overhead = capture/to_tap - 1 (target < 3%).
+MFU counts useful FLOPs only (real tokens; causal attention within each sequence) against --peak-tflops.
+The last line printed is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
+from dflash_trainer.target.batch import WireSpec, allocate  # noqa: E402
+from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402
+from dflash_trainer.target.config import TargetConfig  # noqa: E402
+from dflash_trainer.target.load import find_decoder, load_target  # noqa: E402
+
+
+class _Stop(Exception):
+    pass
+
+
+def forward_flops(config, lengths: list[int], num_layers: int, lm_head: bool) -> float:
+    """Useful forward FLOPs: matmuls per real token plus causal attention within each sequence."""
+    h, i = config.hidden_size, config.intermediate_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    tokens = sum(lengths)
+    linear = 2 * tokens * (h * (q + 2 * kv) + q * h + 3 * h * i)
+    attention = sum(2 * 2 * q * n * (n + 1) / 2 for n in lengths)  # QK^T and PV, causal half
+    head = 2 * tokens * h * config.vocab_size if lm_head else 0
+    return num_layers * (linear + attention) + head
+
+
+def make_sequences(budget: int, seq_len: int, vocab: int, seed: int) -> list[TokenizedSequence]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [seq_len] * (budget // seq_len) + ([budget % seq_len] if budget % seq_len else [])
+    return [
+        TokenizedSequence(input_ids=torch.randint(0, vocab, (n,), generator=g), loss_mask=torch.ones(n, dtype=torch.bool))
+        for n in lengths
+    ]
+
+
+def timed(fn, *, iters: int, warmup: int, device: torch.device) -> float:
+    """Seconds per call: CUDA events around `iters` calls after `warmup` (wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()  # benchmark boundary: read the elapsed device time
+        return start.elapsed_time(end) / 1000.0 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny target on the CPU, small budgets, no compile")
+    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--budgets", default="8192,16384,32768")
+    p.add_argument("--seq-len", type=int, default=3072)
+    p.add_argument("--taps", default="1,9,17,25,33")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
+    args = p.parse_args()
+    if args.smoke:
+        args.preset, args.budgets, args.seq_len, args.taps = "tiny", "256,512", 96, "0,2,4"
+        args.iters, args.warmup, args.no_compile = 2, 1, True
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    taps = [int(t) for t in args.taps.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+
+    model = load_target(TargetConfig(random_init=args.preset, dtype=dtype), device, seed=0)
+    config = model.config
+    decoder, stop_layer = find_decoder(model), max(taps)
+    capture = TapCapture(model, taps)
+
+    def to_tap(inputs) -> None:
+        def stop(module, a, out):
+            raise _Stop
+
+        handle = decoder.layers[stop_layer].register_forward_hook(stop)
+        try:
+            with torch.no_grad():
+                decoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+
+    def full(inputs) -> None:
+        with torch.no_grad():
+            model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
+
+    rows = []
+    variants = [False] if args.no_compile else [False, True]
+    for compiled in variants:
+        if compiled:
+            compile_decoder_layers(model)
+        for budget in budgets:
+            sequences = make_sequences(budget, args.seq_len, config.vocab_size, seed=budget)
+            lengths = [s.num_tokens for s in sequences]
+            spec = WireSpec(token_budget=budget, max_seqs=len(lengths), num_taps=len(taps),
+                            hidden=config.hidden_size, dtype=model.dtype, has_last_hidden=False)
+            out = allocate(spec, device)
+            inputs = prepare_inputs(sequences, out)
+            modes = {
+                "full": (lambda: full(inputs), config.num_hidden_layers, True),
+                "to_tap": (lambda: to_tap(inputs), stop_layer + 1, False),
+                "capture": (lambda: capture.run(inputs, out), stop_layer + 1, False),
+            }
+            for mode, (fn, layers_run, head) in modes.items():
+                seconds = timed(fn, iters=args.iters, warmup=args.warmup, device=device)
+                flops = forward_flops(config, lengths, layers_run, head)
+                rows.append(dict(budget=budget, compiled=compiled, mode=mode, ms=seconds * 1e3,
+                                 tokens_per_s=sum(lengths) / seconds, padded_tokens=inputs.padded_tokens,
+                                 mfu=flops / seconds / (args.peak_tflops * 1e12)))
+            del out, inputs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    print(f"target {args.preset} ({config.num_hidden_layers} layers, H={config.hidden_size}) on {device}, "
+          f"{dtype}, taps {taps}, stop after layer {stop_layer}, sequences of {args.seq_len}")
+    print(f"{'budget':>7} {'compiled':>8} {'mode':>8} {'ms':>9} {'tokens/s':>11} {'MFU':>6}")
+    for r in rows:
+        print(f"{r['budget']:>7} {str(r['compiled']):>8} {r['mode']:>8} {r['ms']:>9.2f} "
+              f"{r['tokens_per_s']:>11.0f} {r['mfu'] * 100:>5.1f}%")
+    summary = []
+    for compiled in variants:
+        for budget in budgets:
+            ms = {r["mode"]: r["ms"] for r in rows if r["budget"] == budget and r["compiled"] == compiled}
+            summary.append(dict(budget=budget, compiled=compiled,
+                                early_exit_saving=1 - ms["capture"] / ms["full"],
+                                capture_overhead=ms["capture"] / ms["to_tap"] - 1))
+    print(f"{'budget':>7} {'compiled':>8} {'early-exit saving':>18} {'capture overhead':>17}")
+    for s in summary:
+        print(f"{s['budget']:>7} {str(s['compiled']):>8} {s['early_exit_saving'] * 100:>17.1f}% "
+              f"{s['capture_overhead'] * 100:>16.2f}%")
+    print(json.dumps(dict(bench="target_forward", preset=args.preset, device=str(device), dtype=dtype, taps=taps,
+                          seq_len=args.seq_len, peak_tflops=args.peak_tflops, rows=rows, summary=summary)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""Tap capture: run the target up to its last tapped layer and gather each tap's real tokens into a packed buffer.
+
+Layout. A job's sequences are right-padded to the longest into a `(B, S)` batch with an attention mask
+(no mask when all lengths are equal). Right padding with the default positions `0..S-1` gives every real
+token exactly the position and the causal context it has when the sequence runs alone, for any HF model,
+whatever its attention backend; jobs are length-bucketed, so little is padded. `real_index` lists the flat
+`b * S + t` positions of the real tokens, sequence after sequence: that is the packed order.
+
+Capture. A forward hook on each tapped decoder layer gathers `output.view(B*S, H)[real_index]` straight into
+its column slice `taps[:n, k*H:(k+1)*H]` of the packed buffer with one `index_select(out=...)`: no concat,
+no temporary, no host copy. Tap id `l` is the output of decoder layer `l` (HF `hidden_states[l + 1]`).
+
+Early exit. The hook of the stop layer raises the private `_StopForward`, which `TapCapture.run` catches:
+the decoder layers after it, the final norm and the LM head never run. We call the decoder (`model.model`),
+never the causal LM, so logits are never computed even without early exit. The stop layer is the last tapped
+layer, or the last decoder layer when the pre-norm last hidden state is captured for distillation (the
+exception then skips just the final norm). Raising from a hook keeps the model's own forward (masks, rotary
+embeddings, layer types) in charge, so any `model.model.layers` architecture works unchanged; the cost is
+that the whole model cannot be one compiled graph: compile the layers instead (`compile_decoder_layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from dflash_trainer.data.types import TokenizedSequence
+from dflash_trainer.target.batch import WireBatch
+from dflash_trainer.target.checks import check_tap_layer_ids
+from dflash_trainer.target.load import find_decoder
+
+
+class _StopForward(Exception):
+    """Raised by the stop layer's hook to end the target forward early; never escapes `TapCapture.run`."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardInputs:
+    """A job's sequences as the padded target batch, plus where their real tokens are."""
+
+    input_ids: torch.Tensor
+    """(B, S) int64 on the target device: right-padded with 0."""
+    attention_mask: Optional[torch.Tensor]
+    """(B, S) int64 on the target device (1 = real), or None when no sequence is padded."""
+    real_index: torch.Tensor
+    """(num_tokens,) int64 on the target device: flat positions b*S + t of real tokens, in packed order."""
+    num_tokens: int
+    num_seqs: int
+    padded_tokens: int
+    """B * S: tokens the forward computes, padding included."""
+
+
+def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch) -> ForwardInputs:
+    """Pad `sequences` for the forward and write their packed ids, loss mask and cu_seqlens into `out`.
+
+    `out.input_ids` / `out.loss_mask` are zero past the real tokens; `out.cu_seqlens` repeats num_tokens
+    past num_seqs. Host tensors are built on the CPU and copied with one non-blocking copy each.
+    """
+    token_budget, max_seqs = out.input_ids.numel(), out.cu_seqlens.numel() - 1
+    device = out.input_ids.device
+    lengths = [s.num_tokens for s in sequences]
+    num_tokens, num_seqs = sum(lengths), len(lengths)
+    if not 0 < num_seqs <= max_seqs:
+        raise ValueError(f"a batch needs 1..{max_seqs} sequences (config max_seqs), got {num_seqs}")
+    if num_tokens > token_budget:
+        raise ValueError(f"batch has {num_tokens} tokens > pipeline.token_budget {token_budget}")
+    if min(lengths) < 1:
+        raise ValueError("a batch contains an empty sequence")
+    seq_len = max(lengths)
+
+    padded_ids = torch.zeros(num_seqs, seq_len, dtype=torch.int64)  # (B, S)
+    packed_ids = torch.zeros(token_budget, dtype=torch.int64)  # (T,)
+    packed_mask = torch.zeros(token_budget, dtype=torch.uint8)  # (T,)
+    cu_seqlens = torch.full((max_seqs + 1,), num_tokens, dtype=torch.int32)
+    real_index = torch.empty(num_tokens, dtype=torch.int64)  # (n,)
+    start = 0
+    for b, (seq, n) in enumerate(zip(sequences, lengths)):
+        padded_ids[b, :n] = seq.input_ids
+        packed_ids[start : start + n] = seq.input_ids
+        packed_mask[start : start + n] = seq.loss_mask.to(torch.uint8)
+        real_index[start : start + n] = torch.arange(n) + b * seq_len
+        cu_seqlens[b] = start
+        start += n
+    attention_mask = None
+    if min(lengths) != seq_len:
+        attention_mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).to(torch.int64)
+
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        if device.type == "cuda":
+            t = t.pin_memory()  # page-locked so the copy is truly asynchronous
+        return t.to(device, non_blocking=True)
+
+    out.input_ids.copy_(to_device(packed_ids), non_blocking=True)
+    out.loss_mask.copy_(to_device(packed_mask), non_blocking=True)
+    out.cu_seqlens.copy_(to_device(cu_seqlens), non_blocking=True)
+    return ForwardInputs(
+        input_ids=to_device(padded_ids),
+        attention_mask=None if attention_mask is None else to_device(attention_mask),
+        real_index=to_device(real_index),
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        padded_tokens=num_seqs * seq_len,
+    )
+
+
+class TapCapture:
+    """Captures the taps (and optionally the pre-norm last hidden state) of a target into wire buffers.
+
+    The buffers (`WireBatch`, from `batch.allocate`) are owned by the caller: the sender's ring of
+    `depth + 1` slots, so a slot is rewritten only after its send completed. Hooks are installed for the
+    duration of one `run` only, so the same model can serve other uses (e.g. speculative decoding) between.
+    """
+
+    def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int], *, capture_last_hidden: bool = False):
+        self.decoder = find_decoder(model)
+        self.layers = self.decoder.layers
+        num_layers = len(self.layers)
+        check_tap_layer_ids(tap_layer_ids, num_layers)
+        self.tap_layer_ids = tuple(tap_layer_ids)
+        self.capture_last_hidden = capture_last_hidden
+        self.hidden = int(model.config.hidden_size)
+        self.stop_layer = num_layers - 1 if capture_last_hidden else max(self.tap_layer_ids)
+        """Index of the last decoder layer that runs."""
+
+    def run(self, inputs: ForwardInputs, out: WireBatch) -> None:
+        """Forward `inputs` up to the stop layer; write taps (and last_hidden) rows [0, num_tokens) of `out`.
+
+        Rows past num_tokens keep what an earlier batch left there (zeros at first): consumers use num_tokens.
+        """
+        h, n = self.hidden, inputs.num_tokens
+        if out.taps.shape[1] != len(self.tap_layer_ids) * h:
+            raise ValueError(f"out.taps has {out.taps.shape[1]} columns, need {len(self.tap_layer_ids)} x {h}")
+        if self.capture_last_hidden != (out.last_hidden is not None):
+            raise ValueError(
+                f"capture_last_hidden={self.capture_last_hidden} but the wire buffers "
+                f"{'have' if out.last_hidden is not None else 'lack'} last_hidden: build both from one WireSpec"
+            )
+        destinations: dict[int, list[torch.Tensor]] = {}
+        for k, layer_id in enumerate(self.tap_layer_ids):
+            destinations.setdefault(layer_id, []).append(out.taps[:n, k * h : (k + 1) * h])  # (n, H) strided view
+        if self.capture_last_hidden:
+            destinations.setdefault(self.stop_layer, []).append(out.last_hidden[:n])  # (n, H)
+        handles = [
+            self.layers[layer_id].register_forward_hook(self._hook(dsts, inputs.real_index, layer_id == self.stop_layer))
+            for layer_id, dsts in destinations.items()
+        ]
+        try:
+            with torch.no_grad():
+                self.decoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        else:
+            raise RuntimeError(f"target forward finished without reaching stop layer {self.stop_layer}")
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
+        h = self.hidden
+
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output  # (B, S, H)
+            flat = hidden.reshape(-1, h)  # (B*S, H), a view
+            for dst in destinations:
+                torch.index_select(flat, 0, real_index, out=dst)  # (n, H) gathered in place
+            if stop:
+                raise _StopForward
+
+        return hook
+
+
+def compile_decoder_layers(model: nn.Module, *, upto: Optional[int] = None, **compile_kwargs) -> None:
+    """`torch.compile` each decoder layer's forward (layers 0..upto), leaving hooks and early exit eager.
+
+    All layers share one code object, so dynamo may specialise per layer; the recompile limit is raised
+    (a process-wide dynamo setting) so no layer silently falls back to eager.
+    """
+    layers = find_decoder(model).layers
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(layers))
+    for layer in list(layers)[: None if upto is None else upto + 1]:
+        layer.forward = torch.compile(layer.forward, **compile_kwargs)

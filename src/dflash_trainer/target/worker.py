@@ -1,0 +1,178 @@
+"""The target worker loop: pull jobs, forward them to the last tap, hand the packed batches to the sender."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+from dflash_trainer.data.types import Job, TokenizedSequence
+from dflash_trainer.target.batch import WireHeader, from_wire
+from dflash_trainer.target.capture import TapCapture, prepare_inputs
+from dflash_trainer.target.sender import BatchSender
+
+
+class JobSource(Protocol):
+    """Hands out the jobs of an epoch plan; the runtime backs it with the c10d store's job cursor."""
+
+    def next_job(self) -> Optional[Job]:
+        """The next job to run, or None when the plan is exhausted."""
+        ...
+
+
+class ListJobSource:
+    """An in-memory JobSource over a fixed list (tests, single-process runs); thread-safe."""
+
+    def __init__(self, jobs: Sequence[Job]):
+        self._jobs = list(jobs)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def next_job(self) -> Optional[Job]:
+        with self._lock:
+            if self._next >= len(self._jobs):
+                return None
+            self._next += 1
+            return self._jobs[self._next - 1]
+
+
+class Dataset(Protocol):
+    def __getitem__(self, seq_id: int) -> TokenizedSequence: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetBatchStats:
+    """What one job cost the target."""
+
+    job_id: int
+    num_seqs: int
+    num_tokens: int
+    """Real tokens shipped."""
+    padded_tokens: int
+    """Tokens the forward computed (B * S, padding included)."""
+    forward_s: float
+    """Device time of input copy + forward + capture (CUDA events on GPU, wall time on CPU)."""
+    slot_wait_s: float
+    """Host time the forward thread waited for a free send slot (backpressure from the consumer)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetWorkerReport:
+    batches: tuple[TargetBatchStats, ...]
+    wall_s: float
+    """Host time from the first job pulled to the end of stream sent."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.batches)
+
+    @property
+    def padding_fraction(self) -> float:
+        padded = sum(b.padded_tokens for b in self.batches)
+        return 1.0 - self.num_tokens / padded if padded else 0.0
+
+
+class _Interval:
+    """Times the forward of one batch: CUDA events on GPU (read once done, no sync), wall clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cuda:
+            self._end.record()
+        else:
+            self._seconds = time.perf_counter() - self._t0
+
+    def done(self) -> bool:
+        return not self._cuda or self._end.query()
+
+    def seconds(self) -> float:
+        """Call once `done()`; otherwise this waits for the device (only at the end of the run)."""
+        if not self._cuda:
+            return self._seconds
+        self._end.synchronize()  # a no-op wait when done() is True; the final drain otherwise
+        return self._start.elapsed_time(self._end) / 1000.0
+
+
+def run_target_worker(
+    *,
+    capture: TapCapture,
+    job_source: JobSource,
+    dataset: Dataset,
+    sender: BatchSender,
+    abort_event: Optional[threading.Event] = None,
+    on_stats: Optional[Callable[[TargetBatchStats], None]] = None,
+) -> TargetWorkerReport:
+    """Run every job `job_source` hands out, then close `sender` (end of stream) and report.
+
+    On any error (including a sender failure, re-raised here with its cause) the sender is aborted
+    without an end of stream and the error propagates. `on_stats` gets each batch's stats once its
+    device time is known (in job order, a batch or two late on GPU).
+    """
+    t_start = time.perf_counter()
+    pending: list[tuple[dict, _Interval]] = []
+    done: list[TargetBatchStats] = []
+
+    def flush(wait: bool) -> None:
+        while pending and (wait or pending[0][1].done()):
+            fields, interval = pending.pop(0)
+            stats = TargetBatchStats(forward_s=interval.seconds(), **fields)
+            done.append(stats)
+            if on_stats is not None:
+                on_stats(stats)
+
+    try:
+        while True:
+            if abort_event is not None and abort_event.is_set():
+                raise RuntimeError("target worker aborted (abort flag set by another stage)")
+            job = job_source.next_job()
+            if job is None:
+                break
+            sequences = [dataset[i] for i in job.sequence_ids]
+            real = sum(s.num_tokens for s in sequences)
+            if real != job.num_tokens:
+                raise ValueError(
+                    f"job {job.job_id}: the plan says {job.num_tokens} tokens but its sequences have {real}: "
+                    "the epoch plan and the tokenized data disagree (re-run planning)"
+                )
+            t_wait = time.perf_counter()
+            slot = sender.acquire()
+            slot_wait_s = time.perf_counter() - t_wait
+            interval = _Interval(slot.buffers.taps.device)
+            inputs = prepare_inputs(sequences, slot.buffers)
+            capture.run(inputs, slot.buffers)
+            interval.stop()
+            header = WireHeader(
+                job_id=job.job_id,
+                bucket_id=job.bucket_id,
+                epoch=job.epoch,
+                num_tokens=inputs.num_tokens,
+                num_seqs=inputs.num_seqs,
+                has_last_hidden=slot.buffers.last_hidden is not None,
+                end_of_stream=False,
+            )
+            sender.submit(slot, from_wire(slot.buffers, header))
+            fields = dict(
+                job_id=job.job_id,
+                num_seqs=inputs.num_seqs,
+                num_tokens=inputs.num_tokens,
+                padded_tokens=inputs.padded_tokens,
+                slot_wait_s=slot_wait_s,
+            )
+            pending.append((fields, interval))
+            flush(wait=False)
+        sender.close()
+    except BaseException:
+        sender.abort()
+        raise
+    flush(wait=True)
+    return TargetWorkerReport(batches=tuple(done), wall_s=time.perf_counter() - t_start)
