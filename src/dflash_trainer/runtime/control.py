@@ -158,6 +158,9 @@ class ControlPlane:
     def set_value(self, name: str, value: str) -> None:
         self.store.set(self._key("value", name), value.encode())
 
+    def has_value(self, name: str) -> bool:
+        return bool(self.store.check([self._key("value", name)]))
+
     def wait_value(self, name: str) -> str:
         key = self._key("value", name)
         return self._poll(f"value {name}", lambda: self._get_if_set(key)).decode()
