@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 from dflash_trainer.config import Config
-from dflash_trainer.errors import ConfigError
+from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.regen.runner import Backend, regenerate
 from dflash_trainer.regen.settings import settings_from_config
 
@@ -80,6 +80,15 @@ def run(config: Config, args: argparse.Namespace) -> int:
     conversations = list(conversations)
     if config.data.max_conversations is not None:
         conversations = conversations[: config.data.max_conversations]
+    if not conversations:
+        raise DataError("no conversations to regenerate: check data.path / data.sources")
+    if config.regenerate.thinking != config.data.thinking:
+        log.warning(
+            "regenerate.thinking=%s but data.thinking=%s: training renders the replies with data.thinking; "
+            "set both to how the target will be served",
+            config.regenerate.thinking,
+            config.data.thinking,
+        )
     backend = build_backend(config)
     try:
         summary = regenerate(

@@ -202,7 +202,7 @@ class RegenStore:
 
     @property
     def complete(self) -> bool:
-        return bool(self.expected_ids) and all(i in self.done_ids or i in self.failed for i in self.expected_ids)
+        return all(i in self.done_ids or i in self.failed for i in self.expected_ids)
 
     def add_row(self, rid: str, messages: tuple[Message, ...]) -> None:
         if rid in self.done_ids:
