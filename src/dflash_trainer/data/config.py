@@ -81,13 +81,21 @@ class RegenerateConfig:
     model: Optional[str] = None
     """Model name the server must report; defaults to target.path."""
     max_new_tokens: int = 512
+    """Cap on each generated reply's tokens."""
     concurrency: int = 8
+    """Conversations answered in parallel by the openai backend (worker threads)."""
     temperature: float = 0.0
+    """0: greedy; otherwise sampling. Recorded in the output's manifest; match how the target will serve."""
     thinking: bool = False
+    """`enable_thinking` for the generation prompt (Qwen3). Recorded in the manifest; must match serving."""
     batch_size: int = 16
     """Prompts per local generation batch (length-sorted)."""
     request_timeout_s: float = 120.0
+    """Per-request timeout of the openai backend (a timed-out request is retried)."""
     max_retries: int = 3
+    """Retries per request on 5xx / 408 / 429, timeouts and connection errors; then the row fails."""
+    retry_backoff_s: float = 1.0
+    """First retry delay; doubles on each further retry (with jitter)."""
     shard_rows: int = 256
     """Rows per output shard."""
 
@@ -99,5 +107,10 @@ class RegenerateConfig:
                 raise ConfigError(f"regenerate.{key} must be >= 1, got {getattr(self, key)}")
         if self.temperature < 0:
             raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
+        if self.request_timeout_s <= 0 or self.retry_backoff_s < 0:
+            raise ConfigError(
+                "regenerate.request_timeout_s must be > 0 and regenerate.retry_backoff_s >= 0, got "
+                f"{self.request_timeout_s} and {self.retry_backoff_s}"
+            )
         if self.max_retries < 0:
             raise ConfigError(f"regenerate.max_retries must be >= 0, got {self.max_retries}")

@@ -1,0 +1,113 @@
+"""`dflash-train regenerate --out DIR`: answer the data's prompts again with the target.
+
+Train on the result with `data.path=DIR`. Rerun the same command to resume after a crash or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import Counter
+from typing import Any
+
+from dflash_trainer.config import Config
+from dflash_trainer.errors import ConfigError, DataError
+from dflash_trainer.regen.runner import Backend, regenerate
+from dflash_trainer.regen.settings import settings_from_config
+
+log = logging.getLogger(__name__)
+
+
+def build_backend(config: Config) -> Backend:
+    """The backend named by `regenerate.backend`, ready to run (server checked / target loaded)."""
+    regen = config.regenerate
+    if regen.backend == "openai":
+        from dflash_trainer.regen.openai import OpenAIBackend
+
+        if not regen.url:
+            raise ConfigError("regenerate.backend=openai needs regenerate.url, e.g. http://127.0.0.1:8000/v1")
+        backend = OpenAIBackend(
+            url=regen.url,
+            model=settings_from_config(config).model,
+            max_new_tokens=regen.max_new_tokens,
+            temperature=regen.temperature,
+            thinking=regen.thinking,
+            concurrency=regen.concurrency,
+            request_timeout_s=regen.request_timeout_s,
+            max_retries=regen.max_retries,
+            retry_backoff_s=regen.retry_backoff_s,
+        )
+        backend.check_model()
+        return backend
+    import torch
+
+    from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.regen.local import LocalBackend
+    from dflash_trainer.target.load import load_target
+
+    device = config.run.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return LocalBackend(
+        model=load_target(config.target, device, seed=config.run.seed),
+        tokenizer=load_tokenizer(config.target, config.data.chat_template),
+        max_new_tokens=regen.max_new_tokens,
+        temperature=regen.temperature,
+        thinking=regen.thinking,
+        batch_size=regen.batch_size,
+        seed=config.run.seed,
+    )
+
+
+def _source_info(config: Config, conversations: list, report: Any) -> dict[str, Any]:
+    per_source = Counter(c.source for c in conversations)
+    return {
+        "data": [s.path for s in config.data.resolved_sources()],
+        "max_conversations": config.data.max_conversations,
+        "conversations": dict(per_source),
+        "report": report if isinstance(report, (dict, list, str, int, float)) else str(report),
+    }
+
+
+def run(config: Config, args: argparse.Namespace) -> int:
+    out = getattr(args, "out", None)
+    if not out:
+        raise ConfigError("dflash-train regenerate needs --out DIR (the new dataset; train on it with data.path=DIR)")
+    settings = settings_from_config(config)  # fails early on a missing model name
+    from dflash_trainer.data.sources import load_conversations  # wired at merge (data loader helper)
+
+    conversations, report = load_conversations(config.data, config.run.seed)
+    conversations = list(conversations)
+    if config.data.max_conversations is not None:
+        conversations = conversations[: config.data.max_conversations]
+    if not conversations:
+        raise DataError("no conversations to regenerate: check data.path / data.sources")
+    if config.regenerate.thinking != config.data.thinking:
+        log.warning(
+            "regenerate.thinking=%s but data.thinking=%s: training renders the replies with data.thinking; "
+            "set both to how the target will be served",
+            config.regenerate.thinking,
+            config.data.thinking,
+        )
+    backend = build_backend(config)
+    try:
+        summary = regenerate(
+            conversations,
+            backend=backend,
+            out_dir=out,
+            settings=settings,
+            shard_rows=config.regenerate.shard_rows,
+            source=_source_info(config, conversations, report),
+            progress=config.logging.progress,
+        )
+    except KeyboardInterrupt:
+        print(f"regenerate: interrupted; the rows written are kept in {out}. Rerun the same command to resume.")
+        return 130
+    failed = f", {summary.rows_failed} failed (reasons in {summary.failed_log})" if summary.rows_failed else ""
+    print(
+        f"regenerate: {summary.rows_done} rows done ({summary.rows_new} new){failed} of {summary.rows_total} "
+        f"conversations; output in {summary.out_dir}. Train on it with data.path={summary.out_dir}"
+    )
+    if not summary.complete:
+        print("regenerate: not every conversation was answered; rerun the same command to finish.")
+    return 0

@@ -1,0 +1,154 @@
+"""Local backend: batched `model.generate` on the target with transformers (small jobs, tests, the demo).
+
+Conversations are taken in chunks; each chunk is answered round by round (round k answers every
+conversation's k-th user turn, conditioned on its regenerated earlier turns). Within a round the prompts
+are sorted by length and generated in left-padded batches of `batch_size` with the KV cache. A chunk's
+rows are yielded when its last round is done, so an interruption loses at most one chunk.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from typing import Iterable, Iterator
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from dflash_trainer.data.types import Conversation, Message
+from dflash_trainer.regen.turns import RegenOutcome, TurnState, as_dicts, failed, start
+
+log = logging.getLogger(__name__)
+
+CHUNK_BATCHES = 4
+"""Conversations per chunk = CHUNK_BATCHES * batch_size (more: better length sorting, more lost on a crash)."""
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>")
+"""End-of-turn tokens of the common chat template families; those the tokenizer knows stop generation."""
+_OPEN_THINK = re.compile(r"<think>\s*$")
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
+    """Token ids that end a reply: the tokenizer's eos, known end-of-turn tokens, the model's eos ids."""
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    model_eos = model.generation_config.eos_token_id
+    if model_eos is not None:
+        ids.update([model_eos] if isinstance(model_eos, int) else model_eos)
+    if not ids:
+        raise ValueError("the tokenizer has no eos token and no known end-of-turn token; set one in its config")
+    return sorted(ids)
+
+
+class LocalBackend:
+    """Answers conversations with `model.generate`; greedy when temperature == 0, else sampling."""
+
+    def __init__(
+        self,
+        *,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        max_new_tokens: int,
+        temperature: float,
+        thinking: bool,
+        batch_size: int,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.thinking = thinking
+        self.batch_size = batch_size
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_token_ids(tokenizer, model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.seed = seed
+        gen = copy.deepcopy(model.generation_config)
+        gen.max_new_tokens = max_new_tokens
+        gen.eos_token_id = self.stop_ids
+        gen.pad_token_id = self.pad_id
+        gen.use_cache = True
+        if temperature > 0:
+            gen.do_sample, gen.temperature = True, temperature
+        else:
+            gen.do_sample, gen.temperature, gen.top_p, gen.top_k = False, None, None, None
+        self.generation_config = gen
+
+    def run(self, conversations: Iterable[Conversation]) -> Iterator[RegenOutcome]:
+        torch.manual_seed(self.seed)
+        chunk: list[TurnState] = []
+        for conv in conversations:
+            state = start(conv)
+            if isinstance(state, RegenOutcome):
+                yield state
+                continue
+            chunk.append(state)
+            if len(chunk) >= CHUNK_BATCHES * self.batch_size:
+                yield from self._run_chunk(chunk)
+                chunk = []
+        if chunk:
+            yield from self._run_chunk(chunk)
+
+    def _run_chunk(self, states: list[TurnState]) -> Iterator[RegenOutcome]:
+        errors: dict[str, str] = {}
+        active = states
+        while active:
+            prompts = []
+            for state in active:
+                prompt = self._encode(state.next_prompt())  # type: ignore[arg-type]
+                if isinstance(prompt, str):
+                    errors[state.row_id] = prompt
+                else:
+                    prompts.append((state, *prompt))
+            prompts.sort(key=lambda p: len(p[1]))
+            for i in range(0, len(prompts), self.batch_size):
+                batch = prompts[i : i + self.batch_size]
+                replies = self._generate([ids for _, ids, _ in batch])
+                for (state, _, prefix), reply in zip(batch, replies):
+                    state.add_reply(prefix + reply)
+            active = [s for s in active if s.row_id not in errors and s.next_prompt() is not None]
+        for state in states:
+            yield failed(state.row_id, errors[state.row_id]) if state.row_id in errors else state.outcome()
+
+    def _encode(self, messages: tuple[Message, ...]) -> tuple[list[int], str] | str:
+        """(prompt ids, reply prefix) or the reason the prompt cannot be generated.
+
+        The prefix is an opening think block that the template put in the generation prompt (some thinking
+        templates do): the stored reply starts with it, so training renders the same text.
+        """
+        text = self.tokenizer.apply_chat_template(
+            as_dicts(messages), tokenize=False, add_generation_prompt=True, enable_thinking=self.thinking
+        )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.max_positions is not None and len(ids) + self.max_new_tokens > self.max_positions:
+            return (
+                f"prompt of {len(ids)} tokens + max_new_tokens {self.max_new_tokens} exceeds the target's "
+                f"{self.max_positions} positions"
+            )
+        match = _OPEN_THINK.search(text)
+        return ids, (match.group(0) if match else "")
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]]) -> list[str]:
+        """Replies to `prompts` (token ids), cut at the first stop token, decoded verbatim."""
+        device = self.model.device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (n, width)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (n, width)
+        for row, ids in enumerate(prompts):  # left padding: every prompt ends at the last column
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        out = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=self.generation_config,
+        )  # (n, width + new)
+        new_tokens = out[:, width:].tolist()  # sync: the host decodes the replies
+        stops = set(self.stop_ids)
+        replies = []
+        for tokens in new_tokens:
+            end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+            replies.append(self.tokenizer.decode(tokens[:end], skip_special_tokens=False))
+        return replies

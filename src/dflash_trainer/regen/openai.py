@@ -1,0 +1,212 @@
+"""HTTP backend: an OpenAI-compatible server (vLLM / SGLang `serve`) answers through /v1/chat/completions.
+
+Stdlib only (`urllib`). `concurrency` daemon worker threads each take a whole conversation and answer
+its user turns in order; a bounded number of conversations is in flight, so a Ctrl-C loses only those.
+Requests time out after `request_timeout_s` and are retried with exponential backoff (and jitter) on
+5xx / 408 / 429, timeouts and connection errors; other 4xx answers fail the row at once.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import queue
+import random
+import socket
+import threading
+import urllib.error
+import urllib.request
+from typing import Any, Iterable, Iterator
+
+from dflash_trainer.data.types import Conversation, Message
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.regen.turns import RegenOutcome, TurnState, as_dicts, failed, start
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = (408, 429)
+"""Client-side statuses worth retrying (besides every 5xx)."""
+QUEUE_POLL_S = 0.5
+"""Timeout of each queue wait, so a stop request or Ctrl-C is noticed."""
+
+
+class RequestFailed(Exception):
+    """A request failed for good (not retryable, or out of retries); the row is logged as failed."""
+
+
+class _Retryable(Exception):
+    pass
+
+
+def base_url(url: str) -> str:
+    """`http://host:port/v1` from what users paste (with or without /v1 or /chat/completions)."""
+    url = url.rstrip("/")
+    for suffix in ("/chat/completions", "/models"):
+        if url.endswith(suffix):
+            url = url[: -len(suffix)]
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def reply_text(message: dict[str, Any]) -> str:
+    """The assistant message verbatim: a reasoning field split off by the server goes back into a think block."""
+    content = message.get("content") or ""
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        return f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
+    return content
+
+
+class OpenAIBackend:
+    """Answers conversations through an OpenAI-compatible chat completions endpoint."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        model: str,
+        max_new_tokens: int,
+        temperature: float,
+        thinking: bool,
+        concurrency: int,
+        request_timeout_s: float,
+        max_retries: int,
+        retry_backoff_s: float,
+    ) -> None:
+        self.url = base_url(url)
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.thinking = thinking
+        self.concurrency = concurrency
+        self.timeout = request_timeout_s
+        self.max_retries = max_retries
+        self.backoff = retry_backoff_s
+        self._stop = threading.Event()
+
+    def check_model(self) -> None:
+        """Refuse to start when the server is unreachable or does not serve `model`."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/models", timeout=self.timeout) as resp:
+                listing = json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+            raise ConfigError(
+                f"cannot list models at {self.url}/models ({e}); start the server or fix regenerate.url"
+            ) from None
+        served = [m.get("id") for m in listing.get("data", [])]
+        if self.model not in served:
+            raise ConfigError(
+                f"the server at {self.url} serves {served}, not {self.model!r}; set regenerate.model to the "
+                "served name (default: target.path) or serve that model"
+            )
+
+    def complete(self, messages: tuple[Message, ...]) -> str:
+        """One reply, retried on transient errors; raises RequestFailed when it cannot be had."""
+        body = json.dumps(
+            {
+                "model": self.model,
+                "messages": as_dicts(messages),
+                "max_tokens": self.max_new_tokens,
+                "temperature": self.temperature,
+                "chat_template_kwargs": {"enable_thinking": self.thinking},
+            }
+        ).encode()
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                delay = self.backoff * 2 ** (attempt - 1) * (0.5 + random.random())
+                if self._stop.wait(delay):
+                    raise RequestFailed("stopped")
+            try:
+                return self._post(body)
+            except _Retryable as e:
+                last = str(e)
+                log.debug("request attempt %d failed: %s", attempt + 1, last)
+        raise RequestFailed(f"gave up after {self.max_retries + 1} attempts; last error: {last}")
+
+    def _post(self, body: bytes) -> str:
+        request = urllib.request.Request(
+            f"{self.url}/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as resp:
+                payload = json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode("utf-8", errors="replace")
+            if e.code >= 500 or e.code in RETRY_STATUS:
+                raise _Retryable(f"HTTP {e.code}: {detail}") from None
+            raise RequestFailed(f"HTTP {e.code}: {detail}") from None
+        except (TimeoutError, socket.timeout) as e:
+            raise _Retryable(f"timed out after {self.timeout}s ({e})") from None
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as e:
+            raise _Retryable(f"connection error: {e}") from None
+        except ValueError as e:
+            raise _Retryable(f"malformed JSON response: {e}") from None
+        try:
+            return reply_text(payload["choices"][0]["message"])
+        except (KeyError, IndexError, TypeError):
+            raise _Retryable(f"response without choices[0].message: {str(payload)[:300]}") from None
+
+    def _answer(self, conversation: Conversation) -> RegenOutcome:
+        state = start(conversation)
+        if isinstance(state, RegenOutcome):
+            return state
+        assert isinstance(state, TurnState)
+        turn = 0
+        while (prompt := state.next_prompt()) is not None:
+            try:
+                state.add_reply(self.complete(prompt))
+            except RequestFailed as e:
+                return failed(state.row_id, f"user turn {turn}: {e}")
+            turn += 1
+        return state.outcome()
+
+    def _worker(self, inbox: queue.Queue, outbox: queue.Queue) -> None:
+        while not self._stop.is_set():
+            try:
+                conv = inbox.get(timeout=QUEUE_POLL_S)
+            except queue.Empty:
+                continue
+            if conv is None:  # end of stream
+                return
+            try:
+                outbox.put(("ok", self._answer(conv)))
+            except BaseException as e:  # re-raised in the consuming thread
+                outbox.put(("error", e))
+
+    def run(self, conversations: Iterable[Conversation]) -> Iterator[RegenOutcome]:
+        """Outcomes as they finish. At most 2 * concurrency conversations are in flight."""
+        self._stop.clear()
+        inbox: queue.Queue = queue.Queue()
+        outbox: queue.Queue = queue.Queue()
+        threads = [
+            threading.Thread(target=self._worker, args=(inbox, outbox), name=f"regen-http-{i}", daemon=True)
+            for i in range(self.concurrency)
+        ]
+        for t in threads:
+            t.start()
+        source = iter(conversations)
+        in_flight, exhausted = 0, False
+        try:
+            while True:
+                while not exhausted and in_flight < 2 * self.concurrency:
+                    conv = next(source, None)
+                    if conv is None:
+                        exhausted = True
+                    else:
+                        inbox.put(conv)
+                        in_flight += 1
+                if in_flight == 0:
+                    return
+                try:
+                    kind, value = outbox.get(timeout=QUEUE_POLL_S)
+                except queue.Empty:
+                    continue
+                in_flight -= 1
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            self._stop.set()  # workers exit after their current request; daemon threads never block exit
+            for _ in threads:
+                inbox.put(None)

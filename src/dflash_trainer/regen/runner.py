@@ -1,0 +1,114 @@
+"""Drive a backend over the conversations not yet in the output directory, with a progress bar."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Protocol
+
+from tqdm.auto import tqdm
+
+from dflash_trainer.data.types import Conversation
+from dflash_trainer.regen.settings import RegenSettings
+from dflash_trainer.regen.shards import FAILED, RegenStore
+from dflash_trainer.regen.turns import RegenOutcome, row_id
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """Answers conversations with the target; outcomes may come back in any order."""
+
+    def run(self, conversations: Iterable[Conversation]) -> Iterator[RegenOutcome]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegenSummary:
+    """What one `regenerate` call left in the output directory."""
+
+    out_dir: str
+    rows_total: int
+    """Distinct input conversations of this run."""
+    rows_done: int
+    """Rows in the shards (earlier runs included)."""
+    rows_failed: int
+    """Rows whose latest attempt failed (reasons in `failed.jsonl`)."""
+    rows_new: int
+    """Rows written by this run."""
+    complete: bool
+    """Every input conversation is either written or failed."""
+
+    @property
+    def failed_log(self) -> str:
+        return str(Path(self.out_dir) / FAILED)
+
+
+def _distinct(conversations: Iterable[Conversation]) -> list[Conversation]:
+    """The conversations with repeated ids dropped (a weighted mix may repeat rows; each is answered once)."""
+    seen: set[str] = set()
+    kept = []
+    for conv in conversations:
+        rid = row_id(conv)
+        if rid not in seen:
+            seen.add(rid)
+            kept.append(conv)
+    return kept
+
+
+def regenerate(
+    conversations: Iterable[Conversation],
+    *,
+    backend: Backend,
+    out_dir: str | Path,
+    settings: RegenSettings,
+    shard_rows: int = 256,
+    source: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> RegenSummary:
+    """Answer every conversation not yet in `out_dir` with `backend`, appending rows as they finish.
+
+    Resumable: rerunning with the same settings skips the rows already written. An exception or
+    Ctrl-C still flushes the written rows and the manifest before propagating.
+    """
+    convs = list(conversations)
+    todo_all = _distinct(convs)
+    if len(todo_all) < len(convs):
+        log.info("regenerate: %d repeated conversation ids answered once", len(convs) - len(todo_all))
+    store = RegenStore.open(
+        out_dir,
+        settings=settings,
+        shard_rows=shard_rows,
+        source=source or {},
+        expected_ids={row_id(c) for c in todo_all},
+    )
+    new = 0
+    try:
+        todo = [c for c in todo_all if row_id(c) not in store.done_ids]
+        bar = tqdm(
+            total=len(todo_all),
+            initial=len(todo_all) - len(todo),
+            unit="row",
+            desc="regenerate",
+            dynamic_ncols=True,
+            disable=not progress,
+        )
+        with bar:
+            for outcome in backend.run(todo):
+                if outcome.messages is not None:
+                    store.add_row(outcome.row_id, outcome.messages)
+                    new += 1
+                else:
+                    store.add_failed(outcome.row_id, outcome.error or "unknown error")
+                bar.update(1)
+                bar.set_postfix(failed=store.rows_failed, refresh=False)
+    finally:
+        store.close()
+    return RegenSummary(
+        out_dir=str(out_dir),
+        rows_total=len(store.expected_ids),
+        rows_done=store.rows_done,
+        rows_failed=store.rows_failed,
+        rows_new=new,
+        complete=store.complete,
+    )

@@ -1,0 +1,105 @@
+"""The settings that decide what a regenerated dataset contains, and the checks built on them.
+
+They are stored in `manifest.json` (`settings`): a resume must use the same ones, and the trainer
+warns when they differ from how the drafter will be evaluated (thinking on/off changes acceptance a lot).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from dflash_trainer.errors import ConfigError
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegenSettings:
+    """What changes the generated replies; a resume refuses a directory written with other values."""
+
+    backend: str
+    """local | openai."""
+    model: str
+    """The target: target.path, `random_init=<preset>`, or the served model name."""
+    thinking: bool
+    """`enable_thinking` passed to the chat template for the generation prompt."""
+    temperature: float
+    """0: greedy; otherwise sampling at this temperature (top-p/top-k: the model's generation defaults)."""
+    max_new_tokens: int
+    """Cap on each reply's tokens."""
+    chat_template: Optional[str]
+    """data.chat_template used by the local backend (None: the tokenizer's; the server's for openai)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def settings_from_config(config: Any) -> RegenSettings:
+    """The settings of a `Config` (its `regenerate`, `target` and `data` sections)."""
+    regen, target = config.regenerate, config.target
+    if regen.backend == "openai":
+        model = regen.model or target.path
+        if model is None:
+            raise ConfigError(
+                "regenerate.backend=openai needs the served model name: set regenerate.model (or target.path)"
+            )
+    else:
+        model = target.path if target.path is not None else f"random_init={target.random_init}"
+    return RegenSettings(
+        backend=regen.backend,
+        model=str(model),
+        thinking=bool(regen.thinking),
+        temperature=float(regen.temperature),
+        max_new_tokens=int(regen.max_new_tokens),
+        chat_template=config.data.chat_template if regen.backend == "local" else None,
+    )
+
+
+def settings_differences(stored: dict[str, Any], wanted: RegenSettings) -> list[str]:
+    """One line per setting whose stored value differs from `wanted`."""
+    lines = []
+    for key, value in wanted.to_dict().items():
+        if stored.get(key) != value:
+            lines.append(f"{key}: the directory has {stored.get(key)!r}, this run asks for {value!r}")
+    return lines
+
+
+def read_manifest(data_dir: str | Path) -> dict[str, Any] | None:
+    """The manifest of a regenerate output directory, or None when `data_dir` is not one."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: float) -> list[str]:
+    """Warnings for training on `data_dir` when the drafter is evaluated/served with these settings.
+
+    Empty when `data_dir` is not a regenerate output (nothing to compare) or everything matches.
+    """
+    manifest = read_manifest(data_dir)
+    if manifest is None:
+        return []
+    settings = manifest.get("settings", {})
+    warnings = []
+    if "thinking" in settings and bool(settings["thinking"]) != bool(thinking):
+        warnings.append(
+            f"{data_dir} was regenerated with thinking={'on' if settings['thinking'] else 'off'} but the drafter "
+            f"is evaluated with thinking={'on' if thinking else 'off'}: acceptance drops sharply when they differ. "
+            "Regenerate with regenerate.thinking matching, or set eval/data thinking to match the data."
+        )
+    if "temperature" in settings and float(settings["temperature"]) != float(temperature):
+        warnings.append(
+            f"{data_dir} was regenerated at temperature={settings['temperature']} but the drafter is evaluated "
+            f"at temperature={temperature}; regenerate with regenerate.temperature={temperature} for labels "
+            "that match how the target will answer."
+        )
+    if not manifest.get("complete", False):
+        warnings.append(
+            f"{data_dir} is a partial regeneration ({manifest.get('rows_done', '?')} rows done of "
+            f"{manifest.get('rows_total', '?')}); rerun the same `dflash-train regenerate --out {data_dir}` to finish."
+        )
+    return warnings

@@ -1,0 +1,280 @@
+"""The output directory of `dflash-train regenerate`: JSONL shards, a failure log and a manifest.
+
+Layout of DIR:
+- `shard_00000.jsonl`, ...: one row per line, `{"messages": [{"role", "content"}, ...], "id": "<source>:<index>"}`.
+  Only the last shard is ever appended to; each row is one write of one line, flushed.
+- `failed.jsonl`: `{"id", "reason"}` per failed row (latest attempt).
+- `manifest.json`: settings, source info and counts, written atomically (tmp + os.replace).
+
+The shards are the truth: on resume their ids are skipped, a partially written last line (a crash or
+Ctrl-C mid-write) is truncated, and the manifest's counts are recomputed. Rows that failed before are
+tried again. A lock file keeps two runs from writing one directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from dflash_trainer.data.types import Message
+from dflash_trainer.errors import DataError
+from dflash_trainer.regen.settings import MANIFEST, RegenSettings, read_manifest, settings_differences
+from dflash_trainer.regen.turns import as_dicts
+
+log = logging.getLogger(__name__)
+
+FORMAT = "dflash-regenerate/1"
+FAILED = "failed.jsonl"
+LOCK = ".lock"
+MANIFEST_EVERY_S = 10.0
+"""Rewrite the manifest at least this often while rows arrive (and at every shard boundary)."""
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.jsonl"
+
+
+def shard_paths(out_dir: Path) -> list[Path]:
+    """The shards in order; refuses gaps in the numbering (a shard deleted by hand)."""
+    paths = sorted(out_dir.glob("shard_*.jsonl"))
+    for i, path in enumerate(paths):
+        if path.name != shard_name(i):
+            raise DataError(f"{out_dir}: expected {shard_name(i)}, found {path.name}; shards must be numbered from 0")
+    return paths
+
+
+def _complete_lines(path: Path, repair: bool) -> list[str]:
+    """The file's complete lines; a last line without its newline is dropped (and cut off when `repair`)."""
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        if repair:
+            log.warning("%s: truncating a partially written last line (%d bytes)", path, len(data) - end)
+            with open(path, "r+b") as f:
+                f.truncate(end)
+        data = data[:end]
+    return data.decode("utf-8").splitlines()
+
+
+def _parse(path: Path, lineno: int, line: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: not a JSON row ({e}); the file is corrupt, use a new --out dir") from None
+    if not isinstance(row, dict) or "id" not in row:
+        raise DataError(f"{path}:{lineno}: row without an id; not written by dflash-train regenerate")
+    return row
+
+
+def read_rows(out_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """The rows of a regenerate output directory in write order (read-only: a partial last line is skipped)."""
+    out = Path(out_dir)
+    for path in shard_paths(out):
+        for lineno, line in enumerate(_complete_lines(path, repair=False), 1):
+            yield _parse(path, lineno, line)
+
+
+def _atomic_write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RegenStore:
+    """Appends rows and failures to DIR; `open` resumes, `close` writes the final manifest."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        settings: RegenSettings,
+        shard_rows: int,
+        source: dict[str, Any],
+        expected_ids: set[str],
+    ) -> None:
+        self.out_dir = out_dir
+        self.settings = settings
+        self.shard_rows = shard_rows
+        self.source = source
+        self.expected_ids = expected_ids
+        """Ids of this run's input conversations: `complete` when each is written or failed."""
+        self.done_ids: set[str] = set()
+        self.failed: dict[str, str] = {}
+        self._shard_counts: list[int] = []
+        self._file = None
+        self._failed_file = None
+        self._lock_file = None
+        self._last_manifest = 0.0
+
+    @classmethod
+    def open(
+        cls,
+        out_dir: str | Path,
+        *,
+        settings: RegenSettings,
+        shard_rows: int,
+        source: dict[str, Any],
+        expected_ids: set[str],
+    ) -> "RegenStore":
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        store = cls(out, settings=settings, shard_rows=shard_rows, source=source, expected_ids=expected_ids)
+        store._lock()
+        try:
+            store._check_dir()
+            store._scan()
+            store.write_manifest()
+        except BaseException:
+            store._unlock()
+            raise
+        return store
+
+    def _lock(self) -> None:
+        self._lock_file = open(self.out_dir / LOCK, "w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise DataError(f"another `dflash-train regenerate` is writing {self.out_dir}; wait for it or use a new --out")
+
+    def _unlock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing releases the flock
+            self._lock_file = None
+
+    def _check_dir(self) -> None:
+        manifest = read_manifest(self.out_dir)
+        if manifest is None:
+            others = [p.name for p in self.out_dir.iterdir() if p.name not in (LOCK, MANIFEST + ".tmp")]
+            if others:
+                raise DataError(
+                    f"--out {self.out_dir} is not empty ({', '.join(sorted(others)[:3])}, ...) and has no {MANIFEST}; "
+                    "give a new or empty directory"
+                )
+            return
+        if manifest.get("format") != FORMAT:
+            raise DataError(f"{self.out_dir}/{MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        diffs = settings_differences(manifest.get("settings", {}), self.settings)
+        if diffs:
+            raise DataError(
+                f"cannot resume into {self.out_dir}: it was regenerated with other settings ("
+                + "; ".join(diffs)
+                + "). Give a new --out directory for these settings, or rerun with the directory's settings to resume."
+            )
+
+    def _scan(self) -> None:
+        paths = shard_paths(self.out_dir)
+        for path in paths:
+            count = 0
+            for lineno, line in enumerate(_complete_lines(path, repair=True), 1):
+                rid = _parse(path, lineno, line)["id"]
+                if rid in self.done_ids:
+                    raise DataError(f"{path}:{lineno}: row {rid!r} appears twice; the directory was edited by hand")
+                self.done_ids.add(rid)
+                count += 1
+            self._shard_counts.append(count)
+        failed_path = self.out_dir / FAILED
+        if failed_path.is_file():
+            for lineno, line in enumerate(_complete_lines(failed_path, repair=True), 1):
+                entry = _parse(failed_path, lineno, line)
+                self.failed[entry["id"]] = entry.get("reason", "")
+        for rid in self.done_ids:
+            self.failed.pop(rid, None)
+        if self.done_ids:
+            log.info("%s: resuming with %d rows already written", self.out_dir, len(self.done_ids))
+
+    @property
+    def rows_done(self) -> int:
+        return len(self.done_ids)
+
+    @property
+    def rows_failed(self) -> int:
+        return len(self.failed)
+
+    @property
+    def complete(self) -> bool:
+        return all(i in self.done_ids or i in self.failed for i in self.expected_ids)
+
+    def add_row(self, rid: str, messages: tuple[Message, ...]) -> None:
+        if rid in self.done_ids:
+            raise RuntimeError(f"row {rid!r} is already written; the runner must skip it")
+        if self._file is None:
+            if not self._shard_counts or self._shard_counts[-1] >= self.shard_rows:
+                self._shard_counts.append(0)
+            self._file = open(self.out_dir / shard_name(len(self._shard_counts) - 1), "a", encoding="utf-8")
+        line = json.dumps({"messages": as_dicts(messages), "id": rid}, ensure_ascii=False) + "\n"
+        self._file.write(line)  # one write of one whole line: a crash leaves at most this line partial
+        self._file.flush()
+        self.done_ids.add(rid)
+        self.failed.pop(rid, None)
+        self._shard_counts[-1] += 1
+        if self._shard_counts[-1] >= self.shard_rows:
+            self._close_shard()
+            self.write_manifest()
+        self._maybe_write_manifest()
+
+    def add_failed(self, rid: str, reason: str) -> None:
+        if self._failed_file is None:
+            self._failed_file = open(self.out_dir / FAILED, "a", encoding="utf-8")
+        self._failed_file.write(json.dumps({"id": rid, "reason": reason}, ensure_ascii=False) + "\n")
+        self._failed_file.flush()
+        self.failed[rid] = reason
+        log.debug("row %s failed: %s", rid, reason)
+        self._maybe_write_manifest()
+
+    def _close_shard(self) -> None:
+        if self._file is not None:
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+    def _maybe_write_manifest(self) -> None:
+        if time.monotonic() - self._last_manifest >= MANIFEST_EVERY_S:
+            if self._file is not None:
+                os.fsync(self._file.fileno())
+            self.write_manifest()
+
+    def write_manifest(self) -> None:
+        _atomic_write_json(
+            self.out_dir / MANIFEST,
+            {
+                "format": FORMAT,
+                "settings": self.settings.to_dict(),
+                "source": self.source,
+                "rows_total": len(self.expected_ids),
+                "rows_done": self.rows_done,
+                "rows_failed": self.rows_failed,
+                "complete": self.complete,
+                "shards": [{"file": shard_name(i), "rows": n} for i, n in enumerate(self._shard_counts) if n],
+                "failed_log": FAILED,
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            },
+        )
+        self._last_manifest = time.monotonic()
+
+    def close(self) -> None:
+        """Flush everything, rewrite `failed.jsonl` with one line per still-failed row, write the manifest."""
+        try:
+            self._close_shard()
+            if self._failed_file is not None:
+                self._failed_file.close()
+                self._failed_file = None
+            failed_path = self.out_dir / FAILED
+            if self.failed or failed_path.exists():
+                tmp = failed_path.with_name(FAILED + ".tmp")
+                with open(tmp, "w", encoding="utf-8") as f:
+                    for rid, reason in self.failed.items():
+                        f.write(json.dumps({"id": rid, "reason": reason}, ensure_ascii=False) + "\n")
+                os.replace(tmp, failed_path)
+            self.write_manifest()
+        finally:
+            self._unlock()

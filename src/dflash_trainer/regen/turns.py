@@ -1,0 +1,94 @@
+"""Multi-turn regeneration: which turns are prompts, and the conversation rebuilt with the target's replies.
+
+The system and user turns are kept; every assistant turn is replaced by the target's reply, generated in
+order, each conditioned on the regenerated earlier turns. A trailing user turn gets a reply too, so
+prompt-only datasets work. Both backends drive a conversation through `TurnState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_trainer.data.types import Conversation, Message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegenOutcome:
+    """The result for one source conversation, produced by a backend and written by the store."""
+
+    row_id: str
+    """Stable id of the source row: `conversation.source + ':' + str(conversation.source_index)`."""
+    messages: tuple[Message, ...] | None
+    """The regenerated conversation (replies verbatim, think blocks included); None when it failed."""
+    error: str | None
+    """Why the row failed (None on success)."""
+
+
+def row_id(conversation: Conversation) -> str:
+    return f"{conversation.source}:{conversation.source_index}"
+
+
+def structure_error(conversation: Conversation) -> str | None:
+    """Why the conversation cannot be regenerated, or None.
+
+    Usable: an optional system turn first, then user and assistant turns alternating, starting with user.
+    """
+    messages = conversation.messages
+    start = 1 if messages and messages[0].role == "system" else 0
+    if start >= len(messages):
+        return "no user turn"
+    expected = "user"
+    for i in range(start, len(messages)):
+        role = messages[i].role
+        if role not in ("user", "assistant"):
+            return f"message {i} has role {role!r}; only a leading system turn, user and assistant turns are usable"
+        if role != expected:
+            return (
+                f"message {i} is {role!r} where {expected!r} was expected "
+                "(turns must alternate user/assistant, starting with user after an optional system turn)"
+            )
+        expected = "assistant" if role == "user" else "user"
+    return None
+
+
+class TurnState:
+    """One conversation being rebuilt: call `next_prompt`, generate, `add_reply`, until the prompt is None."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        self.row_id = row_id(conversation)
+        messages = conversation.messages
+        self._users = [m for m in messages if m.role == "user"]
+        self._messages: list[Message] = [messages[0]] if messages and messages[0].role == "system" else []
+        self._replied = 0
+
+    def next_prompt(self) -> tuple[Message, ...] | None:
+        """The messages to answer next (ending with a user turn), or None when every user turn has a reply."""
+        if self._replied >= len(self._users):
+            return None
+        return (*self._messages, self._users[self._replied])
+
+    def add_reply(self, text: str) -> None:
+        self._messages.append(self._users[self._replied])
+        self._messages.append(Message(role="assistant", content=text))
+        self._replied += 1
+
+    def outcome(self) -> RegenOutcome:
+        assert self.next_prompt() is None, "outcome() before every user turn has a reply"
+        return RegenOutcome(row_id=self.row_id, messages=tuple(self._messages), error=None)
+
+
+def start(conversation: Conversation) -> TurnState | RegenOutcome:
+    """A `TurnState` for a usable conversation, else its failed outcome."""
+    reason = structure_error(conversation)
+    if reason is not None:
+        return failed(row_id(conversation), reason)
+    return TurnState(conversation)
+
+
+def failed(rid: str, reason: str) -> RegenOutcome:
+    return RegenOutcome(row_id=rid, messages=None, error=reason)
+
+
+def as_dicts(messages: tuple[Message, ...]) -> list[dict[str, str]]:
+    """Messages in the chat-template / OpenAI form."""
+    return [{"role": m.role, "content": m.content} for m in messages]

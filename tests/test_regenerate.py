@@ -1,0 +1,315 @@
+"""`dflash-train regenerate`: local and HTTP backends, multi-turn rebuild, resume, failures, settings."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from dflash_trainer.config import load_config
+from dflash_trainer.data.types import Conversation, Message
+from dflash_trainer.errors import ConfigError, DataError
+from dflash_trainer.regen import check_regen_settings, read_manifest, read_rows, regenerate
+from dflash_trainer.regen.openai import OpenAIBackend
+from dflash_trainer.regen.settings import RegenSettings
+from fake_openai_server import Behaviour, FakeServer
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TESTS = str(Path(__file__).resolve().parent)
+SETTINGS = RegenSettings(
+    backend="openai", model="tiny-model", thinking=False, temperature=0.0, max_new_tokens=8, chat_template=None
+)
+
+
+def conv(index: int, *turns: tuple[str, str], source: str = "src") -> Conversation:
+    return Conversation(
+        messages=tuple(Message(role=r, content=c) for r, c in turns), source=source, source_index=index
+    )
+
+
+def simple(n: int, source: str = "src") -> list[Conversation]:
+    return [conv(i, ("user", f"q{i}"), ("assistant", "ORIGINAL"), source=source) for i in range(n)]
+
+
+def http_backend(url: str, **kw) -> OpenAIBackend:
+    args = dict(
+        url=url, model="tiny-model", max_new_tokens=8, temperature=0.0, thinking=False, concurrency=4,
+        request_timeout_s=5.0, max_retries=2, retry_backoff_s=0.01,
+    )
+    args.update(kw)
+    return OpenAIBackend(**args)
+
+
+def shard_ids(out: Path) -> list[str]:
+    return [row["id"] for row in read_rows(out)]
+
+
+# ---------------------------------------------------------------- local backend (tiny target)
+
+
+@pytest.fixture(scope="module")
+def tiny_local():
+    """The tiny target on CPU; one intra-op thread (tiny matmuls gain nothing from more, and spin under load)."""
+    import torch
+
+    from dflash_trainer.target.load import load_target
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = load_config(None, ["target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32"])
+    yield cfg, load_target(cfg.target, "cpu", seed=0)
+    torch.set_num_threads(threads)
+
+
+def local_backend(tiny_local, tokenizer, **kw):
+    from dflash_trainer.regen.local import LocalBackend
+
+    args = dict(max_new_tokens=8, temperature=0.0, thinking=False, batch_size=3)
+    args.update(kw)
+    return LocalBackend(model=tiny_local[1], tokenizer=tokenizer, **args)
+
+
+def test_local_backend_multi_turn_rows(tmp_path, tiny_local, tiny_tokenizer):
+    convs = [
+        conv(0, ("system", "be brief"), ("user", "hello there"), ("assistant", "ORIGINAL"), ("user", "and then?"),
+             ("assistant", "ORIGINAL")),
+        conv(1, ("user", "a longer question about the weather today"), ("assistant", "ORIGINAL")),
+        conv(2, ("user", "prompt only")),
+        conv(3, ("assistant", "starts with the assistant")),
+        conv(4, ("user", "x"), ("tool", "{}")),
+    ]
+    summary = regenerate(convs, backend=local_backend(tiny_local, tiny_tokenizer), out_dir=tmp_path,
+                         settings=SETTINGS, progress=False)
+    assert (summary.rows_done, summary.rows_failed, summary.complete) == (3, 2, True)
+    rows = {row["id"]: row for row in read_rows(tmp_path)}
+    assert set(rows) == {"src:0", "src:1", "src:2"}
+    roles = [m["role"] for m in rows["src:0"]["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    contents = [m["content"] for m in rows["src:0"]["messages"]]
+    assert contents[:2] == ["be brief", "hello there"] and contents[3] == "and then?"
+    assert "ORIGINAL" not in contents
+    assert [m["role"] for m in rows["src:2"]["messages"]] == ["user", "assistant"]
+    failed = [json.loads(line) for line in (tmp_path / "failed.jsonl").read_text().splitlines()]
+    reasons = {f["id"]: f["reason"] for f in failed}
+    assert set(reasons) == {"src:3", "src:4"}
+    assert "'user' was expected" in reasons["src:3"] and "'tool'" in reasons["src:4"]
+
+
+def test_local_batched_greedy_matches_one_by_one(tmp_path, tiny_local, tiny_tokenizer):
+    """Left padding and length-sorted batches must not change greedy replies."""
+    convs = [conv(i, ("user", "word " * (1 + 3 * i)), ("assistant", "x"), ("user", f"next {i}")) for i in range(5)]
+    out = {}
+    for batch_size in (1, 4):
+        d = tmp_path / f"b{batch_size}"
+        regenerate(convs, backend=local_backend(tiny_local, tiny_tokenizer, batch_size=batch_size), out_dir=d,
+                   settings=SETTINGS, progress=False)
+        out[batch_size] = {row["id"]: row["messages"] for row in read_rows(d)}
+    assert out[1] == out[4]
+    assert all(len(m) == 4 for m in out[1].values())
+
+
+def test_local_thinking_prefix_and_generation_prompt(tiny_local, tiny_tokenizer):
+    """enable_thinking reaches the template; a think block opened by the prompt starts the stored reply."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = tok.chat_template.replace(
+        "{%- if enable_thinking is defined and enable_thinking is false -%}",
+        "{%- if enable_thinking is defined and enable_thinking -%}{{- '<think>\\n' -}}{%- endif -%}"
+        "{%- if enable_thinking is defined and enable_thinking is false -%}",
+    )
+    c = [conv(0, ("user", "hi"))]
+    on = next(iter(local_backend(tiny_local, tok, thinking=True).run(c)))
+    off = next(iter(local_backend(tiny_local, tok, thinking=False).run(c)))
+    assert on.messages[-1].content.startswith("<think>\n")
+    assert not off.messages[-1].content.startswith("<think>")
+
+
+def test_command_run_local(tmp_path, monkeypatch, capsys):
+    from dflash_trainer.commands import regenerate as command
+
+    fake = types.ModuleType("dflash_trainer.data.sources")
+    fake.load_conversations = lambda data_config, seed: (simple(6, source="demo"), {"kept": 6})
+    monkeypatch.setitem(sys.modules, "dflash_trainer.data.sources", fake)
+    cfg = load_config(None, [
+        "target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu",
+        "regenerate.max_new_tokens=4", "data.max_conversations=4", "logging.progress=false",
+    ])
+    with pytest.raises(ConfigError, match="--out"):
+        command.run(cfg, argparse.Namespace(out=None))
+    assert command.run(cfg, argparse.Namespace(out=str(tmp_path))) == 0
+    assert sorted(shard_ids(tmp_path)) == [f"demo:{i}" for i in range(4)]
+    manifest = read_manifest(tmp_path)
+    assert manifest["settings"]["model"] == "random_init=tiny" and manifest["settings"]["thinking"] is False
+    assert manifest["source"]["conversations"] == {"demo": 4}
+    assert "4 rows done" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- HTTP backend
+
+
+def test_http_multi_turn_request_and_reasoning(tmp_path):
+    behaviour = Behaviour(reasoning=True)
+    c = conv(7, ("system", "sys"), ("user", "first"), ("assistant", "ORIGINAL"), ("user", "second"))
+    with FakeServer(behaviour) as server:
+        backend = http_backend(server.url.removesuffix("/v1") + "/", thinking=True, temperature=0.7)
+        backend.check_model()
+        regenerate([c, c], backend=backend, out_dir=tmp_path, settings=SETTINGS, progress=False)
+    [row] = list(read_rows(tmp_path))  # a repeated id is answered once
+    assert row["id"] == "src:7"
+    first_reply = "<think>\nthinking about first\n</think>\n\nre:first"
+    assert [m["content"] for m in row["messages"]] == ["sys", "first", first_reply, "second",
+                                                        "<think>\nthinking about second\n</think>\n\nre:second"]
+    first, second = behaviour.requests
+    assert first["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "first"}]
+    assert second["messages"][2] == {"role": "assistant", "content": first_reply}  # conditioned on the new reply
+    assert first["chat_template_kwargs"] == {"enable_thinking": True}
+    assert (first["max_tokens"], first["temperature"], first["model"]) == (8, 0.7, "tiny-model")
+
+
+def test_http_retries_then_fails(tmp_path):
+    behaviour = Behaviour(fail_first=2, always_fail=frozenset({"q3"}), reject=frozenset({"q4"}))
+    with FakeServer(behaviour) as server:
+        summary = regenerate(simple(6), backend=http_backend(server.url, max_retries=2), out_dir=tmp_path,
+                             settings=SETTINGS, progress=False)
+    assert (summary.rows_done, summary.rows_failed, summary.complete) == (4, 2, True)
+    assert sorted(shard_ids(tmp_path)) == ["src:0", "src:1", "src:2", "src:5"]
+    assert behaviour.attempts["q0"] == 3 and behaviour.attempts["q3"] == 3
+    reasons = {f["id"]: f["reason"] for f in map(json.loads, (tmp_path / "failed.jsonl").read_text().splitlines())}
+    assert "gave up after 3 attempts" in reasons["src:3"] and "HTTP 500" in reasons["src:3"]
+    assert "HTTP 400" in reasons["src:4"] and behaviour.attempts["q4"] == 1  # a 400 is not retried
+    assert read_manifest(tmp_path)["rows_failed"] == 2
+
+
+def test_http_timeout_is_retried(tmp_path):
+    behaviour = Behaviour(slow_first=1, slow_s=3.0)
+    with FakeServer(behaviour) as server:
+        t0 = time.monotonic()
+        summary = regenerate(simple(3), backend=http_backend(server.url, request_timeout_s=0.3), out_dir=tmp_path,
+                             settings=SETTINGS, progress=False)
+    assert summary.rows_done == 3 and summary.rows_failed == 0
+    assert all(behaviour.attempts[f"q{i}"] == 2 for i in range(3))
+    assert time.monotonic() - t0 < 2.5  # the slow first attempts were abandoned, not waited for
+
+
+def test_http_model_mismatch_and_unreachable():
+    with FakeServer(Behaviour(models=("Qwen/Qwen3-8B",))) as server:
+        with pytest.raises(ConfigError, match=r"serves \['Qwen/Qwen3-8B'\], not 'tiny-model'.*regenerate.model"):
+            http_backend(server.url).check_model()
+        url = server.url
+    with pytest.raises(ConfigError, match="cannot list models.*regenerate.url"):
+        http_backend(url, request_timeout_s=1.0).check_model()
+
+
+# ---------------------------------------------------------------- resume and safety
+
+
+class CrashAfter:
+    """Raises KeyboardInterrupt after `n` outcomes, like a Ctrl-C mid-run."""
+
+    def __init__(self, inner, n: int) -> None:
+        self.inner, self.n = inner, n
+
+    def run(self, conversations):
+        for i, outcome in enumerate(self.inner.run(conversations)):
+            if i == self.n:
+                raise KeyboardInterrupt
+            yield outcome
+
+
+def test_crash_resume_truncated_line_and_failed_retry(tmp_path):
+    convs = simple(10)
+    with FakeServer(Behaviour(always_fail=frozenset({"q9"}))) as server:
+        with pytest.raises(KeyboardInterrupt):
+            regenerate(convs, backend=CrashAfter(http_backend(server.url), 4), out_dir=tmp_path, settings=SETTINGS,
+                       shard_rows=3, progress=False)
+        assert len(shard_ids(tmp_path)) + read_manifest(tmp_path)["rows_failed"] == 4
+        last = sorted(tmp_path.glob("shard_*.jsonl"))[-1]
+        with open(last, "a") as f:
+            f.write('{"messages": [{"role": "user", "con')  # a row cut mid-write
+        assert len(list(read_rows(tmp_path))) == len(shard_ids(tmp_path))  # readers skip the partial line
+        summary = regenerate(convs, backend=http_backend(server.url), out_dir=tmp_path, settings=SETTINGS,
+                             shard_rows=3, progress=False)
+    ids = shard_ids(tmp_path)
+    assert sorted(ids) == sorted(f"src:{i}" for i in range(9)) and len(ids) == len(set(ids))
+    assert (summary.rows_done, summary.rows_failed, summary.complete) == (9, 1, True)
+    for path in tmp_path.glob("shard_*.jsonl"):
+        assert path.read_text().endswith("\n") and len(path.read_text().splitlines()) <= 3
+    # the failed row is tried again on the next run and leaves the failure log when it succeeds
+    with FakeServer() as server:
+        summary = regenerate(convs, backend=http_backend(server.url), out_dir=tmp_path, settings=SETTINGS,
+                             progress=False)
+    assert (summary.rows_done, summary.rows_failed, summary.rows_new) == (10, 0, 1)
+    assert (tmp_path / "failed.jsonl").read_text() == ""
+    assert sorted(shard_ids(tmp_path)) == sorted(f"src:{i}" for i in range(10))
+
+
+def test_kill_subprocess_and_resume(tmp_path):
+    """SIGKILL mid-run (no cleanup at all), then resume: every row exactly once."""
+    n = 40
+    script = f"""
+import sys
+sys.path[:0] = [{SRC!r}, {TESTS!r}]
+from test_regenerate import SETTINGS, http_backend, simple
+from dflash_trainer.regen import regenerate
+regenerate(simple({n}), backend=http_backend(sys.argv[1], concurrency=2), out_dir=sys.argv[2],
+           settings=SETTINGS, shard_rows=7, progress=False)
+"""
+    with FakeServer(Behaviour(delay_s=0.05)) as server:
+        proc = subprocess.Popen([sys.executable, "-c", script, server.url, str(tmp_path)], env=dict(os.environ))
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and proc.poll() is None:
+                written = sum(p.read_text().count("\n") for p in tmp_path.glob("shard_*.jsonl"))
+                if written >= 8:
+                    break
+                time.sleep(0.02)
+            assert proc.poll() is None, "the child finished before it could be killed"
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.wait()
+        done_before = len(shard_ids(tmp_path))
+        assert 8 <= done_before < n
+        server.behaviour.delay_s = 0.0
+        summary = regenerate(simple(n), backend=http_backend(server.url), out_dir=tmp_path, settings=SETTINGS,
+                             shard_rows=7, progress=False)
+    ids = shard_ids(tmp_path)
+    assert len(ids) == n and sorted(ids) == sorted(f"src:{i}" for i in range(n))
+    assert summary.rows_new == n - done_before and read_manifest(tmp_path)["complete"] is True
+
+
+def test_refuses_other_settings_and_foreign_dirs(tmp_path):
+    with FakeServer() as server:
+        regenerate(simple(2), backend=http_backend(server.url), out_dir=tmp_path, settings=SETTINGS, progress=False)
+        other = RegenSettings(**{**SETTINGS.to_dict(), "thinking": True})
+        with pytest.raises(DataError, match=r"thinking: the directory has False, this run asks for True.*new --out"):
+            regenerate(simple(2), backend=http_backend(server.url), out_dir=tmp_path, settings=other, progress=False)
+    from dflash_trainer.regen.shards import RegenStore
+
+    store = RegenStore.open(tmp_path, settings=SETTINGS, shard_rows=4, source={}, expected_ids=set())
+    with pytest.raises(DataError, match="another `dflash-train regenerate` is writing"):
+        RegenStore.open(tmp_path, settings=SETTINGS, shard_rows=4, source={}, expected_ids=set())
+    store.close()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "data.jsonl").write_text("{}\n")
+    with pytest.raises(DataError, match="no manifest.json"):
+        regenerate(simple(1), backend=None, out_dir=foreign, settings=SETTINGS, progress=False)
+
+
+def test_check_regen_settings(tmp_path):
+    assert check_regen_settings(tmp_path, thinking=True, temperature=0.0) == []  # not a regenerated dir
+    with FakeServer() as server:
+        regenerate(simple(2), backend=http_backend(server.url), out_dir=tmp_path, settings=SETTINGS, progress=False)
+    assert check_regen_settings(tmp_path, thinking=False, temperature=0.0) == []
+    warnings = check_regen_settings(tmp_path, thinking=True, temperature=0.6)
+    assert len(warnings) == 2
+    assert "thinking=off" in warnings[0] and "thinking=on" in warnings[0]
+    assert "temperature=0.0" in warnings[1] and "0.6" in warnings[1]
