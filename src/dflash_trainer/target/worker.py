@@ -10,8 +10,8 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 
 from dflash_trainer.data.types import Job, TokenizedSequence
-from dflash_trainer.target.batch import WireHeader, from_wire
-from dflash_trainer.target.capture import TapCapture, prepare_inputs
+from dflash_trainer.target.batch import HiddenStateBatch, WireBatch, WireHeader, from_wire
+from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs
 from dflash_trainer.target.sender import BatchSender
 
 
@@ -103,6 +103,29 @@ class _Interval:
         return self._start.elapsed_time(self._end) / 1000.0
 
 
+def forward_job(capture: TapCapture, dataset: Dataset, job: Job, buffers: WireBatch) -> tuple[HiddenStateBatch, ForwardInputs]:
+    """Run one job's sequences through the target into `buffers`; the batch views them."""
+    sequences = [dataset[i] for i in job.sequence_ids]
+    real = sum(s.num_tokens for s in sequences)
+    if real != job.num_tokens:
+        raise ValueError(
+            f"job {job.job_id}: the plan says {job.num_tokens} tokens but its sequences have {real}: "
+            "the epoch plan and the tokenized data disagree (re-run planning)"
+        )
+    inputs = prepare_inputs(sequences, buffers)
+    capture.run(inputs, buffers)
+    header = WireHeader(
+        job_id=job.job_id,
+        bucket_id=job.bucket_id,
+        epoch=job.epoch,
+        num_tokens=inputs.num_tokens,
+        num_seqs=inputs.num_seqs,
+        has_last_hidden=buffers.last_hidden is not None,
+        end_of_stream=False,
+    )
+    return from_wire(buffers, header), inputs
+
+
 def run_target_worker(
     *,
     capture: TapCapture,
@@ -137,30 +160,13 @@ def run_target_worker(
             job = job_source.next_job()
             if job is None:
                 break
-            sequences = [dataset[i] for i in job.sequence_ids]
-            real = sum(s.num_tokens for s in sequences)
-            if real != job.num_tokens:
-                raise ValueError(
-                    f"job {job.job_id}: the plan says {job.num_tokens} tokens but its sequences have {real}: "
-                    "the epoch plan and the tokenized data disagree (re-run planning)"
-                )
             t_wait = time.perf_counter()
             slot = sender.acquire()
             slot_wait_s = time.perf_counter() - t_wait
             interval = _Interval(slot.buffers.taps.device)
-            inputs = prepare_inputs(sequences, slot.buffers)
-            capture.run(inputs, slot.buffers)
+            batch, inputs = forward_job(capture, dataset, job, slot.buffers)
             interval.stop()
-            header = WireHeader(
-                job_id=job.job_id,
-                bucket_id=job.bucket_id,
-                epoch=job.epoch,
-                num_tokens=inputs.num_tokens,
-                num_seqs=inputs.num_seqs,
-                has_last_hidden=slot.buffers.last_hidden is not None,
-                end_of_stream=False,
-            )
-            sender.submit(slot, from_wire(slot.buffers, header))
+            sender.submit(slot, batch)
             fields = dict(
                 job_id=job.job_id,
                 num_seqs=inputs.num_seqs,
