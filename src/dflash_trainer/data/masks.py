@@ -13,6 +13,8 @@ So with Qwen3 thinking off the empty `<think>\n\n</think>\n\n` of the last turn 
 supervised), with thinking on a think block is supervised, and earlier turns (whose reasoning the template
 drops) are supervised as rendered. Every span is checked to contain the reply's text; a reply that cannot
 be located, or whose boundary falls inside a token, drops the conversation with a reason: never a wrong mask.
+An assistant turn that opens the conversation (ShareGPT's continuation parts) answers no prompt: it stays in
+the sequence as context and is not supervised.
 """
 
 from __future__ import annotations
@@ -89,16 +91,21 @@ def _token_boundaries(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int
     return sorted({0, len(text), *(end for _, end in offsets)})
 
 
-def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], *, thinking: bool,
-                end_of_turn: str) -> tuple[str, list[ReplySpan]]:
-    """The rendered conversation and the character span of every assistant reply (see module docstring)."""
-    full = render(tokenizer, messages, thinking=thinking)
+def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], full: str, *, thinking: bool,
+                end_of_turn: str, limit: int | None = None) -> list[ReplySpan]:
+    """The character span of every assistant reply in `full` (the rendered `messages`) that starts before
+    `limit` (see the module docstring)."""
+    limit = len(full) if limit is None else limit
     spans: list[ReplySpan] = []
     cursor = 0
     for i, message in enumerate(messages):
-        if message.role != "assistant":
+        if cursor >= limit:
+            break
+        if message.role != "assistant" or i == 0:  # an opening assistant turn answers no prompt: context only
             continue
-        history = render(tokenizer, messages[:i], thinking=thinking) if i else ""
+        history = render(tokenizer, messages[:i], thinking=thinking)
+        if len(history) >= limit:
+            break
         prompt = render(tokenizer, messages[:i], thinking=thinking, add_generation_prompt=True)
         if not full.startswith(history) or not prompt.startswith(history) or len(history) < cursor:
             raise Unmaskable("template_not_prefix_stable")
@@ -115,15 +122,37 @@ def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
             raise Unmaskable("reply_not_found")
         spans.append(ReplySpan(start=start, end=eot + len(end_of_turn)))
         cursor = eot + len(end_of_turn)
-    return full, spans
+    return spans
+
+
+def _encode_head(tokenizer: PreTrainedTokenizerFast, text: str, *, end_of_turn: str, max_length: int
+                 ) -> tuple[list[int], np.ndarray, int]:
+    """Token ids and offsets of a prefix of `text` holding at least `max_length` tokens (all of it if shorter),
+    and that prefix's length in characters.
+
+    The prefix always ends right after an end-of-turn special token: special tokens are split off before
+    pre-tokenization, so its tokens are exactly the first tokens of the whole text. Long conversations are
+    not tokenized (or searched for replies) past what `max_length` keeps."""
+    guess = max_length * 4  # characters; most tokenizers average 2-5 per token, and the loop doubles it
+    while True:
+        cut = len(text)
+        if guess < len(text):
+            found = text.find(end_of_turn, guess)
+            cut = len(text) if found < 0 else found + len(end_of_turn)
+        enc = tokenizer(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
+        if len(enc["input_ids"]) >= max_length or cut == len(text):
+            offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # (n, 2) char [start, end)
+            return enc["input_ids"], offsets, cut
+        guess *= 2
 
 
 def tokenize_conversation(conversation: Conversation, tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
                           end_of_turn: str, max_length: int, min_supervised: int) -> TokenizedSequence:
     """Token ids + assistant-only loss mask, truncated to `max_length`; raises `Unmaskable(reason)`."""
-    text, spans = reply_spans(tokenizer, conversation.messages, thinking=thinking, end_of_turn=end_of_turn)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # (n, 2) char [start, end)
+    text = render(tokenizer, conversation.messages, thinking=thinking)
+    token_ids, offsets, limit = _encode_head(tokenizer, text, end_of_turn=end_of_turn, max_length=max_length)
+    spans = reply_spans(tokenizer, conversation.messages, text, thinking=thinking, end_of_turn=end_of_turn,
+                        limit=limit)
     starts, ends = offsets[:, 0], offsets[:, 1]
     mask = np.zeros(len(starts), dtype=bool)
     for span in spans:
@@ -131,7 +160,7 @@ def tokenize_conversation(conversation: Conversation, tokenizer: PreTrainedToken
         if straddles.any():
             raise Unmaskable("reply_boundary_inside_token")
         mask |= (starts >= span.start) & (ends <= span.end) & (ends > starts)
-    ids = torch.tensor(enc["input_ids"][:max_length], dtype=torch.long)  # (n,)
+    ids = torch.tensor(token_ids[:max_length], dtype=torch.long)  # (n,)
     loss_mask = torch.from_numpy(mask[:max_length].copy())  # (n,) bool
     if int(loss_mask.sum()) < min_supervised:
         raise Unmaskable("too_few_supervised_tokens")
