@@ -1,8 +1,9 @@
 """Length buckets and packing of sequences into token-budgeted batches.
 
 A batch is a flat buffer of `token_budget` tokens holding whole sequences back to back (at most `max_seqs`
-of them); its waste is the unused tail. Sequences of similar length are packed together (same bucket), with
-first-fit-decreasing inside a bucket, which fills budgets far better than packing in arrival order.
+of them); its waste is the unused tail. First-fit-decreasing puts sequences of similar length together (a
+batch takes the longest left, then the longest that still fit) and fills budgets far better than packing in
+arrival order.
 """
 
 from __future__ import annotations

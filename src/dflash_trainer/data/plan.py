@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -45,6 +46,7 @@ class EpochPlan:
     max_seqs: int
     """Most sequences per batch (Config.max_seqs)."""
     buckets: tuple[BucketInfo, ...]
+    """Length buckets (equal sequence counts). A job's bucket is the bucket of its first, longest sequence."""
     jobs: tuple[Job, ...]
     """In training order: buckets interleaved, shuffled from (seed, epoch)."""
 
@@ -74,13 +76,17 @@ def build_epoch_plan(lengths: Sequence[int], *, epoch: int, seed: int, num_bucke
         check_lengths_fit(max(lengths), token_budget)
     rng = random.Random(f"plan:{seed}:{epoch}")
     buckets = assign_buckets(lengths, num_buckets)
-    packed: list[tuple[int, list[int]]] = []
-    infos = []
-    for b, ids in enumerate(buckets):
-        batches = pack_first_fit_decreasing(ids, lengths, token_budget=token_budget, max_seqs=max_seqs, rng=rng)
-        packed.extend((b, batch) for batch in batches)
-        infos.append(BucketInfo(bucket_id=b, min_length=min(lengths[i] for i in ids),
-                                max_length=max(lengths[i] for i in ids), num_sequences=len(ids), num_jobs=len(batches)))
+    bucket_of = {i: b for b, ids in enumerate(buckets) for i in ids}
+    # One first-fit-decreasing pass over all sequences: a batch starts with the longest sequence left (its
+    # bucket labels the job) and is filled with the longest that still fit, i.e. its own bucket first, then
+    # the next shorter ones. Packing each bucket strictly apart leaves the tail of every long-bucket batch
+    # empty (6.5% waste against 0.4% on test_plan's skewed lengths with 8 buckets).
+    batches = pack_first_fit_decreasing(range(len(lengths)), lengths, token_budget=token_budget,
+                                        max_seqs=max_seqs, rng=rng)
+    packed = [(bucket_of[batch[0]], batch) for batch in batches]
+    jobs_per_bucket = Counter(b for b, _ in packed)
+    infos = [BucketInfo(bucket_id=b, min_length=min(lengths[i] for i in ids), max_length=max(lengths[i] for i in ids),
+                        num_sequences=len(ids), num_jobs=jobs_per_bucket[b]) for b, ids in enumerate(buckets)]
     rng.shuffle(packed)  # interleave the buckets: every stretch of the plan mixes lengths
     if len(packed) >= JOB_ID_STRIDE:
         raise DataError(f"{len(packed)} jobs in one epoch exceed {JOB_ID_STRIDE}; raise pipeline.token_budget")
