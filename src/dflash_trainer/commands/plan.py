@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional
 
 from dflash_trainer.config import Config
-from dflash_trainer.data.plan import build_epoch_plan, write_epoch_plan, write_summary
+from dflash_trainer.data.plan import build_epoch_plan, check_lengths_fit, write_epoch_plan, write_summary
 from dflash_trainer.data.prepare import prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer
 from dflash_trainer.rundir import make_run_dir
@@ -35,6 +35,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
     start = time.perf_counter()
+    check_lengths_fit(config.data.max_length, config.pipeline.token_budget)  # before anything is written
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     run_dir = make_run_dir(config)
     prepared = prepare_data(config, run_dir, tokenizer=tokenizer)
