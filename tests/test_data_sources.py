@@ -1,0 +1,159 @@
+"""Reading conversations: every format, malformed rows, a cut-off ShareGPT file, the bundled file, the mix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_trainer.data.config import DataConfig, DataSourceConfig
+from dflash_trainer.data.sources import load_conversations, load_source, mix_counts
+from dflash_trainer.errors import DataError
+
+
+def msgs(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+
+
+def sharegpt_row(i: int, user: str = "human", bot: str = "gpt") -> dict:
+    return {"id": f"r{i}", "conversations": [{"from": user, "value": f"q{i}"}, {"from": bot, "value": f"a{i}"}]}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_sharegpt_speaker_names_and_malformed_rows(tmp_path):
+    rows = [
+        sharegpt_row(0),
+        sharegpt_row(1, user="user", bot="chatgpt"),
+        sharegpt_row(2, bot="bing"),
+        sharegpt_row(3, bot="bard"),
+        {"conversations": [{"from": "system", "value": "be nice"}, {"from": "human", "value": "hi"},
+                           {"from": "assistant", "value": "hello"}]},
+        sharegpt_row(5, bot="robot"),  # unknown speaker
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "  "}]},  # empty turn
+        {"conversations": [{"from": "human", "value": "hi"}]},  # nobody answers
+        {"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]},  # missing text
+        {"conversations": [{"value": "hi"}, {"from": "gpt", "value": "x"}]},  # missing speaker
+        {"id": "no turns"},
+        "not a dict",
+        {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"},
+                           {"from": "gpt", "value": "c"}]},  # consecutive turns: kept as is, never merged
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(rows))
+    out = load_source(DataSourceConfig(path=str(path)))
+    assert out.report.records_read == len(rows)
+    assert out.report.kept == 6
+    assert out.report.dropped == {"unknown_role": 1, "empty_turn": 1, "no_assistant_turn": 1, "missing_content": 1,
+                                  "missing_role": 1, "missing_turns": 1, "not_an_object": 1}
+    roles = [[m.role for m in c.messages] for c in out.conversations]
+    assert roles[:4] == [["user", "assistant"]] * 4
+    assert roles[4] == ["system", "user", "assistant"]
+    assert roles[5] == ["user", "user", "assistant"]
+    assert [c.source_index for c in out.conversations] == [0, 1, 2, 3, 4, 12]
+
+
+def test_truncated_sharegpt_file_keeps_complete_records(tmp_path):
+    text = json.dumps([sharegpt_row(i) for i in range(5)], indent=2)
+    cut = text.index('"r4"') + 10  # inside the last record
+    path = tmp_path / "cut.json"
+    path.write_text(text[:cut])
+    out = load_source(DataSourceConfig(path=str(path)))
+    assert [c.messages[1].content for c in out.conversations] == ["a0", "a1", "a2", "a3"]
+    assert out.report.dropped == {"truncated_record": 1}
+    # cut between records (no closing bracket): nothing partial to count
+    between = text[: text.index("{", text.index('"r4"') - 20)]
+    path.write_text(between)
+    out = load_source(DataSourceConfig(path=str(path)))
+    assert out.report.kept == 4 and out.report.dropped == {}
+
+
+def test_json_array_with_records_larger_than_the_read_buffer(tmp_path, monkeypatch):
+    import dflash_trainer.data.sources as sources
+
+    monkeypatch.setattr(sources, "_CHUNK_CHARS", 64)
+    rows = [sharegpt_row(i) | {"pad": "x" * 500} for i in range(6)]
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(rows))
+    out = load_source(DataSourceConfig(path=str(path)))
+    assert out.report.kept == 6 and out.report.dropped == {}
+
+
+def test_bundled_sharegpt_smoke():
+    out = load_source(DataSourceConfig(path="sharegpt"), limit=50)
+    assert out.report.kept == 50 and out.report.stopped_early
+    assert out.report.records_read == 50 + sum(out.report.dropped.values())
+    assert all(any(m.role == "assistant" for m in c.messages) for c in out.conversations)
+    assert {m.role for c in out.conversations for m in c.messages} <= {"system", "user", "assistant"}
+
+
+def test_jsonl_with_bad_lines_and_text_parts(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(
+        json.dumps({"messages": msgs(0)}) + "\n{not json\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                {"type": "text", "text": "b"}]},
+                                   {"role": "assistant", "content": "c"}]}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                                   {"role": "assistant", "content": "c"}]}) + "\n"
+    )
+    out = load_source(DataSourceConfig(path=str(path)))
+    assert out.report.kept == 2
+    assert out.report.dropped == {"invalid_json": 1, "non_text_content": 1}
+    assert out.conversations[1].messages[0].content == "ab"
+
+
+def test_parquet_and_save_to_disk(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"messages": msgs(i)} for i in range(7)])
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "saved_dict"))
+    for path in ("d.parquet", "saved", "saved_dict"):
+        out = load_source(DataSourceConfig(path=str(tmp_path / path)))
+        assert [c.messages[1].content for c in out.conversations] == [f"answer {i}" for i in range(7)], path
+
+
+def test_regenerate_directory_reads_all_shards(tmp_path):
+    d = tmp_path / "regen"
+    d.mkdir()
+    (d / "manifest.json").write_text("{}")
+    write_jsonl(d / "shard-00000.jsonl", [{"messages": msgs(i)} for i in range(3)])
+    write_jsonl(d / "shard-00001.jsonl", [{"messages": msgs(i)} for i in range(3, 5)])
+    out = load_source(DataSourceConfig(path=str(d)))
+    assert [c.messages[0].content for c in out.conversations] == [f"question {i}" for i in range(5)]
+
+
+def test_missing_path_and_unknown_directory_are_clear(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_source(DataSourceConfig(path=str(tmp_path / "nope.json")))
+    with pytest.raises(DataError, match="save_to_disk"):
+        load_source(DataSourceConfig(path=str(tmp_path)))
+
+
+def test_weighted_mix_follows_shares_and_seed(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"messages": msgs(i)} for i in range(40)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"messages": msgs(100 + i)} for i in range(40)])
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(a), weight=2.0), DataSourceConfig(path=str(b), weight=1.0)],
+                     max_conversations=30)
+    out = load_conversations(cfg, seed=0)
+    by_source = [c.source for c in out.conversations]
+    assert by_source.count(str(a)) == 20 and by_source.count(str(b)) == 10
+    assert out == load_conversations(cfg, seed=0)
+    other = load_conversations(cfg, seed=1)
+    assert [c.source_index for c in other.conversations] != [c.source_index for c in out.conversations]
+    # no total: the scarcer source (relative to its weight) bounds the mix; the rest is counted, not lost silently
+    cfg = DataConfig(sources=[DataSourceConfig(path=str(a), weight=1.0),
+                              DataSourceConfig(path=str(b), weight=1.0, max_conversations=10)])
+    out = load_conversations(cfg, seed=0)
+    assert len(out.conversations) == 20 and out.report.dropped == {"not_selected_by_mix": 30}
+    assert out.report.records_read == 50
+
+
+def test_mix_counts():
+    assert mix_counts([100, 100], [3.0, 1.0], 40) == [30, 10]
+    assert mix_counts([10, 100], [1.0, 1.0], None) == [10, 10]

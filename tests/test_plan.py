@@ -1,0 +1,184 @@
+"""Bucketing, the epoch plan, the held-out slice, the tokenized cache, the run dir and `dflash-train plan`."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import yaml
+
+from dflash_trainer.cli import main
+from dflash_trainer.config import load_config
+from dflash_trainer.data import prepare as prepare_module
+from dflash_trainer.data.bucketing import pack_in_order, padding_waste
+from dflash_trainer.data.plan import (
+    JOB_ID_STRIDE,
+    build_epoch_plan,
+    read_epoch_plan,
+    read_eval_conversations,
+    write_epoch_plan,
+)
+from dflash_trainer.data.prepare import prepare_data
+from dflash_trainer.errors import ConfigError, DataError
+from dflash_trainer.rundir import make_run_dir
+
+
+def skewed_lengths(n=2000, seed=0) -> list[int]:
+    """Mostly short sequences, a long tail (like chat data)."""
+    rng = random.Random(seed)
+    return [min(1024, max(16, int(rng.lognormvariate(5.0, 0.9)))) for _ in range(n)]
+
+
+def plan_for(lengths, epoch=0, seed=0, **kw):
+    args = dict(num_buckets=8, token_budget=2048, max_seqs=64) | kw
+    return build_epoch_plan(lengths, epoch=epoch, seed=seed, **args)
+
+
+def test_bucketed_packing_wastes_much_less_than_packing_in_arrival_order():
+    lengths = skewed_lengths()
+    plan = plan_for(lengths, max_seqs=128)
+    naive = pack_in_order(random.Random(0).sample(range(len(lengths)), len(lengths)), lengths,
+                          token_budget=2048, max_seqs=128)
+    naive_waste = padding_waste(naive, lengths, 2048)
+    assert plan.padding_waste < 0.02 and plan.padding_waste < naive_waste / 4, (plan.padding_waste, naive_waste)
+    assert len(plan.jobs) < len(naive)
+
+
+def test_plan_covers_every_sequence_once_within_budget():
+    lengths = skewed_lengths()
+    plan = plan_for(lengths, max_seqs=12)
+    ids = [i for j in plan.jobs for i in j.sequence_ids]
+    assert sorted(ids) == list(range(len(lengths)))
+    for job in plan.jobs:
+        assert job.num_tokens == sum(lengths[i] for i in job.sequence_ids) <= 2048
+        assert len(job.sequence_ids) <= 12
+        bucket = plan.buckets[job.bucket_id]  # labelled by its longest sequence; fillers are never longer
+        assert bucket.min_length <= lengths[job.sequence_ids[0]] <= bucket.max_length
+        assert all(lengths[i] <= bucket.max_length for i in job.sequence_ids)
+    assert sum(b.num_jobs for b in plan.buckets) == len(plan.jobs)
+    # buckets are interleaved, not one after another
+    first = [j.bucket_id for j in plan.jobs[:20]]
+    assert len(set(first)) > 2
+
+
+def test_plan_is_deterministic_and_epochs_differ():
+    lengths = skewed_lengths(500)
+    assert plan_for(lengths, epoch=1) == plan_for(lengths, epoch=1)
+    e0, e1 = plan_for(lengths, epoch=0), plan_for(lengths, epoch=1)
+    assert [j.sequence_ids for j in e0.jobs] != [j.sequence_ids for j in e1.jobs]
+    assert [j.job_id for j in e1.jobs] == [JOB_ID_STRIDE + k for k in range(len(e1.jobs))]
+    assert not {j.job_id for j in e0.jobs} & {j.job_id for j in e1.jobs}
+
+
+def test_plan_round_trips_through_the_run_dir(tmp_path):
+    plan = plan_for(skewed_lengths(300), epoch=3)
+    write_epoch_plan(tmp_path, plan)
+    assert read_epoch_plan(tmp_path, 3) == plan
+    with pytest.raises(DataError, match="no epoch plan"):
+        read_epoch_plan(tmp_path, 4)
+
+
+def test_sequence_longer_than_budget_names_both_keys():
+    with pytest.raises(ConfigError, match=r"data\.max_length.*pipeline\.token_budget"):
+        plan_for([100, 3000], token_budget=2048)
+
+
+# -------------------------------------------------------------------------------- prepare_data + cache
+
+WORDS = "the model answers every question with a long and careful reply about many things".split()
+
+
+def reply(i: int, n: int) -> str:
+    return " ".join(WORDS[(i + k) % len(WORDS)] for k in range(n))
+
+
+def write_dataset(path, n=40):
+    rows = [{"messages": [{"role": "user", "content": f"question number {i}?"},
+                          {"role": "assistant", "content": reply(i, 10 + i % 30)}]} for i in range(n)]
+    rows.append({"messages": [{"role": "user", "content": "short"}, {"role": "assistant", "content": "ok"}]})
+    rows.append({"messages": [{"role": "user", "content": "nobody answers"}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def small_config(tmp_path, *extra):
+    data = write_dataset(tmp_path / "data.jsonl")
+    return load_config("demo", [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}",
+                                f"run.dir={tmp_path / 'run'}", "data.num_eval_conversations=5",
+                                "data.max_conversations=null", *extra])
+
+
+def test_prepare_holds_out_eval_and_counts_everything(tmp_path, tiny_tokenizer):
+    cfg = small_config(tmp_path)
+    prepared = prepare_data(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
+    s = prepared.summary
+    assert s.eval_conversations == 5 and len(prepared.eval_conversations) == 5
+    assert s.dropped == {"no_assistant_turn": 1, "too_few_supervised_tokens": 1}
+    assert s.conversations_total == 42 == s.conversations_kept + s.eval_conversations + sum(s.dropped.values())
+    assert read_eval_conversations(tmp_path / "run") == list(prepared.eval_conversations)
+    # the held-out conversations never reach a job
+    held = {c.source_index for c in prepared.eval_conversations}
+    plan = build_epoch_plan(prepared.train.lengths, epoch=0, seed=0, num_buckets=4, token_budget=2048, max_seqs=32)
+    planned = {int(prepared.train.source_index[i]) for j in plan.jobs for i in j.sequence_ids}
+    assert planned and not planned & held
+    assert len(planned) == s.conversations_kept
+    seq = prepared.train[0]
+    assert seq.input_ids.dtype.is_floating_point is False and seq.loss_mask.sum() >= 16
+
+
+def test_cache_hit_skips_tokenizing_and_config_changes_invalidate(tmp_path, tiny_tokenizer, monkeypatch):
+    cfg = small_config(tmp_path)
+    first = prepare_data(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
+    assert not first.summary.cache_hit
+
+    def boom(*a, **k):
+        raise AssertionError("re-tokenized despite a valid cache")
+
+    monkeypatch.setattr(prepare_module, "tokenize_all", boom)
+    second = prepare_data(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
+    assert second.summary.cache_hit
+    assert second.train.lengths == first.train.lengths
+    assert second.eval_conversations == first.eval_conversations
+    monkeypatch.undo()
+    shorter = prepare_data(small_config(tmp_path, "data.max_length=64"), tmp_path / "run", tokenizer=tiny_tokenizer)
+    assert not shorter.summary.cache_hit and max(shorter.train.lengths) == 64
+    reseeded = prepare_data(small_config(tmp_path, "run.seed=7"), tmp_path / "run", tokenizer=tiny_tokenizer)
+    assert not reseeded.summary.cache_hit
+
+
+def test_nothing_trainable_is_a_data_error_naming_the_dataset(tmp_path, tiny_tokenizer):
+    cfg = small_config(tmp_path, "drafter.block_size=16", "data.max_length=24")
+    with pytest.raises(DataError, match="data.jsonl.*block_size"):
+        prepare_data(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
+
+
+# ------------------------------------------------------------------------------------- run dir + CLI
+
+
+def test_make_run_dir_default_and_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("demo", [])
+    path = make_run_dir(cfg)
+    assert path.parent.name == "runs" and path.name.startswith("demo-")
+    saved = yaml.safe_load((path / "config.yaml").read_text())
+    assert saved["run"]["dir"] == str(path)
+    assert make_run_dir(cfg) != path  # same second: a fresh dir, never a shared one
+    (tmp_path / "blocker").write_text("a file")
+    with pytest.raises(ConfigError, match="run.dir"):
+        make_run_dir(load_config("demo", [f"run.dir={tmp_path / 'blocker' / 'x'}"]))
+
+
+def test_plan_cli_on_the_demo_recipe(tmp_path, capsys):
+    run_dir = tmp_path / "demo-run"
+    assert main(["plan", "--config", "demo", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+    summary = json.loads((run_dir / "plan" / "summary.json").read_text())
+    for key in ("conversations_total", "conversations_kept", "dropped", "tokens", "jobs", "padding_waste",
+                "buckets", "eval_conversations"):
+        assert key in summary
+    assert summary["eval_conversations"] == 16 and summary["conversations_kept"] > 100
+    plan = read_epoch_plan(run_dir, 0)
+    assert len(plan.jobs) == summary["jobs"] and plan.token_budget == 2048
+    assert len((run_dir / "plan" / "eval.jsonl").read_text().splitlines()) == 16
+    out = capsys.readouterr().out
+    assert "padding waste" in out and str(run_dir) in out
