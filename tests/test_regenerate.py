@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -135,20 +134,24 @@ def test_local_thinking_prefix_and_generation_prompt(tiny_local, tiny_tokenizer)
 def test_command_run_local(tmp_path, monkeypatch, capsys):
     from dflash_trainer.commands import regenerate as command
 
-    fake = types.ModuleType("dflash_trainer.data.sources")
-    fake.load_conversations = lambda data_config, seed: (simple(6, source="demo"), {"kept": 6})
-    monkeypatch.setitem(sys.modules, "dflash_trainer.data.sources", fake)
-    cfg = load_config(None, [
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": "old"}]}) + "\n"
+        for i in range(6)
+    ))
+    out = tmp_path / "out"
+    cfg = load_config(None, [f"data.path={data}",
         "target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu",
         "regenerate.max_new_tokens=4", "data.max_conversations=4", "logging.progress=false",
     ])
     with pytest.raises(ConfigError, match="--out"):
         command.run(cfg, argparse.Namespace(out=None))
-    assert command.run(cfg, argparse.Namespace(out=str(tmp_path))) == 0
-    assert sorted(shard_ids(tmp_path)) == [f"demo:{i}" for i in range(4)]
-    manifest = read_manifest(tmp_path)
+    assert command.run(cfg, argparse.Namespace(out=str(out))) == 0
+    ids = shard_ids(out)
+    assert len(ids) == 4 and len(set(ids)) == 4
+    manifest = read_manifest(out)
     assert manifest["settings"]["model"] == "random_init=tiny" and manifest["settings"]["thinking"] is False
-    assert manifest["source"]["conversations"] == {"demo": 4}
+    assert manifest["source"]["conversations"] == {str(data): 4}
     assert "4 rows done" in capsys.readouterr().out
 
 

@@ -74,10 +74,10 @@ def run(config: Config, args: argparse.Namespace) -> int:
     if not out:
         raise ConfigError("dflash-train regenerate needs --out DIR (the new dataset; train on it with data.path=DIR)")
     settings = settings_from_config(config)  # fails early on a missing model name
-    from dflash_trainer.data.sources import load_conversations  # wired at merge (data loader helper)
+    from dflash_trainer.data.sources import load_conversations
 
-    conversations, report = load_conversations(config.data, config.run.seed)
-    conversations = list(conversations)
+    loaded = load_conversations(config.data, seed=config.run.seed)
+    conversations, report = list(loaded.conversations), loaded.report
     if config.data.max_conversations is not None:
         conversations = conversations[: config.data.max_conversations]
     if not conversations:
