@@ -34,7 +34,7 @@ def _micro(model):
             loss_sum = ((model(x).squeeze(-1) - y) ** 2).sum()
         loss_sum.backward()
         n = torch.tensor(float(x.shape[0]))
-        return MicroResult(loss_sum=loss_sum.detach(), weight_sum=n, correct_sum=n * 0, tau_sum=n * 0, num_blocks=n * 0 + 1, num_tokens=x.shape[0])
+        return MicroResult(loss_sum=loss_sum.detach(), weight_sum=n, slot_correct=torch.zeros(1), slot_count=torch.ones(1), tau_sum=n * 0, num_blocks=n * 0 + 1, num_tokens=x.shape[0])
 
     return step
 
@@ -44,7 +44,7 @@ def _run(batches, group, grad_accum):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     loop = StepLoop(model=model, optimizer=opt, scheduler=sched, micro_step=_micro(model), job_key=lambda b: (b[0], b[1]),
-                    grad_accum=grad_accum, grad_clip=0.0, group=group, device=torch.device("cpu"))
+                    grad_accum=grad_accum, block_size=2, grad_clip=0.0, group=group, device=torch.device("cpu"))
     queue = list(batches)
     records = []
     loop.run(lambda: (queue.pop(0), lambda: None) if queue else None, records.append)

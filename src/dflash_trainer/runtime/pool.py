@@ -88,10 +88,15 @@ class BufferedPool(Generic[T]):
             self._cond.notify_all()
 
     def return_unused(self, slot: int) -> None:
-        """Give back a slot the producer acquired but did not fill."""
+        """Give back a slot the producer acquired but did not fill (no credit: nothing was claimed)."""
         with self._cond:
             self._free.append(slot)
             self._cond.notify_all()
+
+    def release_unused(self, slot: int) -> None:
+        """Give back a slot filled by a claimed send that will not be trained (draining): its credit returns."""
+        self.return_unused(slot)
+        self._on_release(slot)
 
     def set_producers_done(self) -> None:
         with self._cond:
@@ -133,6 +138,23 @@ class BufferedPool(Generic[T]):
             self._free.append(slot)
             self._cond.notify_all()
         self._on_release(slot)
+
+    def wants_more(self) -> bool:
+        """(Colocated producer) a free slot exists and fewer batches are ready than `take` waits for."""
+        with self._cond:
+            bar = max(1, min(self.min_ready, self.capacity - self._in_use))
+            return bool(self._free) and len(self._ready) < bar
+
+    def discard_ready(self) -> int:
+        """Free every ready slot without training it (draining after the last step); returns how many."""
+        with self._cond:
+            slots = [e.slot for e in self._ready]
+            self._ready.clear()
+            self._free.extend(slots)
+            self._cond.notify_all()
+        for slot in slots:
+            self._on_release(slot)
+        return len(slots)
 
     @property
     def occupied(self) -> int:

@@ -36,8 +36,10 @@ class MicroResult:
     """0-d fp32: sum of weighted per-slot losses (already back-propagated)."""
     weight_sum: torch.Tensor
     """0-d fp32: sum of the loss weights."""
-    correct_sum: torch.Tensor
-    """0-d fp32: weighted count of argmax hits (for accuracy)."""
+    slot_correct: torch.Tensor
+    """(B-1,) fp32: argmax hits among valid labels, per block slot k = 1..B-1."""
+    slot_count: torch.Tensor
+    """(B-1,) fp32: valid labels per block slot."""
     tau_sum: torch.Tensor
     """0-d fp32: sum over valid blocks of the simulated acceptance length."""
     num_blocks: torch.Tensor
@@ -53,6 +55,9 @@ class StepRecord:
     skipped: bool
     loss: float
     accuracy: float
+    """Argmax hits / valid labels over all slots."""
+    slot_accuracy: tuple[float, ...]
+    """Per block slot k = 1..B-1."""
     sim_tau: float
     grad_norm: float
     lr: float
@@ -73,7 +78,7 @@ class LoopState:
     """(epoch, job_id) committed by this run, in commit order."""
 
 
-_STATS = ("batches", "loss_sum", "weight_sum", "correct_sum", "tau_sum", "blocks", "nonfinite", "tokens")
+_STATS = ("batches", "loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite", "tokens")
 
 
 class StepLoop(Generic[B]):
@@ -82,12 +87,14 @@ class StepLoop(Generic[B]):
     def __init__(
         self,
         *,
+        start_step: int = 0,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         micro_step: Callable[[B], MicroResult],
         job_key: Callable[[B], tuple[int, int]],
         grad_accum: int,
+        block_size: int,
         grad_clip: float,
         group: Optional[dist.ProcessGroup],
         device: torch.device,
@@ -101,13 +108,14 @@ class StepLoop(Generic[B]):
         self.micro_step = micro_step
         self.job_key = job_key
         self.grad_accum = grad_accum
+        self.slots = block_size - 1
         self.grad_clip = grad_clip
         self.group = group
         self.device = device
         self.max_steps = max_steps
         self.max_nonfinite_steps = max_nonfinite_steps
         self.world = dist.get_world_size(group) if group is not None else 1
-        self.state = LoopState()
+        self.state = LoopState(step=start_step)
 
     def run(
         self,
@@ -126,6 +134,7 @@ class StepLoop(Generic[B]):
         start = time.perf_counter()
         wait = 0.0
         stats = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
+        slots = torch.zeros(2, self.slots, dtype=torch.float64, device=self.device)  # (2, B-1) correct, count
         releases: list[Callable[[], None]] = []
         keys: list[tuple[int, int]] = []
         self.optimizer.zero_grad(set_to_none=False)
@@ -145,17 +154,21 @@ class StepLoop(Generic[B]):
                     torch.ones((), dtype=torch.float64, device=self.device),
                     torch.nan_to_num(out.loss_sum.detach().double(), nan=0.0, posinf=0.0, neginf=0.0),
                     out.weight_sum.detach().double(),
-                    out.correct_sum.detach().double(),
                     out.tau_sum.detach().double(),
                     out.num_blocks.detach().double(),
                     1.0 - finite,
                     torch.tensor(float(out.num_tokens), dtype=torch.float64, device=self.device),
                 ]
             )
+            slots += torch.stack([out.slot_correct.detach().double(), out.slot_count.detach().double()])
+        packed = torch.cat([stats, slots.reshape(-1)])
         if self.group is not None and self.world > 1:
-            dist.all_reduce(stats, group=self.group)
+            dist.all_reduce(packed, group=self.group)
         # One host sync per step: every rank needs the same skip / stop decision and the log values.
-        values = dict(zip(_STATS, stats.tolist()))
+        flat = packed.tolist()
+        values = dict(zip(_STATS, flat[: len(_STATS)]))
+        slot_correct = flat[len(_STATS) : len(_STATS) + self.slots]
+        slot_count = flat[len(_STATS) + self.slots :]
         job_ids = self._gather_jobs(keys)
         if values["batches"] == 0:
             for release in releases:
@@ -194,7 +207,8 @@ class StepLoop(Generic[B]):
             step=self.state.step,
             skipped=skipped,
             loss=values["loss_sum"] / weight_sum,
-            accuracy=values["correct_sum"] / weight_sum,
+            accuracy=sum(slot_correct) / max(sum(slot_count), 1.0),
+            slot_accuracy=tuple(c / max(n, 1.0) for c, n in zip(slot_correct, slot_count)),
             sim_tau=values["tau_sum"] / blocks,
             grad_norm=grad_norm,
             lr=lr,
