@@ -23,11 +23,11 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_drafter(block_size: int = 4, num_layers: int = 2, sliding_layers=(), sliding_window=None, seed=0):
+def tiny_drafter(block_size: int = 4, num_layers: int = 2, sliding_layers=(), sliding_window=None, seed=0, tap_layer_ids=None):
     target_config = preset_config("tiny")
     config = DrafterConfig(
         num_layers=num_layers, block_size=block_size, gamma=2.0,
-        sliding_layers=list(sliding_layers), sliding_window=sliding_window,
+        sliding_layers=list(sliding_layers), sliding_window=sliding_window, tap_layer_ids=tap_layer_ids,
     )
     spec = drafter_spec(target_config, config, mask_token_id=target_config.vocab_size - 1)
     torch.manual_seed(seed)

@@ -145,6 +145,7 @@ def load_drafter(path: str | os.PathLike, *, attention: str = "auto") -> DFlashD
 def init_from_export(model: DFlashDrafter, path: str | os.PathLike) -> None:
     """`drafter.init_from`: copy an export's weights into `model` (same taps and shapes, else an error)."""
     spec, state = read_export(path)
+    check_keys(set(state), model.spec.num_layers, f"drafter.init_from={path} (for a {model.spec.num_layers}-layer drafter)")
     if spec.tap_layer_ids != model.spec.tap_layer_ids:
         raise ConfigError(
             f"drafter.init_from={path} taps layers {list(spec.tap_layer_ids)} but this drafter taps "
