@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_trainer.drafter.anchors import plan_blocks, plan_from_anchors, token_seq_ids, valid_anchor_mask
-from dflash_trainer.drafter.attention_mask import dense_mask, flex_block_mask, mask_index, visible
+from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, flex_block_mask, mask_index, visible
 from dflash_trainer.errors import ConfigError
 from tests.drafter_helpers import packed_batch, single_thread, tiny_drafter  # noqa: F401 (fixture)
 
@@ -158,3 +158,19 @@ def test_too_many_blocks_refused():
         plan_blocks(input_ids=torch.zeros(4, dtype=torch.int64), loss_mask=loss_mask,
                     cu_seqlens=torch.tensor([0, 4], dtype=torch.int32), num_blocks=5, block_size=2,
                     mask_token_id=1, seed=0, epoch=0, job_id=0)
+
+
+def test_flex_builder_keeps_one_mask_mod_and_tracks_new_batches():
+    drafter, _ = tiny_drafter()
+    builder = FlexMaskBuilder()
+    first = packed_batch(drafter, num_blocks=8, job_id=1)
+    second = packed_batch(drafter, num_blocks=8, job_id=2)
+    q = torch.arange(32)[:, None].expand(32, 72)
+    kv = torch.arange(72)[None, :].expand(32, 72)
+    masks = []
+    for batch in (first, second):
+        index = mask_index(batch.plan, batch.cu_seqlens, 40)
+        block_mask = builder.build(index)
+        masks.append(block_mask)
+        assert torch.equal(block_mask.mask_mod(torch.tensor(0), torch.tensor(0), q, kv), dense_mask(index))
+    assert masks[0].mask_mod is masks[1].mask_mod  # a compiled forward does not recompile per batch

@@ -85,18 +85,53 @@ def dense_mask(index: MaskIndex, sliding_window: Optional[int] = None) -> torch.
 
 def flex_block_mask(index: MaskIndex, sliding_window: Optional[int] = None):
     """A flex_attention BlockMask with the same rule (built compiled on CUDA: no dense materialisation)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    return FlexMaskBuilder().build(index, sliding_window)
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return visible(index, q_idx, kv_idx, sliding_window)
 
-    device = index.q_block.device
-    return create_block_mask(
-        mask_mod,
-        B=None,
-        H=None,
-        Q_LEN=index.q_block.shape[0],
-        KV_LEN=index.k_block.shape[0],
-        device=device,
-        _compile=device.type == "cuda",
-    )
+class FlexMaskBuilder:
+    """Builds BlockMasks whose `mask_mod` is the same function object every batch.
+
+    A compiled forward guards on the mask_mod it traced; a fresh closure per batch would recompile every
+    step. The builder keeps one mask_mod per window reading preallocated index buffers, and copies each
+    batch's `MaskIndex` into them (fixed shapes). A BlockMask is valid until the next `build` (steps run
+    in order on one stream, so the copy lands after the previous step's kernels).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: Optional[MaskIndex] = None
+        self._mods: dict = {}
+
+    def _mask_mod(self, sliding_window: Optional[int]):
+        if sliding_window not in self._mods:
+            buffers = self._buffers
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return visible(buffers, q_idx, kv_idx, sliding_window)
+
+            self._mods[sliding_window] = mask_mod
+        return self._mods[sliding_window]
+
+    def build(self, index: MaskIndex, sliding_window: Optional[int] = None):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        fields = MaskIndex.__slots__
+        if self._buffers is None or any(
+            getattr(self._buffers, f).shape != getattr(index, f).shape
+            or getattr(self._buffers, f).device != getattr(index, f).device
+            for f in fields
+        ):
+            self._buffers = MaskIndex(**{f: getattr(index, f).clone() for f in fields})
+            self._mods = {}
+        else:
+            for f in fields:
+                getattr(self._buffers, f).copy_(getattr(index, f))
+        device = index.q_block.device
+        return create_block_mask(
+            self._mask_mod(sliding_window),
+            B=None,
+            H=None,
+            Q_LEN=index.q_block.shape[0],
+            KV_LEN=index.k_block.shape[0],
+            device=device,
+            _compile=device.type == "cuda",
+        )

@@ -20,7 +20,7 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflash_trainer.drafter.anchors import BlockPlan, token_seq_ids
-from dflash_trainer.drafter.attention_mask import dense_mask, flex_block_mask, mask_index
+from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index
 from dflash_trainer.drafter.spec import DrafterSpec
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -34,11 +34,20 @@ def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mas
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or torch.compiler.is_compiling():
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """SDPA with GQA; on CUDA the kv heads are repeated so the memory-efficient kernel takes the bool mask."""
+    if q.is_cuda and mask is not None:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (1, nh, Lk, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 class RotaryTable(nn.Module):
@@ -117,6 +126,16 @@ class DrafterLayer(nn.Module):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrainMasks:
+    """Attention masks of one packed batch for `forward_train`."""
+
+    kind: str
+    """sdpa (dense bool masks) | flex (BlockMasks)."""
+    by_window: dict
+    """Layer window (None = full attention) -> (N*B, T + N*B) bool mask or flex BlockMask."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ContextCache:
     """Context keys/values of one sequence for `forward_block` (block keys are never cached)."""
 
@@ -150,6 +169,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.rotary = RotaryTable(spec)
+        self._flex_masks = FlexMaskBuilder()  # stable mask_mod across batches (no recompiles)
         self.init_weights()
 
     @torch.no_grad()
@@ -169,29 +189,42 @@ class DFlashDrafter(nn.Module):
             return "flex" if device.type == "cuda" else "sdpa"
         return self.attention
 
+    def build_masks(self, plan: BlockPlan, cu_seqlens: torch.Tensor, num_slots: int) -> TrainMasks:
+        """The training attention masks of one packed batch (one per distinct layer window). Build them
+        outside a compiled region and pass them to `forward_train` when compiling the forward."""
+        kind = self._attention_kind(plan.positions.device)
+        index = mask_index(plan, cu_seqlens, num_slots)
+        windows = sorted({self.spec.layer_window(i) for i in range(self.spec.num_layers)}, key=lambda w: w or 0)
+        build = dense_mask if kind == "sdpa" else self._flex_masks.build
+        return TrainMasks(kind=kind, by_window={w: build(index, w) for w in windows})
+
     def forward_train(
-        self, *, taps: torch.Tensor, cu_seqlens: torch.Tensor, plan: BlockPlan, embed_weight: torch.Tensor
+        self,
+        *,
+        taps: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        plan: BlockPlan,
+        embed_weight: torch.Tensor,
+        masks: Optional[TrainMasks] = None,
     ) -> torch.Tensor:
         """All N blocks of a packed batch: taps (T, K*H), cu_seqlens (S+1,) int32, plan (N blocks of B),
-        embed_weight (V, H) frozen target embedding. Returns (N, B, H) after the final norm.
-        Invalid blocks attend only to themselves (finite output, zero loss weight)."""
+        embed_weight (V, H) frozen target embedding, masks from `build_masks` (None: built here).
+        Returns (N, B, H) after the final norm. Invalid blocks attend only to themselves (finite output,
+        zero loss weight)."""
         num_slots = taps.shape[0]
         n, b = plan.positions.shape
+        if masks is None:
+            masks = self.build_masks(plan, cu_seqlens, num_slots)
         ctx = self.context(taps)  # (T, H)
         h = F.embedding(plan.block_ids.reshape(-1), embed_weight).to(ctx.dtype)  # (N*B, H)
         seq = token_seq_ids(cu_seqlens, num_slots)  # (T,)
         ctx_pos = torch.arange(num_slots, device=taps.device) - cu_seqlens.to(torch.int64)[seq.clamp(min=0)]
         rope_ctx = self.rotary(ctx_pos, h.dtype)  # (T, 1, hd)
         rope_blk = self.rotary(plan.positions.reshape(-1), h.dtype)  # (N*B, 1, hd)
-        index = mask_index(plan, cu_seqlens, num_slots)
-        kind = self._attention_kind(taps.device)
-        masks: dict[Optional[int], object] = {}
-        for window in {self.spec.layer_window(i) for i in range(self.spec.num_layers)}:
-            masks[window] = dense_mask(index, window) if kind == "sdpa" else flex_block_mask(index, window)
         for i, layer in enumerate(self.layers):
-            mask = masks[self.spec.layer_window(i)]
-            if kind == "sdpa":
-                attend = lambda q, k, v, m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+            mask = masks.by_window[self.spec.layer_window(i)]
+            if masks.kind == "sdpa":
+                attend = lambda q, k, v, m=mask: _sdpa(q, k, v, m)
             else:
                 attend = lambda q, k, v, m=mask: _flex_attention(q, k, v, m)
             ctx_k, ctx_v = layer.self_attn.kv(ctx, rope_ctx)  # (T, nkv, hd)
@@ -244,7 +277,7 @@ class DFlashDrafter(nn.Module):
                 k_pos = torch.cat([positions, block_positions])  # (S + B',)
                 q_pos = block_positions[:, None]
                 mask = (k_pos[None] <= q_pos) & (q_pos - k_pos[None] < window)  # (B', S + B')
-            attend = lambda q, k, v, m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+            attend = lambda q, k, v, m=mask: _sdpa(q, k, v, m)
             h = layer(h, keys[i], values[i], rope_blk, attend)
         new_cache = ContextCache(keys=tuple(keys), values=tuple(values), positions=positions)
         return BlockResult(hidden=self.norm(h), cache=new_cache)
