@@ -83,6 +83,8 @@ class DrafterConfig:
             raise ConfigError(f"drafter.dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.noise != "none" and self.noise_std <= 0 and not self.noise_std_final:
             raise ConfigError(f"drafter.noise={self.noise!r} needs drafter.noise_std > 0 (or noise_std_final)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"drafter.sliding_window must be >= 1 or null, got {self.sliding_window}")
         if self.sliding_layers and not self.sliding_window:
             raise ConfigError("drafter.sliding_layers needs drafter.sliding_window > 0")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
