@@ -42,7 +42,9 @@ class DrafterConfig:
     noise_std_final: Optional[float] = None
     """Linear schedule of the noise std over training (None: constant)."""
     dpace: bool = False
-    """D-PACE per-slot loss weights instead of the exponential decay."""
+    """D-PACE per-slot loss weights instead of the exponential decay (see drafter/loss.py)."""
+    dpace_alpha: float = 0.5
+    """D-PACE confidence smoothing: q~ = (1 - alpha) * exp(-CE) + alpha; in (0, 1]."""
     sliding_window: Optional[int] = None
     sliding_layers: list[int] = field(default_factory=list)
     """Drafter layers that use sliding-window attention (layer_types = sliding_attention)."""
@@ -77,6 +79,12 @@ class DrafterConfig:
             raise ConfigError(f"drafter.noise must be none, uniform or gaussian, got {self.noise!r}")
         if self.noise_std < 0 or (self.noise_std_final is not None and self.noise_std_final < 0):
             raise ConfigError("drafter.noise_std and drafter.noise_std_final must be >= 0")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ConfigError(f"drafter.dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+        if self.noise != "none" and self.noise_std <= 0 and not self.noise_std_final:
+            raise ConfigError(f"drafter.noise={self.noise!r} needs drafter.noise_std > 0 (or noise_std_final)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"drafter.sliding_window must be >= 1 or null, got {self.sliding_window}")
         if self.sliding_layers and not self.sliding_window:
             raise ConfigError("drafter.sliding_layers needs drafter.sliding_window > 0")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):

@@ -1,0 +1,160 @@
+"""Export and import of drafters in the z-lab DFlash format (`DFlashDraftModel.from_pretrained` reads it).
+
+An export directory holds `config.json` (a Qwen3 config with `architectures: ["DFlashDraftModel"]`,
+`num_target_layers`, `block_size`, `dflash_config = {mask_token_id, target_layer_ids}`, one `layer_types`
+entry per drafter layer, both `rope_parameters` and `rope_theta`) and `model.safetensors` with exactly the
+drafter's parameter names (no embedding, no lm_head). The key set is validated on export and on import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.spec import DrafterSpec, default_tap_layer_ids
+from dflash_trainer.errors import ConfigError
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+_LAYER_KEYS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)
+
+
+def expected_keys(num_layers: int) -> set[str]:
+    """The exact tensor names of an exported drafter with `num_layers` layers."""
+    keys = {f"layers.{i}.{name}" for i in range(num_layers) for name in _LAYER_KEYS}
+    return keys | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+
+
+def check_keys(keys: set[str], num_layers: int, where: str) -> None:
+    expected = expected_keys(num_layers)
+    missing, unexpected = sorted(expected - keys), sorted(keys - expected)
+    if missing or unexpected:
+        raise ConfigError(
+            f"{where}: drafter weights do not match the DFlash export format "
+            f"(missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''})"
+        )
+
+
+def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optional[Any] = None) -> dict:
+    """The config.json dict for a drafter (a Qwen3 config plus the DFlash fields)."""
+    config = spec.qwen3_config().to_dict()
+    rope = dict(spec.rope_parameters)
+    config.update(
+        model_type="qwen3",
+        architectures=["DFlashDraftModel"],
+        num_hidden_layers=spec.num_layers,
+        num_target_layers=spec.num_target_layers,
+        block_size=spec.block_size,
+        dflash_config={"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.tap_layer_ids)},
+        tie_word_embeddings=False,
+        layer_types=list(spec.layer_types),
+        rope_parameters=rope,
+        rope_theta=rope["rope_theta"],
+        vocab_size=spec.vocab_size,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    if target_config is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(target_config, key, None) is not None:
+                config[key] = getattr(target_config, key)
+    return config
+
+
+def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_config: Optional[Any] = None) -> Path:
+    """Write config.json + model.safetensors to out_dir (created); returns the directory."""
+    spec = model.spec
+    if target_config is not None and target_config.hidden_size != spec.hidden_size:
+        raise ConfigError(
+            f"export: drafter hidden size {spec.hidden_size} != target's {target_config.hidden_size}"
+        )
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}  # host copy: export
+    check_keys(set(state), spec.num_layers, "export")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = state["fc.weight"].dtype
+    (out / CONFIG_NAME).write_text(json.dumps(export_config(spec, dtype=dtype, target_config=target_config), indent=2))
+    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    return out
+
+
+def spec_from_export(config: dict) -> DrafterSpec:
+    """The DrafterSpec described by an export's config.json dict."""
+    dflash = config.get("dflash_config") or {}
+    num_layers = config["num_hidden_layers"]
+    num_target_layers = config["num_target_layers"]
+    taps = dflash.get("target_layer_ids") or default_tap_layer_ids(num_target_layers, num_layers)
+    mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+    if mask is None:
+        raise ConfigError("export config.json has no dflash_config.mask_token_id")
+    rope = dict(config.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", "default")
+    heads = config["num_attention_heads"]
+    layer_types = config.get("layer_types") or ["full_attention"] * num_layers
+    return DrafterSpec(
+        hidden_size=config["hidden_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        intermediate_size=config["intermediate_size"],
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_parameters=rope,
+        max_position_embeddings=config["max_position_embeddings"],
+        num_layers=num_layers,
+        block_size=int(dflash.get("block_size", config.get("block_size", 16))),
+        tap_layer_ids=tuple(taps),
+        mask_token_id=int(mask),
+        num_target_layers=num_target_layers,
+        vocab_size=config["vocab_size"],
+        layer_types=tuple(layer_types),
+        sliding_window=config.get("sliding_window") if "sliding_attention" in layer_types else None,
+    )
+
+
+def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
+    root = Path(path)
+    if not (root / CONFIG_NAME).is_file() or not (root / WEIGHTS_NAME).is_file():
+        raise ConfigError(f"{root} is not a drafter export: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+    spec = spec_from_export(json.loads((root / CONFIG_NAME).read_text()))
+    state = load_file(str(root / WEIGHTS_NAME))
+    check_keys(set(state), spec.num_layers, str(root))
+    return spec, state
+
+
+def load_drafter(path: str | os.PathLike, *, attention: str = "auto") -> DFlashDrafter:
+    """A drafter rebuilt from an export directory, on CPU in the exported dtype."""
+    spec, state = read_export(path)
+    model = DFlashDrafter(spec, attention=attention).to(state["fc.weight"].dtype)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def init_from_export(model: DFlashDrafter, path: str | os.PathLike) -> None:
+    """`drafter.init_from`: copy an export's weights into `model` (same taps and shapes, else an error)."""
+    spec, state = read_export(path)
+    check_keys(set(state), model.spec.num_layers, f"drafter.init_from={path} (for a {model.spec.num_layers}-layer drafter)")
+    if spec.tap_layer_ids != model.spec.tap_layer_ids:
+        raise ConfigError(
+            f"drafter.init_from={path} taps layers {list(spec.tap_layer_ids)} but this drafter taps "
+            f"{list(model.spec.tap_layer_ids)}; set drafter.tap_layer_ids to match"
+        )
+    own = model.state_dict()
+    wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
+    if wrong:
+        raise ConfigError(f"drafter.init_from={path} has shapes that do not fit this drafter: {wrong[:4]}")
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v)

@@ -1,0 +1,148 @@
+"""The drafter loss: per-slot weighted CE (optionally mixed with distillation), computed in row chunks.
+
+Rows are the block slots k = 1..B-1 of all N blocks. Slot k's label is the token at anchor + k. Weight:
+
+- decay (default): exp(-(k-1)/gamma) x label_valid (loss mask at anchor + k, inside the sequence, valid block);
+- D-PACE (`dpace`): from the drafter's own detached confidence q_k = exp(-CE_k) (0 for an invalid label),
+  smoothed q~_k = (1-alpha) q_k + alpha, weight w_k = sum_{m>=k} prod_{i<=m} q~_i (the suffix sum of the
+  prefix products: how much the expected accepted length depends on slot k), times label_valid.
+
+Per-row loss = (1 - kd_weight) * CE + kd_weight * KL(teacher || drafter), the teacher for slot k being the
+target's distribution at anchor + k - 1 (its last hidden state through its final norm and lm_head).
+
+The trainer divides the summed `loss_sum` by the `weight_sum` of the whole optimizer step (all microbatches,
+all ranks), so both are returned as device tensors. The vocab projection runs in chunks of `chunk_rows`
+rows under activation checkpointing: fp32 logits of one chunk exist at a time, forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from dflash_trainer.drafter.anchors import BlockPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LossOutput:
+    """Sums over one microbatch; all 0-dim or (B-1,) fp32 tensors on the hidden states' device."""
+
+    loss_sum: torch.Tensor
+    """() sum over rows of weight * per-row loss (differentiable)."""
+    weight_sum: torch.Tensor
+    """() sum of the weights (detached)."""
+    ce_sum: torch.Tensor
+    """() weighted CE sum (detached; equals loss_sum when kd_weight is 0)."""
+    slot_correct: torch.Tensor
+    """(B-1,) argmax hits among valid labels, per slot k = 1..B-1."""
+    slot_count: torch.Tensor
+    """(B-1,) valid labels per slot."""
+    accept_sum: torch.Tensor
+    """() simulated acceptance summed over valid blocks: per block, 1 + the number of leading slots
+    k = 1, 2, ... whose argmax equals a valid label (a greedy verifier accepting the longest correct
+    prefix, plus its bonus token; a block near its sequence end is capped by its valid labels)."""
+    block_count: torch.Tensor
+    """() valid blocks (simulated tau = accept_sum / block_count)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Teacher:
+    """What distillation needs from the frozen target."""
+
+    last_hidden: torch.Tensor
+    """(T, H) target's last hidden state before its final norm, per packed slot."""
+    final_norm: Callable[[torch.Tensor], torch.Tensor]
+    """The target's final norm (frozen)."""
+
+
+def decay_weights(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
+    """(B-1,) exp(-(k-1)/gamma) for slots k = 1..B-1."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def dpace_weights(ce: torch.Tensor, label_valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """(N, B-1) D-PACE weights from detached per-slot CE (N, B-1) and validity (N, B-1)."""
+    q = torch.exp(-ce.detach()) * label_valid  # (N, B-1)
+    q_smooth = (1.0 - alpha) * q + alpha
+    prefix = torch.cumprod(q_smooth, dim=1)
+    return torch.flip(torch.cumsum(torch.flip(prefix, [1]), dim=1), [1])
+
+
+def _chunk_losses(
+    hidden: torch.Tensor, labels: torch.Tensor, teacher_hidden: Optional[torch.Tensor],
+    head: torch.Tensor, final_norm: Optional[Callable],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ce (r,), kl (r,), hit (r,) bool) for r rows: hidden (r, H), labels (r,), teacher_hidden (r, H)."""
+    logits = F.linear(hidden.to(head.dtype), head).float()  # (r, V) fp32
+    logp = torch.log_softmax(logits, dim=-1)
+    ce = -logp.gather(1, labels[:, None])[:, 0]  # (r,)
+    hit = logits.argmax(dim=-1) == labels
+    if teacher_hidden is None:
+        return ce, torch.zeros_like(ce), hit
+    with torch.no_grad():
+        t_logits = F.linear(final_norm(teacher_hidden).to(head.dtype), head).float()  # (r, V)
+        t_logp = torch.log_softmax(t_logits, dim=-1)
+    kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # (r,)
+    return ce, kl, hit
+
+
+def drafter_loss(
+    hidden: torch.Tensor,
+    plan: BlockPlan,
+    *,
+    lm_head_weight: torch.Tensor,
+    gamma: float,
+    chunk_rows: int,
+    kd_weight: float = 0.0,
+    teacher: Optional[Teacher] = None,
+    dpace: bool = False,
+    dpace_alpha: float = 0.5,
+) -> LossOutput:
+    """Loss sums for hidden (N, B, H) from `forward_train` with labels from `plan`; lm_head_weight (V, H)."""
+    n, b, h = hidden.shape
+    rows = hidden[:, 1:].reshape(-1, h)  # (N*(B-1), H)
+    labels = plan.labels[:, 1:].reshape(-1)  # (N*(B-1),)
+    valid = plan.label_valid[:, 1:]  # (N, B-1)
+    teacher_rows = None
+    if kd_weight > 0:
+        if teacher is None:
+            raise ValueError("drafter.kd_weight > 0 needs the target's last hidden state (a Teacher)")
+        # slot k's teacher is the target at anchor + k - 1, i.e. positions anchor + 0 .. anchor + B-2
+        idx = (plan.anchors[:, None] + torch.arange(b - 1, device=hidden.device)).clamp(max=teacher.last_hidden.shape[0] - 1)
+        teacher_rows = teacher.last_hidden[idx.reshape(-1)]  # (N*(B-1), H)
+    ce_parts, kl_parts, hit_parts = [], [], []
+    grad = torch.is_grad_enabled() and rows.requires_grad
+    for start in range(0, rows.shape[0], chunk_rows):
+        stop = min(start + chunk_rows, rows.shape[0])
+        t_chunk = None if teacher_rows is None else teacher_rows[start:stop]
+        args = (rows[start:stop], labels[start:stop], t_chunk, lm_head_weight,
+                None if teacher is None else teacher.final_norm)
+        out = checkpoint(_chunk_losses, *args, use_reentrant=False) if grad else _chunk_losses(*args)
+        ce_parts.append(out[0])
+        kl_parts.append(out[1])
+        hit_parts.append(out[2])
+    ce = torch.cat(ce_parts).view(n, b - 1)  # (N, B-1)
+    kl = torch.cat(kl_parts).view(n, b - 1)
+    hit = torch.cat(hit_parts).view(n, b - 1) & valid
+    if dpace:
+        weights = dpace_weights(ce, valid, dpace_alpha) * valid
+    else:
+        weights = decay_weights(b, gamma, hidden.device)[None, :] * valid  # (N, B-1)
+    per_row = ce if kd_weight == 0 else (1.0 - kd_weight) * ce + kd_weight * kl
+    accepted = torch.cumprod(hit.to(torch.float32), dim=1).sum(1) + 1.0  # (N,)
+    block_valid = plan.block_valid.to(torch.float32)
+    return LossOutput(
+        loss_sum=(weights * per_row).sum(),
+        weight_sum=weights.sum().detach(),
+        ce_sum=(weights * ce).sum().detach(),
+        slot_correct=hit.to(torch.float32).sum(0),
+        slot_count=valid.to(torch.float32).sum(0),
+        accept_sum=(accepted * block_valid).sum(),
+        block_count=block_valid.sum(),
+    )
+

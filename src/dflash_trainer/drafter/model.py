@@ -1,0 +1,283 @@
+"""The DFlash drafter: Qwen3-style layers with KV injection of the target's tapped context.
+
+Parameter names are exactly the export names (`layers.N.self_attn.q_proj.weight`, `fc.weight`, ...):
+no embedding and no LM head (the target's, frozen, are passed in). In every layer, queries come only
+from block tokens; keys/values are `concat(context, block)` through the same k_proj/v_proj with k_norm
+on both; RoPE at absolute positions. Two forwards share the layer code:
+
+- `forward_train`: all N blocks of a packed batch at once, masked (see `attention_mask.py`).
+- `forward_block`: one block of one sequence for speculative decoding, with a context K/V cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from dflash_trainer.drafter.anchors import BlockPlan, token_seq_ids
+from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index
+from dflash_trainer.drafter.spec import DrafterSpec
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""attend(q (1, nh, Lq, hd), k (1, nkv, Lk, hd), v (1, nkv, Lk, hd)) -> (1, nh, Lq, hd)."""
+
+_compiled_flex = None
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+    """flex_attention, compiled on CUDA (uncompiled it materialises the scores); plain on CPU."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """SDPA with GQA; on CUDA the kv heads are repeated so the memory-efficient kernel takes the bool mask."""
+    if q.is_cuda and mask is not None:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (1, nh, Lk, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin tables at given positions; inv_freq stays fp32 whatever dtype the model is cast to."""
+
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        hf = Qwen3RotaryEmbedding(spec.qwen3_config())
+        self._inv_freq_fp32 = hf.inv_freq.detach().float().clone()
+        self.attention_scaling = float(hf.attention_scaling)
+        self.register_buffer("inv_freq", self._inv_freq_fp32.clone(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)  # undo any dtype cast
+        return self
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (L, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (L, hd)
+        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)  # (L, 1, hd)
+
+
+def _rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = cos_sin  # (L, 1, hd)
+    return x * cos + rotate_half(x) * sin  # (L, heads, hd)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        h, hd = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, hd
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(hd, eps=spec.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(hd, eps=spec.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm + RoPE) and values of tokens x (L, H) -> (L, nkv, hd) each."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return _rope(k, rope), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attend: Attend,
+    ) -> torch.Tensor:
+        q = _rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))), rope)  # (Lq, nh, hd)
+        k_blk, v_blk = self.kv(x, rope)  # (Lq, nkv, hd)
+        k = torch.cat([ctx_k, k_blk], dim=0)  # (Lc + Lq, nkv, hd)
+        v = torch.cat([ctx_v, v_blk], dim=0)
+        dtype = v.dtype  # under autocast the norms return fp32; attention runs in the value dtype
+        out = attend(*(t.to(dtype).transpose(0, 1)[None] for t in (q, k, v)))  # (1, nh, Lq, hd)
+        return self.o_proj(out[0].transpose(0, 1).flatten(-2))  # (Lq, H)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        self.self_attn = DrafterAttention(spec)
+        self.mlp = Qwen3MLP(spec.qwen3_config())
+        self.input_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+
+    def forward(self, h, ctx_k, ctx_v, rope, attend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, rope, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainMasks:
+    """Attention masks of one packed batch for `forward_train`."""
+
+    kind: str
+    """sdpa (dense bool masks) | flex (BlockMasks)."""
+    by_window: dict
+    """Layer window (None = full attention) -> (N*B, T + N*B) bool mask or flex BlockMask."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContextCache:
+    """Context keys/values of one sequence for `forward_block` (block keys are never cached)."""
+
+    keys: tuple[torch.Tensor, ...]
+    """Per drafter layer, (S, nkv, hd): k_norm + RoPE applied."""
+    values: tuple[torch.Tensor, ...]
+    """Per drafter layer, (S, nkv, hd)."""
+    positions: torch.Tensor
+    """(S,) int64 absolute positions of the cached context tokens."""
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockResult:
+    hidden: torch.Tensor
+    """(B', H) final hidden states of the block (after the final norm); slot k predicts position p0 + k."""
+    cache: ContextCache
+    """The context cache including the context passed to this call."""
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, spec: DrafterSpec, *, attention: str = "auto"):
+        super().__init__()
+        self.spec = spec
+        self.attention = attention
+        self.layers = nn.ModuleList(DrafterLayer(spec) for _ in range(spec.num_layers))
+        self.fc = nn.Linear(spec.num_taps * spec.hidden_size, spec.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.rotary = RotaryTable(spec)
+        self._flex_masks = FlexMaskBuilder()  # stable mask_mod across batches (no recompiles)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """Context features hidden_norm(fc(taps)): (T, K*H) -> (T, H)."""
+        return self.hidden_norm(self.fc(taps))
+
+    def _attention_kind(self, device: torch.device) -> str:
+        if self.attention == "auto":
+            return "flex" if device.type == "cuda" else "sdpa"
+        return self.attention
+
+    def build_masks(self, plan: BlockPlan, cu_seqlens: torch.Tensor, num_slots: int) -> TrainMasks:
+        """The training attention masks of one packed batch (one per distinct layer window). Build them
+        outside a compiled region and pass them to `forward_train` when compiling the forward."""
+        kind = self._attention_kind(plan.positions.device)
+        index = mask_index(plan, cu_seqlens, num_slots)
+        windows = sorted({self.spec.layer_window(i) for i in range(self.spec.num_layers)}, key=lambda w: w or 0)
+        build = dense_mask if kind == "sdpa" else self._flex_masks.build
+        return TrainMasks(kind=kind, by_window={w: build(index, w) for w in windows})
+
+    def forward_train(
+        self,
+        *,
+        taps: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        plan: BlockPlan,
+        embed_weight: torch.Tensor,
+        masks: Optional[TrainMasks] = None,
+    ) -> torch.Tensor:
+        """All N blocks of a packed batch: taps (T, K*H), cu_seqlens (S+1,) int32, plan (N blocks of B),
+        embed_weight (V, H) frozen target embedding, masks from `build_masks` (None: built here).
+        Returns (N, B, H) after the final norm. Invalid blocks attend only to themselves (finite output,
+        zero loss weight)."""
+        num_slots = taps.shape[0]
+        n, b = plan.positions.shape
+        if masks is None:
+            masks = self.build_masks(plan, cu_seqlens, num_slots)
+        ctx = self.context(taps)  # (T, H)
+        h = F.embedding(plan.block_ids.reshape(-1), embed_weight).to(ctx.dtype)  # (N*B, H)
+        seq = token_seq_ids(cu_seqlens, num_slots)  # (T,)
+        ctx_pos = torch.arange(num_slots, device=taps.device) - cu_seqlens.to(torch.int64)[seq.clamp(min=0)]
+        rope_ctx = self.rotary(ctx_pos, h.dtype)  # (T, 1, hd)
+        rope_blk = self.rotary(plan.positions.reshape(-1), h.dtype)  # (N*B, 1, hd)
+        for i, layer in enumerate(self.layers):
+            mask = masks.by_window[self.spec.layer_window(i)]
+            if masks.kind == "sdpa":
+                attend = lambda q, k, v, m=mask: _sdpa(q, k, v, m)
+            else:
+                attend = lambda q, k, v, m=mask: _flex_attention(q, k, v, m)
+            ctx_k, ctx_v = layer.self_attn.kv(ctx, rope_ctx)  # (T, nkv, hd)
+            h = layer(h, ctx_k, ctx_v, rope_blk, attend)
+        return self.norm(h).view(n, b, -1)  # (N, B, H)
+
+    def empty_cache(self, device: torch.device, dtype: torch.dtype) -> ContextCache:
+        empty = torch.zeros(0, self.spec.num_key_value_heads, self.spec.head_dim, device=device, dtype=dtype)
+        return ContextCache(
+            keys=(empty,) * self.spec.num_layers,
+            values=(empty,) * self.spec.num_layers,
+            positions=torch.zeros(0, dtype=torch.int64, device=device),
+        )
+
+    def forward_block(
+        self,
+        *,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        context_taps: Optional[torch.Tensor] = None,
+        context_positions: Optional[torch.Tensor] = None,
+        cache: Optional[ContextCache] = None,
+    ) -> BlockResult:
+        """One block of one sequence, no training mask: the block sees all given context and itself.
+
+        block_embeds (B', H): target embeddings of [last committed token, MASK x (B'-1)];
+        block_positions (B',) int64: p0 .. p0+B'-1; context_taps (C, K*H) with context_positions (C,):
+        taps of context tokens not yet in `cache` (None: none); cache: the context so far (None: empty).
+        The caller keeps the context strictly before p0 (taps of tokens 0 .. p0-1). Sliding layers apply
+        their causal window in absolute positions. Returns the block's hidden states and the new cache.
+        """
+        if cache is None:
+            cache = self.empty_cache(block_embeds.device, block_embeds.dtype)
+        keys, values = list(cache.keys), list(cache.values)
+        positions = cache.positions
+        rope_blk = self.rotary(block_positions, block_embeds.dtype)  # (B', 1, hd)
+        if context_taps is not None:
+            ctx = self.context(context_taps)  # (C, H)
+            rope_ctx = self.rotary(context_positions, ctx.dtype)
+            positions = torch.cat([positions, context_positions])  # (S + C,)
+        h = block_embeds  # (B', H)
+        for i, layer in enumerate(self.layers):
+            if context_taps is not None:
+                k_new, v_new = layer.self_attn.kv(ctx, rope_ctx)  # (C, nkv, hd)
+                keys[i] = torch.cat([keys[i], k_new.to(keys[i].dtype)])
+                values[i] = torch.cat([values[i], v_new.to(values[i].dtype)])
+            mask = None
+            window = self.spec.layer_window(i)
+            if window is not None:
+                k_pos = torch.cat([positions, block_positions])  # (S + B',)
+                q_pos = block_positions[:, None]
+                mask = (k_pos[None] <= q_pos) & (q_pos - k_pos[None] < window)  # (B', S + B')
+            attend = lambda q, k, v, m=mask: _sdpa(q, k, v, m)
+            h = layer(h, keys[i], values[i], rope_blk, attend)
+        new_cache = ContextCache(keys=tuple(keys), values=tuple(values), positions=positions)
+        return BlockResult(hidden=self.norm(h), cache=new_cache)

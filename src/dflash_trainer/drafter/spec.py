@@ -1,0 +1,135 @@
+"""`DrafterSpec`: the frozen architecture of a drafter, derived from the target's HF config + DrafterConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from transformers import Qwen3Config
+
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DrafterSpec:
+    """Everything needed to build a drafter (and its export config). Hidden size = the target's."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    """HF rope parameters, including `rope_theta` and `rope_type`."""
+    max_position_embeddings: int
+    num_layers: int
+    block_size: int
+    tap_layer_ids: tuple[int, ...]
+    """Target layers tapped: output of decoder layer l (HF hidden_states[l + 1])."""
+    mask_token_id: int
+    num_target_layers: int
+    vocab_size: int
+    """Rows of the target's embedding matrix (the mask token must be one of them)."""
+    layer_types: tuple[str, ...]
+    """One of full_attention | sliding_attention per drafter layer."""
+    sliding_window: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"drafter.mask_token_id={self.mask_token_id} is not a row of the target's embedding "
+                f"(vocab_size={self.vocab_size}); pick a spare row below {self.vocab_size}"
+            )
+        bad = [t for t in self.tap_layer_ids if not 0 <= t < self.num_target_layers - 1]
+        if bad:
+            raise ConfigError(
+                f"drafter.tap_layer_ids {bad} out of range: taps must be in [0, {self.num_target_layers - 2}] "
+                "(the last layer's HF hidden state is taken after the final norm, so it cannot be tapped)"
+            )
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types needs {self.num_layers} entries, got {len(self.layer_types)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("sliding_attention layers need sliding_window > 0")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.tap_layer_ids)
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The attention window of drafter layer `layer` (None: full attention)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def qwen3_config(self) -> Qwen3Config:
+        """A Qwen3Config describing the drafter layers (for the HF building blocks and the export)."""
+        sliding = "sliding_attention" in self.layer_types
+        return Qwen3Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            layer_types=list(self.layer_types),
+            use_sliding_window=sliding,
+            sliding_window=self.sliding_window if sliding else None,
+            tie_word_embeddings=False,
+            attention_bias=False,
+        )
+
+
+def default_tap_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Evenly spread taps over layers 1 .. L-3 (gives [1, 9, 17, 25, 33] for 36 layers, 5 taps, as the
+    released drafters); on targets too shallow for `num_taps` distinct layers, the distinct ones."""
+    if num_target_layers < 3:
+        raise ConfigError(f"target has {num_target_layers} layers; a drafter needs a target with >= 3")
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(1, num_target_layers - 3)
+    ids = [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
+    return sorted(set(ids))
+
+
+def drafter_spec(
+    target_config: Any, drafter: DrafterConfig, *, mask_token_id: Optional[int] = None
+) -> DrafterSpec:
+    """The drafter's architecture for `target_config` (an HF config). `mask_token_id` overrides
+    `drafter.mask_token_id` (the caller passes the first spare row past the tokenizer when that is None)."""
+    mask = drafter.mask_token_id if drafter.mask_token_id is not None else mask_token_id
+    if mask is None:
+        raise ConfigError("set drafter.mask_token_id (a spare row of the target embedding)")
+    num_target_layers = target_config.num_hidden_layers
+    taps = drafter.tap_layer_ids or default_tap_layer_ids(num_target_layers, drafter.num_layers)
+    heads = target_config.num_attention_heads
+    rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = getattr(target_config, "rope_theta", 10000.0)
+    rope.setdefault("rope_type", "default")
+    return DrafterSpec(
+        hidden_size=target_config.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        intermediate_size=drafter.intermediate_size or target_config.intermediate_size,
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+        rope_parameters=rope,
+        max_position_embeddings=target_config.max_position_embeddings,
+        num_layers=drafter.num_layers,
+        block_size=drafter.block_size,
+        tap_layer_ids=tuple(taps),
+        mask_token_id=int(mask),
+        num_target_layers=num_target_layers,
+        vocab_size=target_config.vocab_size,
+        layer_types=tuple(
+            "sliding_attention" if i in drafter.sliding_layers else "full_attention"
+            for i in range(drafter.num_layers)
+        ),
+        sliding_window=drafter.sliding_window if drafter.sliding_layers else None,
+    )
