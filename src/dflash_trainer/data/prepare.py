@@ -75,7 +75,7 @@ def _build(config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset
 
 
 def prepare_data(config, run_dir: str | os.PathLike, *,
-                 tokenizer: Optional[PreTrainedTokenizerFast] = None) -> PreparedData:
+                 tokenizer: Optional[PreTrainedTokenizerFast] = None, write_files: bool = True) -> PreparedData:
     """Tokenized training set (from the cache when nothing changed) and the eval slice, written to the run dir."""
     check_lengths_fit(config.data.max_length, config.pipeline.token_budget)
     if tokenizer is None:
@@ -103,7 +103,8 @@ def prepare_data(config, run_dir: str | os.PathLike, *,
         except OSError as e:
             log.warning("cannot write the tokenized cache %s (%s); set data.cache_dir to a writable dir", path, e)
     held = tuple(conversation_from_json(r) for r in meta["eval"])
-    write_eval_conversations(run_dir, held)
+    if write_files:  # one rank writes; the others read the same cache
+        write_eval_conversations(run_dir, held)
     summary = DataSummary(
         conversations_total=meta["conversations_total"], conversations_kept=len(dataset),
         eval_conversations=len(held), dropped=dict(meta["dropped"]), tokens=dataset.num_tokens,

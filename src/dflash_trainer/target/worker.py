@@ -75,7 +75,7 @@ class TargetWorkerReport:
         return 1.0 - self.num_tokens / padded if padded else 0.0
 
 
-class _Interval:
+class Interval:
     """Times the forward of one batch: CUDA events on GPU (read once done, no sync), wall clock on CPU."""
 
     def __init__(self, device: torch.device):
@@ -142,7 +142,7 @@ def run_target_worker(
     device time is known (in job order, a batch or two late on GPU).
     """
     t_start = time.perf_counter()
-    pending: list[tuple[dict, _Interval]] = []
+    pending: list[tuple[dict, Interval]] = []
     done: list[TargetBatchStats] = []
 
     def flush(wait: bool) -> None:
@@ -163,7 +163,7 @@ def run_target_worker(
             t_wait = time.perf_counter()
             slot = sender.acquire()
             slot_wait_s = time.perf_counter() - t_wait
-            interval = _Interval(slot.buffers.taps.device)
+            interval = Interval(slot.buffers.taps.device)
             batch, inputs = forward_job(capture, dataset, job, slot.buffers)
             interval.stop()
             sender.submit(slot, batch)

@@ -1,0 +1,45 @@
+"""`dflash-train export --checkpoint PATH --out DIR`: a training checkpoint in the DFlash inference format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_trainer.config import Config
+from dflash_trainer.errors import ConfigError
+
+
+def run(config: Config, args) -> int:
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.drafter.export import export_drafter
+    from dflash_trainer.drafter.model import DFlashDrafter
+    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.target.load import target_model_config
+    from dflash_trainer.train.checkpoint import COMPLETE
+
+    if not args.checkpoint or not args.out:
+        raise ConfigError("export needs --checkpoint CHECKPOINT_DIR and --out DIR")
+    ckpt = Path(args.checkpoint)
+    if not (ckpt / COMPLETE).is_file() or not (ckpt / "drafter.safetensors").is_file():
+        raise ConfigError(f"--checkpoint {ckpt} is not a complete training checkpoint (checkpoints/step_N)")
+    target_config = target_model_config(config.target)
+    mask = config.drafter.mask_token_id
+    if mask is None:
+        mask = len(load_tokenizer(config.target, config.data.chat_template))
+    spec = drafter_spec(target_config, config.drafter, mask_token_id=mask)
+    model = DFlashDrafter(spec, attention="sdpa")
+    weights = load_file(str(ckpt / "drafter.safetensors"))
+    own = model.state_dict()
+    bad = sorted(set(own) ^ set(weights)) + [k for k in own if k in weights and own[k].shape != weights[k].shape]
+    if bad:
+        raise ConfigError(
+            f"checkpoint {ckpt} does not fit the drafter of this config ({bad[:4]}): pass the --config the "
+            "run was trained with (RUN_DIR/config.yaml)"
+        )
+    model.load_state_dict(weights)
+    model.to(getattr(torch, config.target.dtype))
+    out = export_drafter(model, args.out, target_config=target_config)
+    print(f"exported {ckpt} -> {out} (config.json, model.safetensors)")
+    return 0

@@ -1,0 +1,368 @@
+"""`dflash-train train`: set up every rank, run its role, end together, write the summary.
+
+One process (no torchrun) runs colocated with a HashStore. Under torchrun every rank finds its role
+(`roles.py`), rank 0 chooses the run dir and prepares data and plans first (the others then hit the
+tokenized cache), and the roles run: targets push batches, drafters train, colocated ranks do both.
+Any exception ends the job: one process re-raises (the CLI reports it); under torchrun the failing
+rank records its cause in the store and exits at once, and the others follow (`failures.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dflash_trainer.config import Config
+from dflash_trainer.data.plan import build_epoch_plan, plan_dir, read_epoch_plan, write_epoch_plan, write_summary
+from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
+from dflash_trainer.data.tokenizer import load_tokenizer
+from dflash_trainer.data.types import Job
+from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec
+from dflash_trainer.rundir import make_run_dir
+from dflash_trainer.runtime.control import ControlPlane
+from dflash_trainer.runtime.env import DistEnv, choose_device, dist_env, init_distributed
+from dflash_trainer.runtime.failures import AbortWatchdog, fail_rank
+from dflash_trainer.runtime.jobs import STOP, StoreJobSource
+from dflash_trainer.runtime.pool import BufferedPool
+from dflash_trainer.runtime.roles import Placement, plan_placement
+from dflash_trainer.runtime.transport import LocalProducer, P2PShipper, Receiver
+from dflash_trainer.target.batch import WireSpec, allocate
+from dflash_trainer.target.capture import TapCapture
+from dflash_trainer.target.checks import check_target
+from dflash_trainer.target.head import head_from_model, load_target_head
+from dflash_trainer.target.load import load_target, target_model_config
+from dflash_trainer.target.sender import BatchSender
+from dflash_trainer.target.worker import Interval, forward_job, run_target_worker
+from dflash_trainer.train.checkpoint import load_checkpoint, resolve_resume
+from dflash_trainer.train.trainer import DrafterTrainer, TrainResult, data_fingerprint, model_signature, planned_steps
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSetup:
+    """What every rank knows once setup is done (identical on all ranks)."""
+
+    config: Config
+    env: DistEnv
+    device: torch.device
+    placement: Placement
+    run_dir: Path
+    spec: DrafterSpec
+    prepared: PreparedData
+    plans_jobs: tuple[tuple[Job, ...], ...]
+    """Every epoch's planned jobs."""
+    remaining: tuple[tuple[Job, ...], ...]
+    """Every epoch's jobs not yet committed (resume skips committed ones)."""
+    resume_path: Optional[Path]
+    drafter_group: Optional[dist.ProcessGroup]
+
+
+@dataclass
+class TargetStats:
+    tokens: int = 0
+    batches: int = 0
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+    bytes_moved: int = 0
+
+
+def run_training(config: Config) -> int:
+    env = dist_env()
+    device = choose_device(config.run.device, env.local_rank)
+    store, _ = init_distributed(env, device, config.pipeline.timeout_s)
+    control = ControlPlane(store, rank=env.rank, stall_timeout_s=config.pipeline.timeout_s)
+    holder: dict[str, Any] = {}
+    watchdog = AbortWatchdog(control, rank=env.rank).start() if env.distributed else None
+    started = time.time()
+    try:
+        setup = _setup(config, env, device, control, holder)
+        summary = _run_role(setup, control)
+        if summary is not None:
+            summary["elapsed_s"] = round(time.time() - started, 3)
+            write_summary_file(setup.run_dir, summary)
+            _print_summary(summary, setup.run_dir)
+            control.set_value("run_done", "1")
+        else:
+            control.wait_value("run_done")
+    except BaseException as error:
+        cause = f"{type(error).__name__}: {error}"
+        _write_failed_summary(holder.get("run_dir"), env.rank, cause)
+        if not env.distributed:
+            raise
+        fail_rank(control, env.rank, error)
+    if watchdog is not None:
+        watchdog.stop()
+    if env.distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+# -- setup ------------------------------------------------------------------------------------------
+
+
+def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlPlane, holder: dict) -> RunSetup:
+    placement = plan_placement(
+        rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, local_world_size=env.local_world_size,
+        pipeline=config.pipeline, num_devices=torch.cuda.device_count() if device.type == "cuda" else None,
+    )
+    if env.rank == 0:
+        run_dir = make_run_dir(config)
+        control.set_value("run_dir", str(run_dir))
+    else:
+        run_dir = Path(control.wait_value("run_dir"))
+    holder["run_dir"] = run_dir
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir)))
+    tokenizer = load_tokenizer(config.target, config.data.chat_template)
+    target_config = target_model_config(config.target)
+    mask_token_id = config.drafter.mask_token_id if config.drafter.mask_token_id is not None else len(tokenizer)
+    spec = drafter_spec(target_config, config.drafter, mask_token_id=mask_token_id)
+
+    if env.rank == 0:
+        prepared = prepare_data(config, run_dir, tokenizer=tokenizer)
+        plans = [_epoch_plan(config, run_dir, prepared, e) for e in range(config.train.num_epochs)]
+        write_summary(run_dir, summary_json(prepared.summary, plans[0]))
+        control.set_value("data_ready", "1")
+    else:
+        control.wait_value("data_ready")
+        prepared = prepare_data(config, run_dir, tokenizer=tokenizer, write_files=False)
+        plans = [read_epoch_plan(run_dir, e) for e in range(config.train.num_epochs)]
+
+    resume_path = resolve_resume(run_dir, config.train.resume) if config.train.resume else None
+    ledger = _read_ledger(resume_path) if resume_path else {}
+    remaining = tuple(
+        tuple(j for j in plan.jobs if j.job_id not in set(ledger.get(plan.epoch, []))) for plan in plans
+    )
+    group = None
+    if env.distributed:  # every rank takes part in creating the drafters' group
+        group = dist.new_group(list(placement.drafter_ranks))
+    log.info("rank %d: role %s, run dir %s, %d jobs to train", env.rank, placement.role.value, run_dir,
+             sum(len(r) for r in remaining))
+    return RunSetup(
+        config=config, env=env, device=device, placement=placement, run_dir=run_dir, spec=spec, prepared=prepared,
+        plans_jobs=tuple(p.jobs for p in plans), remaining=remaining, resume_path=resume_path, drafter_group=group,
+    )
+
+
+def _epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int):
+    """Read the epoch's plan back when it exists (resume), else build and write it."""
+    if (plan_dir(run_dir) / f"epoch_{epoch}.json").is_file():
+        return read_epoch_plan(run_dir, epoch)
+    plan = build_epoch_plan(
+        prepared.train.lengths, epoch=epoch, seed=config.run.seed, num_buckets=config.data.num_buckets,
+        token_budget=config.pipeline.token_budget, max_seqs=config.max_seqs,
+    )
+    write_epoch_plan(run_dir, plan)
+    return plan
+
+
+def _read_ledger(path: Path) -> dict[int, list[int]]:
+    state = json.loads((path / "state.json").read_text())
+    return {int(e): list(ids) for e, ids in state["ledger"].items()}
+
+
+# -- roles ------------------------------------------------------------------------------------------
+
+
+def _run_role(setup: RunSetup, control: ControlPlane) -> Optional[dict]:
+    """Returns the run summary on the leader (the first drafter rank), None elsewhere."""
+    role = setup.placement.role
+    if role.runs_target and not role.runs_drafter:
+        stats = _run_target(setup, control)
+        control.set_value(f"target_stats/{setup.env.rank}", json.dumps(dataclasses.asdict(stats)))
+        return None
+    result, target_stats, pool = _run_drafter(setup, control)
+    leader = setup.placement.rank == setup.placement.drafter_ranks[0]
+    if not leader:
+        if target_stats is not None:  # a colocated rank reports its target half too
+            control.set_value(f"target_stats/{setup.env.rank}", json.dumps(dataclasses.asdict(target_stats)))
+        return None
+    all_target_stats = [target_stats] if target_stats is not None else []
+    others = [r for r in setup.placement.target_ranks if r != setup.env.rank]
+    all_target_stats += [TargetStats(**json.loads(control.wait_value(f"target_stats/{r}"))) for r in others]
+    return _summary(setup, result, all_target_stats, pool)
+
+
+def _load_checked_target(setup: RunSetup):
+    config, spec = setup.config, setup.spec
+    target = load_target(config.target, setup.device, seed=config.run.seed)
+    check_target(
+        target, tap_layer_ids=list(spec.tap_layer_ids), drafter_hidden_size=spec.hidden_size,
+        mask_token_id=spec.mask_token_id, max_length=config.data.max_length,
+    )
+    capture = TapCapture(target, spec.tap_layer_ids, capture_last_hidden=config.drafter.kd_weight > 0)
+    return target, capture
+
+
+def _wire_spec(setup: RunSetup) -> WireSpec:
+    return WireSpec.from_config(setup.config, hidden_size=setup.spec.hidden_size, num_taps=setup.spec.num_taps)
+
+
+def _run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
+    config = setup.config
+    _, capture = _load_checked_target(setup)
+    shipper = P2PShipper(control, rank=setup.env.rank, drafter_ranks=setup.placement.drafter_ranks, device=setup.device)
+    sender = BatchSender.create(
+        _wire_spec(setup), setup.device, depth=config.pipeline.target_postprocess_depth, ship=shipper.ship,
+        finish=shipper.finish, timeout_s=config.pipeline.timeout_s, name=f"target-sender-{setup.env.rank}",
+    )
+    jobs = StoreJobSource(control, setup.remaining)
+    report = run_target_worker(capture=capture, job_source=jobs, dataset=setup.prepared.train, sender=sender)
+    return TargetStats(
+        tokens=report.num_tokens, batches=len(report.batches),
+        busy_s=sum(b.forward_s for b in report.batches), wall_s=report.wall_s, bytes_moved=shipper.bytes_sent,
+    )
+
+
+def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, Optional[TargetStats], BufferedPool]:
+    config, placement, device = setup.config, setup.placement, setup.device
+    rank = setup.env.rank
+    colocated = placement.colocated
+    target = capture = None
+    if colocated:
+        target, capture = _load_checked_target(setup)
+        head = head_from_model(target)
+    else:
+        head = load_target_head(config.target, device, seed=config.run.seed)
+    capacity = config.pipeline.pool_capacity
+    pool = BufferedPool(
+        capacity, min_ready=config.pipeline.min_ready, fifo=config.pipeline.deterministic,
+        seed=config.run.seed * 1009 + rank, timeout_s=config.pipeline.timeout_s, check_abort=control.raise_if_aborted,
+        on_release=(lambda slot: None) if colocated else (lambda slot: control.grant_credits(rank, 1)),
+    )
+    buffers = [allocate(_wire_spec(setup), device) for _ in range(capacity)]
+    resume = None
+    if setup.resume_path is not None:
+        resume = load_checkpoint(
+            setup.resume_path, model_signature=model_signature(setup.spec),
+            data_fingerprint=data_fingerprint(config, Path(setup.prepared.summary.cache_path).name),
+        )
+    remaining_jobs = sum(len(r) for r in setup.remaining)
+    trainer = DrafterTrainer(
+        config, spec=setup.spec, head=head, device=device, group=setup.drafter_group,
+        is_leader=rank == placement.drafter_ranks[0], run_dir=setup.run_dir,
+        data_key=Path(setup.prepared.summary.cache_path).name,
+        total_steps=planned_steps(config, remaining_jobs, len(placement.drafter_ranks), resume.state.step if resume else 0),
+        resume=resume, target_config=target_model_config(config.target),
+    )
+    target_stats: Optional[TargetStats] = None
+    receiver = None
+    if colocated:
+        target_stats = TargetStats()
+        jobs = StoreJobSource(control, setup.remaining)
+
+        def forward(job: Job, wire):
+            interval = Interval(device)
+            batch, inputs = forward_job(capture, setup.prepared.train, job, wire)
+            interval.stop()
+            target_stats.tokens += inputs.num_tokens
+            target_stats.batches += 1
+            target_stats.busy_s += interval.seconds()  # colocated: the step that follows waits for it anyway
+            return batch
+
+        producer = LocalProducer(pool, buffers, next_job=jobs.next_job, forward=forward)
+
+        def take():
+            producer.fill()
+            entry = pool.take()
+            return None if entry is None else (entry.item, lambda: pool.release(entry.slot))
+    else:
+        control.grant_credits(rank, capacity)
+        receiver = Receiver(control, pool, buffers, rank=rank, num_targets=len(placement.target_ranks), device=device).start()
+
+        def take():
+            entry = pool.take()
+            return None if entry is None else (entry.item, lambda: pool.release(entry.slot))
+
+    t0 = time.perf_counter()
+    result = trainer.run(take)
+    if trainer.is_leader:
+        control.set_value(STOP, "1")  # targets stop pulling jobs (max_steps reached or all done)
+        if result.state.step > 0 and (not result.checkpoints or not result.checkpoints[-1].endswith(f"step_{result.state.step}")):
+            trainer.save_checkpoint(result.state.step)
+            result.checkpoints = trainer.checkpoints
+        result.export_dir = str(trainer.export(setup.run_dir / "export"))
+    if receiver is not None:
+        receiver.drain()
+        receiver.join(config.pipeline.timeout_s)
+    if target_stats is not None:
+        target_stats.wall_s = time.perf_counter() - t0
+    trainer.close()
+    return result, target_stats, pool
+
+
+# -- summary ----------------------------------------------------------------------------------------
+
+
+def _summary(setup: RunSetup, result: TrainResult, targets: list[TargetStats], pool: BufferedPool) -> dict:
+    planned = {e: len(jobs) for e, jobs in enumerate(setup.plans_jobs)}
+    trained = {e: len(set(ids)) for e, ids in result.ledger.items()}
+    duplicated = sum(len(ids) - len(set(ids)) for ids in result.ledger.values())
+    target_tokens = sum(t.tokens for t in targets)
+    target_busy = sum(t.busy_s for t in targets)
+    target_wall = sum(t.wall_s for t in targets)
+    drafter_wall = result.elapsed_s
+    return {
+        "status": "ok",
+        "run_dir": str(setup.run_dir),
+        "world_size": setup.env.world_size,
+        "roles": [r.value for r in setup.placement.roles],
+        "steps": result.state.step,
+        "skipped_steps": result.state.skipped_steps,
+        "jobs_planned": {str(e): n for e, n in planned.items()},
+        "jobs_trained": {str(e): trained.get(e, 0) for e in planned},
+        "jobs_duplicated": duplicated,
+        "tokens_trained": result.state.tokens,
+        "I_tokens_per_s": target_tokens / target_busy if target_busy > 0 else None,
+        "T_tokens_per_s": result.state.tokens / result.step_time_s if result.step_time_s > 0 else None,
+        "throughput_tokens_per_s": result.state.tokens / drafter_wall if drafter_wall > 0 else None,
+        "drafter_wait_frac": result.wait_time_s / drafter_wall if drafter_wall > 0 else None,
+        "target_idle_frac": (1 - target_busy / target_wall) if target_wall > 0 and not setup.placement.colocated else None,
+        "pool_depth_max": pool.stats.depth_max,
+        "pool_depth_mean": pool.stats.depth_sum / pool.stats.takes if pool.stats.takes else 0.0,
+        "bytes_moved": sum(t.bytes_moved for t in targets),
+        "final_loss": result.last_record.loss if result.last_record else None,
+        "final_acc": result.last_record.accuracy if result.last_record else None,
+        "final_sim_tau": result.last_record.sim_tau if result.last_record else None,
+        "checkpoints": result.checkpoints,
+        "export_dir": result.export_dir,
+    }
+
+
+def write_summary_file(run_dir: Path, summary: dict) -> None:
+    path = Path(run_dir) / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(path)
+
+
+def _write_failed_summary(run_dir: Optional[Path], rank: int, cause: str) -> None:
+    if run_dir is None:
+        return
+    try:
+        write_summary_file(run_dir, {"status": "failed", "failed_rank": rank, "cause": cause})
+    except OSError:
+        pass
+
+
+def _print_summary(summary: dict, run_dir: Path) -> None:
+    keys = ["status", "steps", "tokens_trained", "final_loss", "final_acc", "final_sim_tau", "jobs_planned",
+            "jobs_trained", "jobs_duplicated", "I_tokens_per_s", "T_tokens_per_s", "drafter_wait_frac",
+            "target_idle_frac", "pool_depth_max", "elapsed_s", "export_dir"]
+    width = max(map(len, keys))
+    lines = [f"{k:<{width}}  {_fmt(summary.get(k))}" for k in keys]
+    print("\n".join(["", "run summary", *lines, f"{'run dir':<{width}}  {run_dir}"]), flush=True)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    return str(v)

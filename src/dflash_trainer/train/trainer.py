@@ -1,0 +1,226 @@
+"""The drafter side of a run: model, optimizer, resume, the step loop, checkpoints, logs, export.
+
+Placement-free: the runtime hands it a `take()` that yields batches (from a pool filled by a receiver
+thread or by the colocated target) and the drafters' process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from dflash_trainer.config import Config
+from dflash_trainer.drafter.export import export_drafter, init_from_export
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.spec import DrafterSpec
+from dflash_trainer.target.batch import HiddenStateBatch
+from dflash_trainer.target.head import TargetHead
+from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
+from dflash_trainer.train.metrics import build_sinks
+from dflash_trainer.train.micro_step import make_micro_step
+from dflash_trainer.train.optim import build_optimizer
+from dflash_trainer.train.schedule import build_scheduler
+from dflash_trainer.train.step_loop import LoopState, StepLoop, StepRecord
+
+log = logging.getLogger(__name__)
+
+Take = Callable[[], Optional[tuple[HiddenStateBatch, Callable[[], None]]]]
+
+
+def model_signature(spec: DrafterSpec) -> dict:
+    """What a checkpoint must share with the config to resume."""
+    d = asdict(spec)
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "rope_parameters"}
+
+
+def data_fingerprint(config: Config, cache_key: str) -> str:
+    parts = [cache_key, config.pipeline.token_budget, config.max_seqs, config.data.num_buckets, config.run.seed]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
+@dataclass
+class TrainResult:
+    state: LoopState
+    ledger: dict[int, list[int]]
+    """Committed job ids per epoch, resume included."""
+    elapsed_s: float
+    step_time_s: float
+    """Drafter busy time (steps minus waiting for batches)."""
+    wait_time_s: float
+    last_record: Optional[StepRecord]
+    checkpoints: list[str] = field(default_factory=list)
+    export_dir: Optional[str] = None
+
+
+class DrafterTrainer:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        spec: DrafterSpec,
+        head: TargetHead,
+        device: torch.device,
+        group: Optional[dist.ProcessGroup],
+        is_leader: bool,
+        run_dir: Path,
+        data_key: str,
+        total_steps: int,
+        resume: Optional[LoadedCheckpoint] = None,
+        target_config=None,
+        on_step: Callable[[StepRecord], None] = lambda record: None,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.head = head
+        self.device = device
+        self.group = group
+        self.is_leader = is_leader
+        self.run_dir = run_dir
+        self.target_config = target_config
+        self.total_steps = max(1, total_steps)
+        self.on_step_extra = on_step
+        self.signature = model_signature(spec)
+        self.fingerprint = data_fingerprint(config, data_key)
+        torch.manual_seed(config.run.seed)
+        self.model = DFlashDrafter(spec, attention=config.drafter.attention).to(device)
+        with torch.no_grad():
+            self.model.init_weights()
+        if config.drafter.init_from:
+            init_from_export(self.model, config.drafter.init_from)
+        self.optimizer = build_optimizer(self.model, config.train)
+        self.scheduler = build_scheduler(
+            self.optimizer, total_steps=self.total_steps, warmup_ratio=config.train.warmup_ratio,
+            min_lr_ratio=config.train.min_lr_ratio,
+        )
+        self.ledger: dict[int, list[int]] = {}
+        start_step = 0
+        if resume is not None:
+            self._restore(resume)
+            start_step = resume.state.step
+        self.loop = StepLoop(
+            start_step=start_step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            micro_step=make_micro_step(config, self.model, head, device=device, progress=self.progress),
+            job_key=lambda b: (b.epoch, b.job_id),
+            grad_accum=config.train.grad_accum,
+            block_size=spec.block_size,
+            grad_clip=config.train.grad_clip,
+            group=group,
+            device=device,
+            max_steps=config.train.max_steps,
+            max_nonfinite_steps=config.train.max_nonfinite_steps,
+        )
+        self.sink = build_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb, enabled=is_leader)
+        self.checkpoints: list[str] = []
+
+    def progress(self) -> float:
+        return min(1.0, self.loop.state.step / self.total_steps) if hasattr(self, "loop") else 0.0
+
+    def _restore(self, ckpt: LoadedCheckpoint) -> None:
+        missing = set(self.model.state_dict()) ^ set(ckpt.weights)
+        if missing:
+            raise ValueError(f"checkpoint {ckpt.path} weights do not match the drafter: {sorted(missing)[:4]}")
+        self.model.load_state_dict({k: v.to(self.device) for k, v in ckpt.weights.items()})
+        self.optimizer.load_state_dict(ckpt.optimizer_state)
+        self.scheduler.load_state_dict(ckpt.state.scheduler)
+        self.ledger = {e: list(ids) for e, ids in ckpt.state.ledger.items()}
+        torch.set_rng_state(ckpt.rng["torch"])
+        random.setstate((3, tuple(ckpt.python_random), None))
+        log.info("resumed from %s at step %d (%d jobs committed)", ckpt.path, ckpt.state.step,
+                 sum(len(v) for v in self.ledger.values()))
+
+    def run(self, take: Take) -> TrainResult:
+        start = time.perf_counter()
+        busy = wait = 0.0
+        last: Optional[StepRecord] = None
+        seen = len(self.loop.state.committed)
+        bar = self._progress_bar()
+
+        def on_step(record: StepRecord) -> None:
+            nonlocal busy, wait, last, seen
+            busy += record.step_time_s - record.wait_time_s
+            wait += record.wait_time_s
+            last = record
+            for e, j in self.loop.state.committed[seen:]:
+                self.ledger.setdefault(e, []).append(j)
+            seen = len(self.loop.state.committed)
+            self._log(record, busy, time.perf_counter() - start, bar)
+            if record.step % self.config.train.checkpoint_interval == 0 and not record.skipped:
+                self.save_checkpoint(record.step)
+            self.on_step_extra(record)
+
+        state = self.loop.run(take, on_step)
+        if bar is not None:
+            bar.close()
+        return TrainResult(
+            state=state, ledger=self.ledger, elapsed_s=time.perf_counter() - start, step_time_s=busy,
+            wait_time_s=wait, last_record=last, checkpoints=self.checkpoints,
+        )
+
+    def _progress_bar(self):
+        if not (self.is_leader and self.config.logging.progress):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.loop.state.step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _log(self, record: StepRecord, busy: float, elapsed: float, bar) -> None:
+        if not self.is_leader:
+            return
+        tokens_per_s = self.loop.state.tokens / elapsed if elapsed > 0 else 0.0
+        values = {
+            "loss": record.loss, "acc": record.accuracy, "sim_tau": record.sim_tau, "lr": record.lr,
+            "grad_norm": record.grad_norm, "batches": record.batches, "tokens": record.tokens,
+            "tokens_per_s": tokens_per_s, "step_time_s": record.step_time_s, "wait_time_s": record.wait_time_s,
+            "skipped": record.skipped, "jobs": list(record.job_ids),
+            "slot_acc": [round(a, 4) for a in record.slot_accuracy],
+        }
+        self.sink.log(record.step, values)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{record.loss:.3f}", acc=f"{record.accuracy:.3f}", tau=f"{record.sim_tau:.2f}",
+                            tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        elif record.step % self.config.train.log_interval == 0:
+            log.info("step %d loss %.4f acc %.3f sim_tau %.2f lr %.2e tok/s %.0f", record.step, record.loss,
+                     record.accuracy, record.sim_tau, record.lr, tokens_per_s)
+
+    def save_checkpoint(self, step: int) -> Optional[Path]:
+        if not self.is_leader:
+            return None
+        state = CheckpointState(
+            step=step, epoch=max(self.ledger) if self.ledger else 0, ledger=self.ledger,
+            model_signature=self.signature, data_fingerprint=self.fingerprint,
+            scheduler=self.scheduler.state_dict(), extra={"tokens": self.loop.state.tokens},
+        )
+        path = save_checkpoint(self.run_dir, state, dict(self.model.state_dict()), self.optimizer.state_dict(),
+                               keep_last=self.config.train.keep_last)
+        self.checkpoints.append(str(path))
+        log.info("checkpoint %s", path)
+        return path
+
+    def export(self, out_dir: Path) -> Path:
+        return export_drafter(self.model, out_dir, target_config=self.target_config)
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def planned_steps(config: Config, remaining_jobs: int, num_drafters: int, start_step: int) -> int:
+    """Optimizer steps the schedule spans: the remaining jobs over (grad_accum x drafters), capped by max_steps."""
+    steps = start_step + math.ceil(remaining_jobs / (config.train.grad_accum * max(1, num_drafters)))
+    if config.train.max_steps is not None:
+        steps = min(steps, config.train.max_steps)
+    return max(1, steps)
+
