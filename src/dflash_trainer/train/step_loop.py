@@ -228,6 +228,7 @@ class StepLoop(Generic[B]):
             gathered = local
         else:
             gathered = torch.empty(self.world * self.grad_accum, 2, dtype=torch.int64, device=self.device)
-            dist.all_gather_into_tensor(gathered, local, group=self.group)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+            gather(gathered, local, group=self.group)
         rows = gathered.tolist()  # host sync: the ledger lives on the host (once per step)
         return [(e, j) for e, j in rows if j >= 0]
