@@ -14,6 +14,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.regen.runner import Backend, regenerate
 from dflash_trainer.regen.settings import settings_from_config
+from dflash_trainer.regen.turns import limit_turns
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def build_backend(config: Config) -> Backend:
         thinking=regen.thinking,
         batch_size=regen.batch_size,
         seed=config.run.seed,
+        max_prompt_tokens=regen.max_prompt_tokens,
     )
 
 
@@ -77,7 +79,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
     from dflash_trainer.data.sources import load_conversations
 
     loaded = load_conversations(config.data, seed=config.run.seed)
-    conversations, report = list(loaded.conversations), loaded.report
+    conversations = [limit_turns(c, config.regenerate.max_turns) for c in loaded.conversations]
+    report = loaded.report
     if config.data.max_conversations is not None:
         conversations = conversations[: config.data.max_conversations]
     if not conversations:

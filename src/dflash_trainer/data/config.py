@@ -81,6 +81,10 @@ class RegenerateConfig:
     model: Optional[str] = None
     """Model name the server must report; defaults to target.path."""
     max_new_tokens: int = 512
+    max_turns: Optional[int] = None
+    """Regenerate at most this many user turns per conversation (later turns are dropped); None: all."""
+    max_prompt_tokens: Optional[int] = None
+    """(local) Fail rows whose prompt is longer than this many tokens; None: only the target's context limit."""
     """Cap on each generated reply's tokens."""
     concurrency: int = 8
     """Conversations answered in parallel by the openai backend (worker threads)."""
@@ -102,6 +106,9 @@ class RegenerateConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("local", "openai"):
             raise ConfigError(f"regenerate.backend must be local or openai, got {self.backend!r}")
+        for key in ("max_turns", "max_prompt_tokens"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"regenerate.{key} must be >= 1 or null, got {getattr(self, key)}")
         for key in ("max_new_tokens", "concurrency", "batch_size", "shard_rows"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"regenerate.{key} must be >= 1, got {getattr(self, key)}")

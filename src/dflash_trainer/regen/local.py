@@ -55,8 +55,10 @@ class LocalBackend:
         thinking: bool,
         batch_size: int,
         seed: int = 0,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.model = model
+        self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = tokenizer
         self.thinking = thinking
         self.batch_size = batch_size
@@ -122,6 +124,8 @@ class LocalBackend:
             as_dicts(messages), tokenize=False, add_generation_prompt=True, enable_thinking=self.thinking
         )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            return f"prompt of {len(ids)} tokens exceeds regenerate.max_prompt_tokens={self.max_prompt_tokens}"
         if self.max_positions is not None and len(ids) + self.max_new_tokens > self.max_positions:
             return (
                 f"prompt of {len(ids)} tokens + max_new_tokens {self.max_new_tokens} exceeds the target's "

@@ -32,6 +32,10 @@ class RegenSettings:
     """Cap on each reply's tokens."""
     chat_template: Optional[str]
     """data.chat_template used by the local backend (None: the tokenizer's; the server's for openai)."""
+    max_turns: Optional[int] = None
+    """User turns regenerated per conversation (None: all)."""
+    max_prompt_tokens: Optional[int] = None
+    """Prompts longer than this failed (local backend; None: no cap but the target's context)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,6 +59,8 @@ def settings_from_config(config: Any) -> RegenSettings:
         temperature=float(regen.temperature),
         max_new_tokens=int(regen.max_new_tokens),
         chat_template=config.data.chat_template if regen.backend == "local" else None,
+        max_turns=regen.max_turns,
+        max_prompt_tokens=regen.max_prompt_tokens if regen.backend == "local" else None,
     )
 
 

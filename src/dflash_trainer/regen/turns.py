@@ -77,6 +77,20 @@ class TurnState:
         return RegenOutcome(row_id=self.row_id, messages=tuple(self._messages), error=None)
 
 
+def limit_turns(conversation: Conversation, max_turns: int | None) -> Conversation:
+    """The conversation cut before its (max_turns + 1)-th user turn (None: unchanged)."""
+    if max_turns is None:
+        return conversation
+    users = 0
+    for i, m in enumerate(conversation.messages):
+        if m.role == "user":
+            users += 1
+            if users > max_turns:
+                return Conversation(messages=conversation.messages[:i], source=conversation.source,
+                                    source_index=conversation.source_index)
+    return conversation
+
+
 def start(conversation: Conversation) -> TurnState | RegenOutcome:
     """A `TurnState` for a usable conversation, else its failed outcome."""
     reason = structure_error(conversation)
