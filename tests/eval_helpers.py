@@ -11,34 +11,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from dflash_trainer.drafter.anchors import plan_blocks
-from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.loss import drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.drafter.spec import drafter_spec
 from dflash_trainer.eval.speculative import DFlashProposer, target_generate
 from dflash_trainer.target.presets import preset_config
-
-TAPS = [1, 3]
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny CPU ops run faster on one thread (and do not stall when the cores are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_drafter(target_config, *, block_size: int = 4, num_layers: int = 2, seed: int = 0) -> DFlashDrafter:
-    config = DrafterConfig(num_layers=num_layers, block_size=block_size, gamma=2.0, tap_layer_ids=TAPS)
-    spec = drafter_spec(target_config, config, mask_token_id=target_config.vocab_size - 1)
-    torch.manual_seed(seed)
-    return DFlashDrafter(spec, attention="sdpa")
+from tests.drafter_helpers import tiny_drafter
 
 
 def proposer_for(drafter: DFlashDrafter, target) -> DFlashProposer:
@@ -110,7 +90,7 @@ def fitted(block_size: int = 4) -> Fitted:
         target = tiny_target_model()
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 1000, (n,), generator=generator) for n in (9, 14, 20, 11)]
-        drafter = make_drafter(target.config, block_size=block_size)
+        drafter, _ = tiny_drafter(block_size=block_size)  # 2 layers, taps [1, 3]
         fit_drafter(drafter, target, prompts, steps=40)
     finally:
         torch.set_num_threads(threads)

@@ -20,7 +20,8 @@ from dflash_trainer.eval.drafter_eval import eval_prompts_path
 from dflash_trainer.eval.evaluate import evaluate_tau
 from dflash_trainer.eval.speculative import speculative_generate, target_generate
 from dflash_trainer.target.presets import preset_config
-from tests.eval_helpers import fitted, make_drafter, proposer_for, single_thread  # noqa: F401 (fixture)
+from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
+from tests.eval_helpers import fitted, proposer_for
 
 MESSAGES = [
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -42,7 +43,7 @@ def _spec_and_plain(target, drafter, prompt, *, block_size, max_new=24, stop=())
 def test_speculative_output_equals_greedy_target_output(trained):
     """The lossless property, with a random drafter (acceptance ~1) and a partly fitted one (long accepts)."""
     setup = fitted()
-    drafter = setup.drafter if trained else make_drafter(setup.target.config, seed=3)
+    drafter = setup.drafter if trained else tiny_drafter(seed=3)[0]
     lengths = []
     for i, prompt in enumerate(setup.prompts):
         out, ref = _spec_and_plain(setup.target, drafter, prompt, block_size=4, max_new=21 + i)
