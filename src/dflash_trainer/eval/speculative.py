@@ -135,7 +135,9 @@ def speculative_generate(
     n = prompt_ids.shape[0]
     cache = DynamicCache(config=target.config)
     proposer.reset()
-    out = _forward(target, prompt_ids[None], cache, output_hidden_states=True)
+    # logits of the last prompt position only: all T rows would be T x V (GBs for long prompts), and one
+    # row is also what plain decoding and the reference loop compute (same bits, same first token)
+    out = _forward(target, prompt_ids[None], cache, output_hidden_states=True, logits_to_keep=1)
     proposer.add_context(_tap_features(out.hidden_states, tap_layer_ids), torch.arange(n, device=device))
     first = int(_pick(out.logits[0, -1], temperature, generator))  # host sync: the loop needs the token
     generated = [first]

@@ -1,0 +1,69 @@
+"""`dflash-train eval --drafter EXPORT_DIR [--out DIR]`: real acceptance length (tau) of an exported drafter.
+
+Loads the target, its tokenizer and the drafter export, checks they fit, runs speculative decoding on the
+eval prompts (`eval.prompts`, default `RUN_DIR/plan/eval.jsonl`) with plain target decoding as the
+baseline, prints the report and writes `eval.json` to `--out` (default: the run dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+from dflash_trainer.config import Config
+from dflash_trainer.data.tokenizer import load_tokenizer
+from dflash_trainer.drafter.export import load_drafter
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.eval.drafter_eval import (  # noqa: F401 (evaluate_drafter re-exported for the trainer)
+    check_drafter_fits, eval_prompts_path, evaluate_drafter, warn_regen_mismatch,
+)
+from dflash_trainer.eval.evaluate import format_report, load_prompt_messages
+from dflash_trainer.runtime.env import choose_device
+from dflash_trainer.target.head import head_from_model
+from dflash_trainer.target.load import load_target
+
+log = logging.getLogger(__name__)
+
+
+def _out_dir(config: Config, args: Optional[argparse.Namespace]) -> Path:
+    out = getattr(args, "out", None) or config.run.dir
+    if not out:
+        raise ConfigError("nowhere to write eval.json: pass --out DIR or set run.dir")
+    return Path(out)
+
+
+def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
+    start = time.perf_counter()
+    drafter_dir = getattr(args, "drafter", None)
+    if not drafter_dir:
+        raise ConfigError("dflash-train eval needs --drafter EXPORT_DIR (a directory written by `dflash-train export`)")
+    out_dir = _out_dir(config, args)
+    prompts_path = eval_prompts_path(config)
+    messages = load_prompt_messages(prompts_path, config.eval.num_prompts)
+    warn_regen_mismatch(config)
+
+    device = choose_device(config.run.device, 0)
+    target = load_target(config.target, device, seed=config.run.seed)
+    drafter = load_drafter(drafter_dir)
+    check_drafter_fits(drafter.spec, target, where=str(drafter_dir))
+    # The drafter runs in the target's dtype, as an inference engine serves it.
+    drafter = drafter.to(device=device, dtype=target.get_input_embeddings().weight.dtype).eval()
+    tokenizer = load_tokenizer(config.target, config.data.chat_template)
+
+    report = evaluate_drafter(config, target, tokenizer, drafter, messages, head=head_from_model(target))
+    print(format_report(report))
+    result = report.to_json() | {
+        "drafter": str(drafter_dir),
+        "max_new_tokens": config.eval.max_new_tokens,
+        "prompts_path": str(prompts_path),
+        "thinking": config.data.thinking,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "eval.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}  [{time.perf_counter() - start:.1f}s]")
+    return 0

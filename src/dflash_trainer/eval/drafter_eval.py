@@ -1,0 +1,105 @@
+"""Evaluate a DFlash drafter against its target: fit checks, prompt selection, and real tau.
+
+`evaluate_drafter` is what both `dflash-train eval` (a drafter export, a freshly loaded target) and the
+trainer (its live drafter, the colocated target object it already holds) call: it encodes the prompts with
+the chat template the data was rendered with, then runs speculative decoding greedy (or at
+`eval.temperature`) with plain target decoding as the baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+from torch import nn
+
+from dflash_trainer.data.plan import plan_dir
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.spec import DrafterSpec
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.eval.evaluate import EvalReport, encode_prompts, evaluate_tau
+from dflash_trainer.eval.speculative import DFlashProposer
+from dflash_trainer.regen.local import stop_token_ids
+from dflash_trainer.regen.settings import check_regen_settings
+from dflash_trainer.target.checks import check_target
+from dflash_trainer.target.head import TargetHead
+from dflash_trainer.target.load import find_decoder_layers
+
+log = logging.getLogger(__name__)
+
+
+def check_drafter_fits(spec: DrafterSpec, target: nn.Module, *, where: str) -> None:
+    """The drafter can run on this target: same hidden size, mask id a row of the target's embedding, taps
+    on existing layers other than the last. `where` names the drafter (an export directory) in the error."""
+    try:
+        check_target(target, tap_layer_ids=spec.tap_layer_ids, drafter_hidden_size=spec.hidden_size,
+                     mask_token_id=spec.mask_token_id)
+    except ConfigError as e:
+        raise ConfigError(f"drafter {where} does not fit the target: {e}") from None
+    num_layers = len(find_decoder_layers(target))
+    if spec.num_target_layers != num_layers:
+        log.warning("drafter %s was built for a %d-layer target, this target has %d layers; evaluating anyway",
+                    where, spec.num_target_layers, num_layers)
+
+
+def eval_prompts_path(config: Any) -> Path:
+    """`eval.prompts`, else `RUN_DIR/plan/eval.jsonl` (written by `dflash-train plan`/`train`)."""
+    if config.eval.prompts:
+        return Path(config.eval.prompts)
+    if config.run.dir:
+        path = plan_dir(config.run.dir) / "eval.jsonl"
+        if path.is_file():
+            return path
+        where = f"{path} does not exist"
+    else:
+        where = "run.dir is not set"
+    raise ConfigError(
+        f"no eval prompts: eval.prompts is not set and {where}; set eval.prompts to a JSONL of "
+        "{\"messages\": [...]} rows, or run.dir to a run directory made by `dflash-train plan`"
+    )
+
+
+def warn_regen_mismatch(config: Any) -> list[str]:
+    """Log (and return) warnings when a regenerated training source used other thinking/temperature settings."""
+    warnings = []
+    for source in config.data.resolved_sources():
+        if Path(source.path).is_dir():
+            warnings += check_regen_settings(source.path, config.data.thinking, config.eval.temperature)
+    for warning in warnings:
+        log.warning(warning)
+    return warnings
+
+
+def evaluate_drafter(
+    config: Any,
+    target: nn.Module,
+    tokenizer,
+    drafter: DFlashDrafter,
+    prompts_messages: Sequence[list[dict]],
+    *,
+    head: TargetHead,
+) -> EvalReport:
+    """Real tau of `drafter` on `target` (any devices: the drafter runs where its weights are, the head is
+    moved there) over `prompts_messages` (chat messages up to the last user turn), with the baseline.
+
+    Prompts are rendered with `data.thinking` and keep their last `data.max_length - eval.max_new_tokens`
+    tokens; generation stops at the tokenizer's eos / end-of-turn tokens or after `eval.max_new_tokens`.
+    """
+    ecfg = config.eval
+    max_prompt_tokens = config.data.max_length - ecfg.max_new_tokens
+    if max_prompt_tokens < 1:
+        raise ConfigError(
+            f"eval.max_new_tokens ({ecfg.max_new_tokens}) leaves no room for a prompt within data.max_length "
+            f"({config.data.max_length}); lower eval.max_new_tokens"
+        )
+    spec = drafter.spec
+    device = next(drafter.parameters()).device
+    proposer = DFlashProposer(drafter, head.embed_weight.to(device), head.lm_head_weight.to(device), spec.mask_token_id)
+    prompts = encode_prompts(tokenizer, prompts_messages, thinking=config.data.thinking,
+                             max_prompt_tokens=max_prompt_tokens)
+    return evaluate_tau(
+        target, proposer, prompts, block_size=spec.block_size, tap_layer_ids=spec.tap_layer_ids,
+        max_new_tokens=ecfg.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, target),
+        temperature=ecfg.temperature, seed=config.run.seed, with_baseline=True,
+    )

@@ -1,0 +1,97 @@
+"""A tiny drafter partly fitted to a tiny target's own greedy continuations (CPU, fp32), for tau tests.
+
+An untrained drafter is rejected at nearly every step (tau 1), which tests little of the acceptance
+accounting. A few dozen steps of the real training objective (`forward_train` + `drafter_loss`) on the
+target's greedy continuations of the eval prompts give a drafter that is right for some slots and wrong
+for others, so steps accept 1, 2, ... B tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trainer.drafter.anchors import plan_blocks
+from dflash_trainer.drafter.loss import drafter_loss
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.eval.speculative import DFlashProposer, target_generate
+from dflash_trainer.target.presets import preset_config
+from tests.drafter_helpers import tiny_drafter
+
+
+def proposer_for(drafter: DFlashDrafter, target) -> DFlashProposer:
+    return DFlashProposer(drafter, target.get_input_embeddings().weight, target.lm_head.weight,
+                          drafter.spec.mask_token_id)
+
+
+@torch.no_grad()
+def _taps(target, ids: torch.Tensor, tap_layer_ids) -> torch.Tensor:
+    out = target(ids[None], output_hidden_states=True)
+    return torch.cat([out.hidden_states[l + 1][0] for l in tap_layer_ids], dim=-1)  # (T, K*H)
+
+
+def fit_drafter(drafter: DFlashDrafter, target, prompts: list[torch.Tensor], *, new_tokens: int = 40,
+                steps: int = 30, lr: float = 3e-3, num_blocks: int = 64) -> None:
+    """Train `drafter` in place for `steps` Adam steps on the target's greedy continuations of `prompts`."""
+    spec = drafter.spec
+    ids, masks, taps = [], [], []
+    for prompt in prompts:
+        cont = target_generate(target, prompt, max_new_tokens=new_tokens, stop_token_ids=[]).output_ids
+        seq = torch.cat([prompt, torch.tensor(cont)])  # (L,)
+        ids.append(seq)
+        mask = torch.zeros(seq.shape[0], dtype=torch.bool)
+        mask[prompt.shape[0] - 1:] = True  # the last prompt token anchors the first block, as in decoding
+        masks.append(mask)
+        taps.append(_taps(target, seq, spec.tap_layer_ids))
+    lengths = torch.tensor([0] + [s.shape[0] for s in ids])
+    cu_seqlens = lengths.cumsum(0).to(torch.int32)  # (S+1,)
+    input_ids, loss_mask, all_taps = torch.cat(ids), torch.cat(masks), torch.cat(taps)
+    embed, head = target.get_input_embeddings().weight, target.lm_head.weight
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=lr)
+    for step in range(steps):
+        plan = plan_blocks(input_ids=input_ids, loss_mask=loss_mask, cu_seqlens=cu_seqlens, num_blocks=num_blocks,
+                           block_size=spec.block_size, mask_token_id=spec.mask_token_id, seed=0, epoch=0, job_id=step)
+        hidden = drafter.forward_train(taps=all_taps, cu_seqlens=cu_seqlens, plan=plan, embed_weight=embed)
+        loss = drafter_loss(hidden, plan, lm_head_weight=head, gamma=2.0, chunk_rows=4096)
+        optimizer.zero_grad()
+        (loss.loss_sum / loss.weight_sum).backward()
+        optimizer.step()
+    drafter.requires_grad_(False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fitted:
+    """A tiny fp32 target, prompts, and a drafter fitted on the target's continuations of them (read-only)."""
+
+    target: torch.nn.Module
+    prompts: list[torch.Tensor]
+    """(L,) int64 token ids each, on CPU."""
+    drafter: DFlashDrafter
+
+
+def tiny_target_model(seed: int = 1234):
+    """The tiny preset with random weights, fp32, frozen (as the shared `tiny_target` fixture builds it)."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(preset_config("tiny")).eval()
+    model.requires_grad_(False)
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def fitted(block_size: int = 4) -> Fitted:
+    """Built once per test session (fitting takes ~2 s on one CPU thread); tests must not modify it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = tiny_target_model()
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 1000, (n,), generator=generator) for n in (9, 14, 20, 11)]
+        drafter, _ = tiny_drafter(block_size=block_size)  # 2 layers, taps [1, 3]
+        fit_drafter(drafter, target, prompts, steps=40)
+    finally:
+        torch.set_num_threads(threads)
+    return Fitted(target=target, prompts=prompts, drafter=drafter)

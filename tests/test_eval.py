@@ -1,0 +1,178 @@
+"""Evaluation with a real DFlash drafter: lossless speculative decoding, tau accounting, `dflash-train eval`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+
+import pytest
+
+from dflash_trainer import cli
+from dflash_trainer.config import load_config
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.export import export_drafter
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.spec import drafter_spec
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.eval.drafter_eval import eval_prompts_path
+from dflash_trainer.eval.evaluate import evaluate_tau
+from dflash_trainer.eval.speculative import speculative_generate, target_generate
+from dflash_trainer.target.presets import preset_config
+from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
+from tests.eval_helpers import fitted, proposer_for
+
+MESSAGES = [
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 5?"},
+     {"role": "assistant", "content": "8, dropped: eval prompts end at the last user turn"}],
+    [{"role": "user", "content": "List three colours."}],
+]
+
+
+def _spec_and_plain(target, drafter, prompt, *, block_size, max_new=24, stop=()):
+    out = speculative_generate(target, proposer_for(drafter, target), prompt, block_size=block_size,
+                               tap_layer_ids=drafter.spec.tap_layer_ids, max_new_tokens=max_new, stop_token_ids=stop)
+    ref = target_generate(target, prompt, max_new_tokens=max_new, stop_token_ids=stop)
+    return out, ref
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_speculative_output_equals_greedy_target_output(trained):
+    """The lossless property, with a random drafter (acceptance ~1) and a partly fitted one (long accepts)."""
+    setup = fitted()
+    drafter = setup.drafter if trained else tiny_drafter(seed=3)[0]
+    lengths = []
+    for i, prompt in enumerate(setup.prompts):
+        out, ref = _spec_and_plain(setup.target, drafter, prompt, block_size=4, max_new=21 + i)
+        assert out.output_ids == ref.output_ids
+        assert len(out.output_ids) == 21 + i and sum(out.acceptance_lengths) == len(out.output_ids) - 1
+        assert all(1 <= n <= 4 for n in out.acceptance_lengths)
+        lengths += out.acceptance_lengths
+    if trained:  # the fitted drafter is right often enough that every acceptance length occurs
+        assert set(lengths) == {1, 2, 3, 4}
+
+
+def test_speculative_stops_at_stop_token_like_plain_decoding():
+    setup = fitted()
+    prompt = setup.prompts[2]
+    free = target_generate(setup.target, prompt, max_new_tokens=30, stop_token_ids=[]).output_ids
+    stop = free[12]
+    out, ref = _spec_and_plain(setup.target, setup.drafter, prompt, block_size=4, max_new=30, stop=[stop])
+    assert out.output_ids == ref.output_ids == free[: free.index(stop) + 1]
+    assert out.stop_reason == ref.stop_reason == "eos"
+
+
+def test_evaluate_tau_histogram_and_formula():
+    setup = fitted()
+    proposer = proposer_for(setup.drafter, setup.target)
+    report = evaluate_tau(setup.target, proposer, setup.prompts, block_size=4, tap_layer_ids=setup.drafter.spec.tap_layer_ids,
+                          max_new_tokens=20, stop_token_ids=[])
+    per_prompt = [speculative_generate(setup.target, proposer, p, block_size=4, tap_layer_ids=setup.drafter.spec.tap_layer_ids,
+                                       max_new_tokens=20, stop_token_ids=[]).acceptance_lengths for p in setup.prompts]
+    all_lengths = [n for lengths in per_prompt for n in lengths]
+    assert report.acceptance_histogram == [all_lengths.count(k) for k in range(1, 5)]
+    assert sum(report.acceptance_histogram) == report.steps == len(all_lengths)
+    committed = sum(k * c for k, c in enumerate(report.acceptance_histogram, 1))
+    assert report.tau == pytest.approx(committed / report.steps)
+    assert 1.2 < report.tau <= 4  # the fitted drafter is accepted beyond the bonus token
+    assert report.tokens_generated == 4 * 20 == committed + report.prompts  # + the prefill's token per prompt
+    assert report.greedy_match_rate == 1.0 and report.target_tokens_per_s > 0 and report.speculative_tokens_per_s > 0
+    sampled = evaluate_tau(setup.target, proposer, setup.prompts[:2], block_size=4, max_new_tokens=10,
+                           tap_layer_ids=setup.drafter.spec.tap_layer_ids, stop_token_ids=[], temperature=0.8)
+    assert sampled.greedy_match_rate is None and sampled.tokens_generated == 20
+    assert sum(k * c for k, c in enumerate(sampled.acceptance_histogram, 1)) == 20 - 2
+
+
+def _tiny_config(tmp_path, *overrides):
+    return load_config(None, ["target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32",
+                              "run.device=cpu", f"run.dir={tmp_path / 'run'}", "eval.num_prompts=2",
+                              "eval.max_new_tokens=10", "data.max_length=64", *overrides])
+
+
+def _export_for(path, **spec_changes):
+    """A random 1-layer drafter export for the tiny target, with `spec_changes` (e.g. another hidden size)."""
+    target_config = preset_config("tiny")
+    config = DrafterConfig(num_layers=1, block_size=4, gamma=2.0, tap_layer_ids=[1, 3])
+    spec = drafter_spec(target_config, config, mask_token_id=target_config.vocab_size - 1)
+    return export_drafter(DFlashDrafter(dataclasses.replace(spec, **spec_changes)), path)
+
+
+def _write_prompts(path, rows=MESSAGES):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+
+
+def test_eval_command_end_to_end(tmp_path, capsys, caplog):
+    export = _export_for(tmp_path / "export")
+    _write_prompts(tmp_path / "run" / "plan" / "eval.jsonl")  # the default prompts: RUN_DIR/plan/eval.jsonl
+    data_dir = tmp_path / "regen"
+    data_dir.mkdir()
+    (data_dir / "manifest.json").write_text(json.dumps({"settings": {"thinking": True, "temperature": 0.0},
+                                                        "complete": True}))
+    with caplog.at_level(logging.WARNING):
+        rc = cli.main(["eval", "--drafter", str(export), "target.random_init=tiny", "target.tokenizer=tiny",
+                       "target.dtype=float32", "run.device=cpu", f"run.dir={tmp_path / 'run'}", "eval.num_prompts=2",
+                       "eval.max_new_tokens=10", "data.max_length=64", f"data.path={data_dir}"])
+    assert rc == 0
+    assert any("thinking=on" in r.getMessage() for r in caplog.records)  # data regenerated with thinking on
+    printed = capsys.readouterr().out
+    assert "tau" in printed and "acceptance histogram" in printed and "greedy match rate" in printed
+    result = json.loads((tmp_path / "run" / "eval.json").read_text())
+    for key in ("tau", "acceptance_histogram", "prompts", "tokens_generated", "block_size", "temperature",
+                "target_tokens_per_s", "speculative_tokens_per_s", "greedy_match_rate", "note", "drafter",
+                "max_new_tokens"):
+        assert key in result, key
+    assert result["prompts"] == 2 and result["block_size"] == 4 and result["max_new_tokens"] == 10
+    assert result["temperature"] == 0.0 and result["greedy_match_rate"] == 1.0 and result["drafter"] == str(export)
+    assert len(result["acceptance_histogram"]) == 4 and sum(result["acceptance_histogram"]) == result["steps"]
+    committed = sum(k * c for k, c in enumerate(result["acceptance_histogram"], 1))
+    assert result["tau"] == pytest.approx(committed / result["steps"])
+    assert result["tokens_generated"] == committed + 2 <= 20
+    assert result["prompts_path"] == str(tmp_path / "run" / "plan" / "eval.jsonl")
+
+    out_dir = tmp_path / "elsewhere"
+    _write_prompts(tmp_path / "p.jsonl", MESSAGES[:1])
+    config = _tiny_config(tmp_path, f"eval.prompts={tmp_path / 'p.jsonl'}", "eval.max_new_tokens=6")
+    from dflash_trainer.commands import eval as eval_command
+
+    args = cli._parser().parse_args(["eval", "--drafter", str(export), "--out", str(out_dir)])
+    assert eval_command.run(config, args) == 0
+    result = json.loads((out_dir / "eval.json").read_text())
+    assert result["prompts"] == 1 and result["tokens_generated"] <= 6
+
+
+def test_prompts_path_errors(tmp_path, capsys):
+    config = load_config(None, ["target.random_init=tiny", "target.tokenizer=tiny"])
+    with pytest.raises(ConfigError, match=r"eval\.prompts.*run\.dir is not set"):
+        eval_prompts_path(config)
+    config = _tiny_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"eval\.prompts is not set and .*plan/eval\.jsonl does not exist"):
+        eval_prompts_path(config)
+    export = _export_for(tmp_path / "export")
+    rc = cli.main(["eval", "--drafter", str(export), f"eval.prompts={tmp_path / 'missing.jsonl'}",
+                   "target.random_init=tiny", "target.tokenizer=tiny", f"run.dir={tmp_path}"])
+    assert rc == 2 and "missing.jsonl not found" in capsys.readouterr().err
+    rc = cli.main(["eval", "target.random_init=tiny", "target.tokenizer=tiny"])
+    assert rc == 2 and "needs --drafter" in capsys.readouterr().err
+
+
+def test_mismatched_drafter_errors(tmp_path, capsys):
+    _write_prompts(tmp_path / "p.jsonl")
+    base = ["target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu",
+            f"eval.prompts={tmp_path / 'p.jsonl'}", f"run.dir={tmp_path / 'run'}"]
+    cases = {  # exports built for other targets
+        "hidden": (_export_for(tmp_path / "hidden", hidden_size=32, head_dim=8),
+                   r"does not fit the target: drafter hidden size 32 != target hidden size 64"),
+        "mask": (_export_for(tmp_path / "mask", vocab_size=5000, mask_token_id=4000),
+                 r"mask_token_id 4000 is not a row of the target's embedding \(1088 rows\)"),
+        "tap": (_export_for(tmp_path / "tap", num_target_layers=9, tap_layer_ids=(1, 5)),
+                r"taps the target's last layer 5"),
+    }
+    for name, (export, message) in cases.items():
+        assert cli.main(["eval", "--drafter", str(export), *base]) == 2, name
+        err = capsys.readouterr().err
+        assert str(export) in err
+        assert re.search(message, err), (name, err)
