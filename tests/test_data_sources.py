@@ -122,9 +122,11 @@ def test_regenerate_directory_reads_all_shards(tmp_path):
     d = tmp_path / "regen"
     d.mkdir()
     (d / "manifest.json").write_text("{}")
-    write_jsonl(d / "shard-00000.jsonl", [{"messages": msgs(i)} for i in range(3)])
-    write_jsonl(d / "shard-00001.jsonl", [{"messages": msgs(i)} for i in range(3, 5)])
+    write_jsonl(d / "shard_00000.jsonl", [{"messages": msgs(i)} for i in range(3)])
+    write_jsonl(d / "shard_00001.jsonl", [{"messages": msgs(i)} for i in range(3, 5)])
+    write_jsonl(d / "failed.jsonl", [{"id": "x:1", "reason": "prompt too long"}])  # a log, not data
     out = load_source(DataSourceConfig(path=str(d)))
+    assert out.report.dropped == {}
     assert [c.messages[0].content for c in out.conversations] == [f"question {i}" for i in range(5)]
 
 

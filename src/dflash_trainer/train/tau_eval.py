@@ -1,0 +1,79 @@
+"""Real tau during training (colocated: the live drafter against the target this rank already holds),
+and checkpoint selection by tau: the best drafter so far is exported to `RUN_DIR/best/`.
+
+Loss can keep falling while tau falls, so the drafter to ship is chosen on tau, not on loss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dflash_trainer.eval.drafter_eval import evaluate_drafter
+from dflash_trainer.eval.evaluate import EvalReport, load_prompt_messages
+from dflash_trainer.target.head import TargetHead
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TauRecord:
+    step: int
+    tau: float
+
+
+class TauTracker:
+    """Runs `evaluate_drafter` on the held-out prompts; remembers the best tau and exports that drafter."""
+
+    def __init__(self, config: Any, *, target, tokenizer, head: TargetHead, prompts_path: Path, run_dir: Path) -> None:
+        self.config = config
+        self.target = target
+        self.tokenizer = tokenizer
+        self.head = head
+        self.prompts = load_prompt_messages(prompts_path, config.eval.num_prompts)
+        self.run_dir = Path(run_dir)
+        self.history: list[TauRecord] = []
+        self.best: Optional[TauRecord] = None
+        self.last_report: Optional[EvalReport] = None
+
+    def evaluate(self, trainer, step: int) -> EvalReport:
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                report = evaluate_drafter(self.config, self.target, self.tokenizer, model, self.prompts, head=self.head)
+        finally:
+            model.train(was_training)
+        self.history.append(TauRecord(step=step, tau=report.tau))
+        self.last_report = report
+        trainer.sink.log(step, {"eval_tau": report.tau, "eval_greedy_match_rate": report.greedy_match_rate})
+        log.info("step %d: real tau %.3f on %d held-out prompts", step, report.tau, report.prompts)
+        if self.best is None or report.tau > self.best.tau:
+            self.best = TauRecord(step=step, tau=report.tau)
+            self._save_best(trainer, step, report)
+        return report
+
+    def finish(self, trainer, step: int) -> dict:
+        """Evaluate the final drafter (unless just done), write `RUN_DIR/eval.json`, return the summary entry."""
+        if not self.history or self.history[-1].step != step:
+            self.evaluate(trainer, step)
+        report = self.last_report
+        (self.run_dir / "eval.json").write_text(json.dumps({"step": step, **report.to_json()}, indent=2))
+        return {"tau": report.tau, "best_tau": self.best.tau, "best_step": self.best.step,
+                "best_dir": str(self.run_dir / "best"), "acceptance_histogram": report.acceptance_histogram}
+
+    def _save_best(self, trainer, step: int, report: EvalReport) -> None:
+        best = self.run_dir / "best"
+        tmp = self.run_dir / ".best.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        trainer.export(tmp)
+        (tmp / "eval.json").write_text(json.dumps({"step": step, **report.to_json()}, indent=2))
+        shutil.rmtree(best, ignore_errors=True)
+        tmp.rename(best)
