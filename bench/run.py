@@ -79,7 +79,7 @@ MODELS = {  # preset -> (tap layer ids or None for the default spread, mask toke
 }
 PROMPT_FRACTION = 0.1
 """Leading share of each sequence with loss mask 0."""
-SHAREGPT_CONVERSATIONS = 4000
+SHAREGPT_CONVERSATIONS = 1000
 """ShareGPT conversations read for the length distribution (the plan cycles if it runs out of jobs)."""
 
 
@@ -376,23 +376,33 @@ def baseline_phase(config, target, spec, workload, warmup_jobs, timed_jobs, devi
 # ------------------------------------------------------------------------------------------- report
 
 
-def step_flops(config, target, spec, jobs, workload, device) -> tuple[float, float]:
-    """Mean (target, drafter) model FLOPs per step over `jobs`; re-samples each job's blocks (same key, same
-    device, so the same blocks the step trained on) after timing."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepWork:
+    """Mean useful work of one step over some jobs (bench/flops.py)."""
+
+    target_flops: float
+    drafter_flops: float
+    padded_tokens: float
+    """Tokens the target forward computes, right padding included (real tokens are the job's num_tokens)."""
+
+
+def step_work(config, target, spec, jobs, workload, device) -> StepWork:
+    """Re-samples each job's blocks after timing (same key, same device: the blocks the step trained on)."""
     wire = allocate(WireSpec.from_config(config, hidden_size=1, num_taps=1), device)
-    target_total = drafter_total = 0.0
+    target_total = drafter_total = padded = 0.0
     num_layers = max(spec.tap_layer_ids) + 1
     for job in jobs:
         sequences = [workload.dataset[i] for i in job.sequence_ids]
         lengths = [s.num_tokens for s in sequences]
-        prepare_inputs(sequences, wire)
+        padded += prepare_inputs(sequences, wire).padded_tokens
         plan = plan_blocks(input_ids=wire.input_ids, loss_mask=wire.loss_mask.view(torch.bool),
                            cu_seqlens=wire.cu_seqlens, num_blocks=config.num_blocks, block_size=spec.block_size,
                            mask_token_id=spec.mask_token_id, seed=config.run.seed, epoch=job.epoch, job_id=job.job_id)
         target_total += target_forward_flops(target.config, lengths, num_layers=num_layers, lm_head=False)
         drafter_total += drafter_step_flops(spec, anchor_pos=plan.anchor_pos[plan.block_valid],
                                             context_tokens=sum(lengths))
-    return target_total / len(jobs), drafter_total / len(jobs)
+    n = len(jobs)
+    return StepWork(target_flops=target_total / n, drafter_flops=drafter_total / n, padded_tokens=padded / n)
 
 
 def git_commit() -> str:
@@ -403,8 +413,9 @@ def git_commit() -> str:
         return "unknown"
 
 
-def phase_summary(r: PhaseResult, flops_target: float, flops_drafter: float, peak: float) -> dict:
+def phase_summary(r: PhaseResult, work: StepWork, peak: float) -> dict:
     ok = r.status == "ok"
+    flops_target, flops_drafter = work.target_flops, work.drafter_flops
     return dict(
         status=r.status, error=r.error,
         tokens_per_s=r.tokens_per_step / r.step_s if ok else None,
@@ -465,7 +476,8 @@ def bench_config(args, device: torch.device) -> Config:
 
 def print_table(summary: dict) -> None:
     rows = [("ours", summary["ours"])] + ([("baseline", summary["baseline"])] if summary.get("baseline") else [])
-    cols = [("tokens/s", "tokens_per_s", "{:.0f}"), ("seq/s", "samples_per_s", "{:.2f}"), ("step ms", "step_ms", "{:.1f}"),
+    cols = [("tokens/s", "tokens_per_s", "{:.0f}"), ("seq/s", "samples_per_s", "{:.2f}"),
+            ("step ms", "step_ms", "{:.1f}"),
             ("target ms", "target_ms", "{:.1f}"), ("drafter ms", "drafter_ms", "{:.1f}"), ("MFU", "mfu", "{:.1%}"),
             ("tgt MFU", "target_mfu", "{:.1%}"), ("dft MFU", "drafter_step_mfu", "{:.1%}"),
             ("peak GB", "peak_gpu_mem_gb", "{:.1f}"), ("warmup s", "warmup_s", "{:.1f}")]
@@ -505,12 +517,12 @@ def main(argv=None) -> int:
         b_warm, b_timed = workload.jobs[: args.baseline_warmup], timed_jobs[: args.baseline_steps]
         baseline = guarded("baseline", device,
                            lambda: baseline_phase(config, target, spec, workload, b_warm, b_timed, device))
-    flops_target, flops_drafter = step_flops(config, target, spec, timed_jobs, workload, device)
-    b_flops = step_flops(config, target, spec, timed_jobs[: args.baseline_steps], workload, device)
+    work = step_work(config, target, spec, timed_jobs, workload, device)
+    b_work = step_work(config, target, spec, timed_jobs[: args.baseline_steps], workload, device)
     rss_end = rss_gb()
 
-    s_ours = phase_summary(ours, flops_target, flops_drafter, args.peak_tflops)
-    s_base = None if baseline is None else phase_summary(baseline, *b_flops, args.peak_tflops)
+    s_ours = phase_summary(ours, work, args.peak_tflops)
+    s_base = None if baseline is None else phase_summary(baseline, b_work, args.peak_tflops)
     speedup = None
     if s_base is not None and s_ours["status"] == "ok" and s_base["status"] == "ok":
         speedup = s_ours["tokens_per_s"] / s_base["tokens_per_s"]
@@ -528,7 +540,8 @@ def main(argv=None) -> int:
         target_mfu=s_ours["target_mfu"], drafter_step_mfu=s_ours["drafter_step_mfu"],
         step_ms=s_ours["step_ms"], target_ms=s_ours["target_ms"], drafter_ms=s_ours["drafter_ms"],
         warmup_s=s_ours["warmup_s"], peak_gpu_mem_gb=s_ours["peak_gpu_mem_gb"], loss=s_ours["loss"],
-        target_tflop_per_step=flops_target / 1e12, drafter_tflop_per_step=flops_drafter / 1e12,
+        target_tflop_per_step=work.target_flops / 1e12, drafter_tflop_per_step=work.drafter_flops / 1e12,
+        tokens_per_step=ours.tokens_per_step, target_padded_tokens_per_step=work.padded_tokens,
         baseline_status=None if s_base is None else s_base["status"],
         baseline_tokens_per_s=None if s_base is None else s_base["tokens_per_s"],
         baseline=s_base, speedup=speedup,
@@ -543,7 +556,8 @@ def main(argv=None) -> int:
     print_table({"ours": s_ours, "baseline": s_base})
     if speedup is not None:
         print(f"speedup (tokens/s, ours / baseline): {speedup:.2f}x")
-    print(f"model TFLOP per step: target {flops_target / 1e12:.1f}, drafter {flops_drafter / 1e12:.1f}; "
+    print(f"model TFLOP per step: target {work.target_flops / 1e12:.1f}, drafter {work.drafter_flops / 1e12:.1f}; "
+          f"target forward computes {work.padded_tokens:.0f} padded tokens per step; "
           f"host RSS {rss_start or 0:.2f} -> {rss_end or 0:.2f} GB; total {result['total_s']:.0f} s")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
