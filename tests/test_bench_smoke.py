@@ -81,3 +81,21 @@ def test_flops_scale_as_documented():
     # moving anchors later adds only attention pairs: B * delta per block, 4*hd*heads per pair, x3, per layer
     later = drafter_step_flops(spec, anchor_pos=anchors + 1, context_tokens=50)
     assert later - base == 2 * 4 * (4 * 16 * 4) * 3 * 2
+
+
+def test_sharegpt_workload_packs_approximate_lengths_into_the_budget():
+    import run
+
+    args = run.parse_args(["--smoke", "--workload", "sharegpt"])
+    config = run.bench_config(args, torch.device("cpu"))
+    workload = run.sharegpt_workload(6, config, args.seq_len, vocab=1024)
+    assert len(workload.jobs) == 6 and "characters/4" in workload.note
+    assert len({j.job_id for j in workload.jobs}) == 6
+    for job in workload.jobs:
+        seqs = [workload.dataset[i] for i in job.sequence_ids]
+        assert job.num_tokens == sum(s.num_tokens for s in seqs) <= config.pipeline.token_budget
+        for s in seqs:
+            n = s.num_tokens
+            assert 2 * config.drafter.block_size <= n <= args.seq_len
+            assert not s.loss_mask[: n // 10].any() and s.loss_mask[n // 10 :].all()
+            assert int(s.input_ids.max()) < 1024
