@@ -1,0 +1,106 @@
+"""Model FLOPs of one training step: the target forward up to its last tap and the drafter forward + backward.
+
+The single place for the FLOP formulas of the benchmarks. "Model FLOPs" count the useful matrix work
+only: real tokens (padding excluded), visible (query, key) pairs only, no activation-checkpoint
+recomputation, no norms / RoPE / softmax / optimizer. MFU = FLOPs / seconds / PEAK_TFLOPS.
+
+Target forward (frozen, no backward), per sequence of n real tokens, per decoder layer that runs:
+  linear      2 * n * (H*(q + 2*kv) + q*H + 3*H*I)        q = heads*hd, kv = kv_heads*hd (q/k/v/o, SwiGLU)
+  attention   2 * 2 * q * n*(n+1)/2                        QK^T and PV over the causal half
+  lm head     2 * n * H * V                                only when the LM head runs (the naive baseline)
+The fast path runs layers 0..last tap (last tap + 1 layers); the LM head never.
+
+Drafter step, with N_v valid blocks of B slots, Q = N_v*B block queries, T real context tokens:
+  fc          2 * T * (K*H) * H                            x2: forward + weight grad (taps need no grad)
+  per layer   2*Q*H*q [q_proj] + 2*2*(Q + T)*H*kv [k, v of block and context] + 2*Q*q*H [o]
+              + 3*2*Q*H*I [SwiGLU]                         x3: forward + input grad + weight grad
+  attention   4 * hd * heads * P                           x3; P = visible (query, key) pairs
+  lm head     2 * N_v*(B-1) * H * V                        x2: forward + input grad (the head is frozen)
+P is counted exactly from the mask rule (drafter/attention_mask.py): a query of valid block j at slot k
+sees the anchor_pos_j context tokens strictly before its anchor plus the B tokens of its own block, so
+full-attention layers have P = sum_j B * (anchor_pos_j + B); a sliding layer (window W) sees context
+positions p with q_pos - W < p < anchor and block slots s <= k with k - s < W. Invalid (padding) blocks
+and the context K/V of padding slots are not useful work and are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+PEAK_TFLOPS = 789.0
+"""Dense bf16 matmul rate of one H200 measured on random 8192^3 products (the MFU denominator)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerShape:
+    """Matrix sizes of one Qwen3-style decoder layer."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: Any) -> "LayerShape":
+        """From an HF config or a DrafterSpec (same field names, `intermediate_size`)."""
+        heads = getattr(config, "num_attention_heads")
+        return cls(
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        )
+
+
+def target_forward_flops(config: Any, lengths: Sequence[int], *, num_layers: int, lm_head: bool) -> float:
+    """Forward FLOPs of `num_layers` decoder layers (and the LM head if `lm_head`) over sequences `lengths`."""
+    s = LayerShape.of(config)
+    q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    tokens = sum(lengths)
+    linear = 2 * tokens * (h * (q + 2 * kv) + q * h + 3 * h * s.intermediate)
+    attention = sum(2 * 2 * q * n * (n + 1) / 2 for n in lengths)
+    head = 2 * tokens * h * config.vocab_size if lm_head else 0
+    return float(num_layers * (linear + attention) + head)
+
+
+def visible_pairs(anchor_pos: torch.Tensor, block_size: int, window: Optional[int] = None) -> float:
+    """Visible (query, key) pairs of the valid blocks whose anchor positions are `anchor_pos` (N_v,).
+
+    Full attention: B * (anchor_pos + B) per block. Window W: per query slot k at q_pos = anchor_pos + k,
+    context keys max(0, anchor_pos - max(0, q_pos - W + 1)) plus block keys min(k + 1, W).
+    """
+    a = anchor_pos.to(torch.float64).cpu()  # host copy: FLOP accounting runs after the timed loop
+    if window is None:
+        return float((block_size * (a + block_size)).sum())
+    k = torch.arange(block_size, dtype=torch.float64)  # (B,)
+    q_pos = a[:, None] + k  # (N_v, B)
+    first_ctx = (q_pos - window + 1).clamp(min=0)
+    ctx = (a[:, None] - first_ctx).clamp(min=0)
+    blk = (k + 1).clamp(max=window)
+    return float((ctx + blk).sum())
+
+
+def drafter_step_flops(spec: Any, *, anchor_pos: torch.Tensor, context_tokens: int) -> float:
+    """Forward + backward FLOPs of one drafter step; `spec` a DrafterSpec, `anchor_pos` (N_v,) the anchor
+    positions of the valid blocks, `context_tokens` the real tokens of the packed batch."""
+    s = LayerShape.of(spec)
+    q_dim, kv_dim, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    b, t, n_valid = spec.block_size, context_tokens, int(anchor_pos.numel())
+    queries = n_valid * b
+    fc = 2 * t * spec.num_taps * h * h * 2
+    layer = (2 * queries * h * q_dim + 2 * 2 * (queries + t) * h * kv_dim + 2 * queries * q_dim * h
+             + 3 * 2 * queries * h * s.intermediate) * 3
+    attention = sum(4 * s.head_dim * s.heads * visible_pairs(anchor_pos, b, spec.layer_window(i)) * 3
+                    for i in range(spec.num_layers))
+    head = 2 * n_valid * (b - 1) * h * spec.vocab_size * 2
+    return float(fc + spec.num_layers * layer + attention + head)
+
+
+def mfu(flops: float, seconds: float, peak_tflops: float = PEAK_TFLOPS) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the peak."""
+    return flops / seconds / (peak_tflops * 1e12) if seconds > 0 else float("nan")

@@ -1,0 +1,101 @@
+"""bench/run.py end to end on the CPU (--smoke), and the exactness of bench/flops.py's attention count."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from flops import drafter_step_flops, target_forward_flops, visible_pairs  # noqa: E402
+
+from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
+from dflash_trainer.drafter.attention_mask import dense_mask, mask_index  # noqa: E402
+
+REQUIRED = ("date", "commit", "gpu", "workload", "tokens_per_s", "samples_per_s", "mfu", "baseline_tokens_per_s",
+            "drafter_step_mfu", "target_mfu", "peak_gpu_mem_gb", "host_rss_drift_gb", "command", "target_ms",
+            "drafter_ms", "speedup")
+
+
+def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    missing = [k for k in REQUIRED if k not in last]
+    assert not missing, missing
+    files = list(tmp_path.glob("*-tiny-mfu.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text()) == last
+    assert last["status"] == "ok" and last["baseline_status"] == "ok"
+    assert last["workload"] == "mfu" and last["gpu"] == "cpu" and "--smoke" in last["command"]
+    assert last["token_budget"] == 256 and last["num_blocks"] == 32 and last["tap_layer_ids"] == [1, 3]
+    assert last["tokens_per_s"] > 0 and last["baseline_tokens_per_s"] > 0 and last["speedup"] > 0
+    assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * 128)  # 2 sequences of 128 tokens
+    assert 0 < last["mfu"] < 1 and last["target_ms"] > 0 and last["drafter_ms"] > 0
+    assert last["loss"] == pytest.approx(last["baseline"]["loss"], rel=0.05)  # same objective, random init
+    assert "ours" in proc.stdout and "baseline" in proc.stdout
+
+
+def _plan(lengths, budget, num_blocks, block_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.full((len(lengths) + 2,), sum(lengths), dtype=torch.int32)
+    cu[: len(lengths) + 1] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    loss_mask = torch.rand(budget, generator=g) > 0.2
+    ids = torch.randint(0, 50, (budget,), generator=g)
+    plan = plan_blocks(input_ids=ids, loss_mask=loss_mask, cu_seqlens=cu, num_blocks=num_blocks,
+                       block_size=block_size, mask_token_id=60, seed=seed, epoch=0, job_id=0)
+    return plan, cu
+
+
+@pytest.mark.parametrize("window", [None, 3, 7])
+def test_visible_pairs_counts_the_mask_exactly(window):
+    budget, b = 64, 4
+    plan, cu = _plan([30, 20, 9], budget, num_blocks=12, block_size=b)
+    mask = dense_mask(mask_index(plan, cu, budget), window)  # (N*B, T + N*B)
+    valid_rows = plan.block_valid.repeat_interleave(b)
+    assert plan.block_valid.sum() >= 6  # the case must have real blocks
+    expected = float(mask[valid_rows].sum())
+    assert visible_pairs(plan.anchor_pos[plan.block_valid], b, window) == expected
+
+
+def test_flops_scale_as_documented():
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.target.presets import preset_config
+
+    cfg = preset_config("tiny")
+    one = target_forward_flops(cfg, [100], num_layers=2, lm_head=False)
+    assert target_forward_flops(cfg, [100, 100], num_layers=2, lm_head=False) == 2 * one
+    assert target_forward_flops(cfg, [100], num_layers=4, lm_head=False) == 2 * one
+    assert target_forward_flops(cfg, [100], num_layers=2, lm_head=True) - one == 2 * 100 * 64 * cfg.vocab_size
+    spec = drafter_spec(cfg, DrafterConfig(num_layers=2, block_size=4, gamma=1.0, tap_layer_ids=[1, 3],
+                                         mask_token_id=1024))
+    anchors = torch.tensor([10, 20])
+    base = drafter_step_flops(spec, anchor_pos=anchors, context_tokens=50)
+    # moving anchors later adds only attention pairs: B * delta per block, 4*hd*heads per pair, x3, per layer
+    later = drafter_step_flops(spec, anchor_pos=anchors + 1, context_tokens=50)
+    assert later - base == 2 * 4 * (4 * 16 * 4) * 3 * 2
+
+
+def test_sharegpt_workload_packs_approximate_lengths_into_the_budget():
+    import run
+
+    args = run.parse_args(["--smoke", "--workload", "sharegpt"])
+    config = run.bench_config(args, torch.device("cpu"))
+    workload = run.sharegpt_workload(6, config, args.seq_len, vocab=1024)
+    assert len(workload.jobs) == 6 and "characters/4" in workload.note
+    assert len({j.job_id for j in workload.jobs}) == 6
+    for job in workload.jobs:
+        seqs = [workload.dataset[i] for i in job.sequence_ids]
+        assert job.num_tokens == sum(s.num_tokens for s in seqs) <= config.pipeline.token_budget
+        for s in seqs:
+            n = s.num_tokens
+            assert 2 * config.drafter.block_size <= n <= args.seq_len
+            assert not s.loss_mask[: n // 10].any() and s.loss_mask[n // 10 :].all()
+            assert int(s.input_ids.max()) < 1024
