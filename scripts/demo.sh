@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# The demo: tiny random target, bundled ShareGPT data, CPU. Extra args are dotted config overrides.
+# The demo: a tiny random-weight target, bundled ShareGPT prompts, CPU, a few minutes.
+#  1. regenerate: the target answers the prompts (runs/demo-data; a rerun resumes or does nothing)
+#  2. train: a drafter on the target's own answers, then export and measure real tau on held-out prompts
+# Extra args are dotted config overrides for the training run (e.g. train.num_epochs=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-dflash-train plan --config demo "$@"
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+DATA=runs/demo-data
+dflash-train regenerate --config demo --out "$DATA" logging.progress=false
+dflash-train train --config demo data.path="$DATA" logging.progress=false "$@"
