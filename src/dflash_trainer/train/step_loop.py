@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash_trainer.runtime.faults import maybe_fault
 from dflash_trainer.train.optim import clip_gradients, scale_and_sync_gradients
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class StepLoop(Generic[B]):
         return self.state
 
     def step(self, take) -> Optional[StepRecord]:
+        maybe_fault("drafter_step", self.state.step + 1)  # test-only hook
         start = time.perf_counter()
         wait = 0.0
         stats = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
