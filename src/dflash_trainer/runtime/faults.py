@@ -10,7 +10,7 @@
 - `kill_job:N`        SIGKILL this process's whole process group (torchrun and all ranks) after step N
 - `delay_target:S`    sleep S seconds in every target forward (a slow producer)
 - `delay_drafter:S`   sleep S seconds before every drafter optimizer step (a slow consumer)
-- `nan_batch:J`       the taps of job id J are NaN (checked where the target writes them)
+- `nan_batch:J`       the taps of job id J (or of every job: `nan_batch:all`) are NaN, written by the target
 
 Call sites use `maybe_fault(stage, index)` (raise, kill or sleep) and `inject_nan(job_id)`; `index=None`
 counts this process's calls of the stage (1-based).
@@ -79,4 +79,4 @@ def maybe_fault(stage: str, index: Optional[int] = None) -> None:
 def inject_nan(job_id: int) -> bool:
     """Whether the taps of `job_id` should be overwritten with NaN."""
     arg = _rules().get("nan_batch")
-    return arg is not None and int(arg) == job_id
+    return arg is not None and (arg == "all" or int(arg) == job_id)
