@@ -1,14 +1,13 @@
 """Helpers for the multi-process CPU tests: launch `torchrun ... dflash_trainer train` and read its run dir.
 
-Every launch gets its own port and log dir, runs in its own process group (so a timeout or a test kill
-ends torchrun and every rank at once), and is bounded by a timeout.
+Every launch gets its own port and log dir and is bounded by a timeout, after which torchrun and every rank
+(each in its own session under torchrun) are killed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from dflash_trainer.runtime.faults import kill_tree
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 _CACHE_DIR = tempfile.mkdtemp(prefix="dflash-test-tokenized-")
@@ -85,20 +86,11 @@ def torchrun(
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
+        kill_tree(proc.pid)
         out, _ = proc.communicate(timeout=30)
         raise AssertionError(f"torchrun did not end within {timeout_s:.0f}s:\n{out.decode(errors='replace')[-6000:]}")
-    finally:
-        kill_group(proc.pid)  # leftovers (a rank torchrun failed to reap) never outlive the test
     return Launch(returncode=proc.returncode, output=out.decode(errors="replace"),
                   elapsed_s=time.monotonic() - start, run_dir=run_dir)
-
-
-def kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def assert_ok(launch: Launch) -> dict:
@@ -188,3 +180,17 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
 
     trainer.run(take)
     return losses
+
+
+def train_in_process(run_dir: Path, *extra: str, resume: bool = False) -> int:
+    """`dflash-train train --config demo SMALL... extra...` in this process (one process: colocated)."""
+    import torch
+
+    from dflash_trainer.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same reduction order as the single-threaded torchrun ranks
+    try:
+        return main(["train", "--config", "demo", *overrides(run_dir, *extra), *(["--resume"] if resume else [])])
+    finally:
+        torch.set_num_threads(threads)

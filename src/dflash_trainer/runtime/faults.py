@@ -7,7 +7,7 @@
 - `receiver:N`        raise in a drafter's receiver thread when receiving its N-th batch
 - `drafter_step:N`    raise in the drafter before optimizer step N (global step count, resume included)
 - `kill:N`            SIGKILL this process once optimizer step N is done (and checkpointed, when due)
-- `kill_job:N`        SIGKILL this process's whole process group (torchrun and all ranks) after step N
+- `kill_job:N`        SIGKILL the whole job after step N: torchrun's agent (this rank's parent) and every rank
 - `delay_target:S`    sleep S seconds in every target forward (a slow producer)
 - `delay_drafter:S`   sleep S seconds before every drafter optimizer step (a slow consumer)
 - `nan_batch:J`       the taps of job id J (or of every job: `nan_batch:all`) are NaN, written by the target
@@ -72,7 +72,7 @@ def maybe_fault(stage: str, index: Optional[int] = None) -> None:
     if stage == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if stage == "kill_job":
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+        kill_tree(os.getppid())
     raise InjectedFault(f"injected fault ({ENV}): {stage} #{index} on rank {os.environ.get('RANK', '0')}")
 
 
@@ -80,3 +80,37 @@ def inject_nan(job_id: int) -> bool:
     """Whether the taps of `job_id` should be overwritten with NaN."""
     arg = _rules().get("nan_batch")
     return arg is not None and (arg == "all" or int(arg) == job_id)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, parents before children (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and all its descendants (torchrun starts each rank in its own session, so a process
+    group kill does not reach them); the calling process, if among them, goes last."""
+    me = os.getpid()
+    tree = [pid, *descendants(pid)]
+    for p in tree:
+        if p != me:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if me in tree:
+        os.kill(me, signal.SIGKILL)
