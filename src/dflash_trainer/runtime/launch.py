@@ -128,6 +128,8 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
         run_dir = Path(control.wait_value("run_dir"))
     holder["run_dir"] = run_dir
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir)))
+    # Before the data work: a wrong train.resume fails at once.
+    resume_path = resolve_resume(run_dir, config.train.resume) if config.train.resume else None
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     target_config = target_model_config(config.target)
     mask_token_id = config.drafter.mask_token_id if config.drafter.mask_token_id is not None else len(tokenizer)
@@ -143,7 +145,6 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
         prepared = prepare_data(config, run_dir, tokenizer=tokenizer, write_files=False)
         plans = [read_epoch_plan(run_dir, e) for e in range(config.train.num_epochs)]
 
-    resume_path = resolve_resume(run_dir, config.train.resume) if config.train.resume else None
     ledger = _read_ledger(resume_path) if resume_path else {}
     remaining = tuple(
         tuple(j for j in plan.jobs if j.job_id not in set(ledger.get(plan.epoch, []))) for plan in plans

@@ -208,7 +208,8 @@ class StepLoop(Generic[B]):
         return StepRecord(
             step=self.state.step,
             skipped=skipped,
-            loss=values["loss_sum"] / weight_sum,
+            # A NaN/inf loss is logged as such (NaN), not as the 0 it was zeroed to for the all-reduce.
+            loss=float("nan") if values["nonfinite"] > 0 else values["loss_sum"] / weight_sum,
             accuracy=sum(slot_correct) / max(sum(slot_count), 1.0),
             slot_accuracy=tuple(c / max(n, 1.0) for c, n in zip(slot_correct, slot_count)),
             sim_tau=values["tau_sum"] / blocks,
