@@ -68,11 +68,14 @@ class RunSetup:
 
 @dataclass
 class TargetStats:
+    rank: int = -1
     tokens: int = 0
     batches: int = 0
     busy_s: float = 0.0
     wall_s: float = 0.0
     bytes_moved: int = 0
+    slot_wait_s: float = 0.0
+    """Time the forward waited for a free send slot (backpressure from the drafters)."""
 
 
 def run_training(config: Config) -> int:
@@ -95,7 +98,11 @@ def run_training(config: Config) -> int:
             control.wait_value("run_done")
     except BaseException as error:
         cause = f"{type(error).__name__}: {error}"
-        _write_failed_summary(holder.get("run_dir"), env.rank, cause)
+        if env.distributed:
+            control.abort(cause)  # first: the others stop now; the first failure recorded wins
+        first = control.aborted() if env.distributed else None
+        # A rank that fails *because* another one did (Aborted, a broken connection) names the first failure.
+        _write_failed_summary(holder.get("run_dir"), first.rank if first else env.rank, first.cause if first else cause)
         if not env.distributed:
             raise
         fail_rank(control, env.rank, error)
@@ -121,6 +128,8 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
         run_dir = Path(control.wait_value("run_dir"))
     holder["run_dir"] = run_dir
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir)))
+    # Before the data work: a wrong train.resume fails at once.
+    resume_path = resolve_resume(run_dir, config.train.resume) if config.train.resume else None
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     target_config = target_model_config(config.target)
     mask_token_id = config.drafter.mask_token_id if config.drafter.mask_token_id is not None else len(tokenizer)
@@ -136,7 +145,6 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
         prepared = prepare_data(config, run_dir, tokenizer=tokenizer, write_files=False)
         plans = [read_epoch_plan(run_dir, e) for e in range(config.train.num_epochs)]
 
-    resume_path = resolve_resume(run_dir, config.train.resume) if config.train.resume else None
     ledger = _read_ledger(resume_path) if resume_path else {}
     remaining = tuple(
         tuple(j for j in plan.jobs if j.job_id not in set(ledger.get(plan.epoch, []))) for plan in plans
@@ -184,11 +192,20 @@ def _run_role(setup: RunSetup, control: ControlPlane) -> Optional[dict]:
     if not leader:
         if target_stats is not None:  # a colocated rank reports its target half too
             control.set_value(f"target_stats/{setup.env.rank}", json.dumps(dataclasses.asdict(target_stats)))
+        control.set_value(f"pool_stats/{setup.env.rank}", json.dumps(_pool_stats(pool)))
         return None
     all_target_stats = [target_stats] if target_stats is not None else []
     others = [r for r in setup.placement.target_ranks if r != setup.env.rank]
     all_target_stats += [TargetStats(**json.loads(control.wait_value(f"target_stats/{r}"))) for r in others]
-    return _summary(setup, result, all_target_stats, pool)
+    pools = [_pool_stats(pool)] + [
+        json.loads(control.wait_value(f"pool_stats/{r}")) for r in setup.placement.drafter_ranks[1:]
+    ]
+    return _summary(setup, result, all_target_stats, pools)
+
+
+def _pool_stats(pool: BufferedPool) -> dict:
+    s = pool.stats
+    return {"depth_max": s.depth_max, "depth_sum": s.depth_sum, "takes": s.takes, "occupied_max": s.occupied_max}
 
 
 def _load_checked_target(setup: RunSetup):
@@ -217,8 +234,9 @@ def _run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
     jobs = StoreJobSource(control, setup.remaining)
     report = run_target_worker(capture=capture, job_source=jobs, dataset=setup.prepared.train, sender=sender)
     return TargetStats(
-        tokens=report.num_tokens, batches=len(report.batches),
+        rank=setup.env.rank, tokens=report.num_tokens, batches=len(report.batches),
         busy_s=sum(b.forward_s for b in report.batches), wall_s=report.wall_s, bytes_moved=shipper.bytes_sent,
+        slot_wait_s=sum(b.slot_wait_s for b in report.batches),
     )
 
 
@@ -261,7 +279,7 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
             tracker.evaluate(trainer, record.step) if record.step % config.eval.interval == 0 and not record.skipped else None
         )
     if colocated:
-        target_stats = TargetStats()
+        target_stats = TargetStats(rank=rank)
         jobs = StoreJobSource(control, setup.remaining)
 
         def forward(job: Job, wire):
@@ -326,7 +344,8 @@ def _tau_tracker(setup: RunSetup, target, head):
 # -- summary ----------------------------------------------------------------------------------------
 
 
-def _summary(setup: RunSetup, result: TrainResult, targets: list[TargetStats], pool: BufferedPool) -> dict:
+def _summary(setup: RunSetup, result: TrainResult, targets: list[TargetStats], pools: list[dict]) -> dict:
+    """`pools`: every drafter's pool stats (`_pool_stats`), the leader's first."""
     planned = {e: len(jobs) for e, jobs in enumerate(setup.plans_jobs)}
     trained = {e: len(set(ids)) for e, ids in result.ledger.items()}
     duplicated = sum(len(ids) - len(set(ids)) for ids in result.ledger.values())
@@ -350,8 +369,12 @@ def _summary(setup: RunSetup, result: TrainResult, targets: list[TargetStats], p
         "throughput_tokens_per_s": result.state.tokens / drafter_wall if drafter_wall > 0 else None,
         "drafter_wait_frac": result.wait_time_s / drafter_wall if drafter_wall > 0 else None,
         "target_idle_frac": (1 - target_busy / target_wall) if target_wall > 0 and not setup.placement.colocated else None,
-        "pool_depth_max": pool.stats.depth_max,
-        "pool_depth_mean": pool.stats.depth_sum / pool.stats.takes if pool.stats.takes else 0.0,
+        "pool_depth_max": max(p["depth_max"] for p in pools),
+        "pool_depth_mean": sum(p["depth_sum"] for p in pools) / max(1, sum(p["takes"] for p in pools)),
+        "pool_occupied_max": max(p["occupied_max"] for p in pools),
+        "pool_capacity": setup.config.pipeline.pool_capacity,
+        "target_batches": {str(t.rank): t.batches for t in targets},
+        "target_slot_wait_s": sum(t.slot_wait_s for t in targets),
         "bytes_moved": sum(t.bytes_moved for t in targets),
         "final_loss": result.last_record.loss if result.last_record else None,
         "final_acc": result.last_record.accuracy if result.last_record else None,

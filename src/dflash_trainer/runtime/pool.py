@@ -30,6 +30,9 @@ class PoolStats:
     takes: int = 0
     depth_sum: int = 0
     depth_max: int = 0
+    """Most ready slots seen by a take."""
+    occupied_max: int = 0
+    """Most non-free slots (filling, ready or in use) at any time: the pool's memory high-water mark."""
     wait_s: float = 0.0
     bucket_counts: dict[int, int] = field(default_factory=dict)
 
@@ -80,7 +83,9 @@ class BufferedPool(Generic[T]):
     def acquire_free(self) -> int:
         with self._cond:
             self._wait(lambda: bool(self._free), "a free pool slot")
-            return self._free.popleft()
+            slot = self._free.popleft()
+            self.stats.occupied_max = max(self.stats.occupied_max, self.capacity - len(self._free))
+            return slot
 
     def put_ready(self, slot: int, item: T, bucket_id: int) -> None:
         with self._cond:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dflash_trainer.data.types import Job
 from dflash_trainer.runtime.control import Claim, ControlPlane
+from dflash_trainer.runtime.faults import maybe_fault
 from dflash_trainer.runtime.pool import BufferedPool
 from dflash_trainer.target.batch import HiddenStateBatch, WireBatch, recv_batch_into, send_batch, to_wire
 
@@ -59,6 +60,7 @@ class P2PShipper:
         self.batches_sent = 0
 
     def ship(self, batch: HiddenStateBatch) -> None:
+        maybe_fault("sender", self.batches_sent + 1)  # test-only hook
         drafter = self.control.take_credit(self.drafter_ranks, start=self.rank)
         self.control.post_claim(Claim(
             target_rank=self.rank, drafter_rank=drafter, epoch=batch.epoch, job_id=batch.job_id,
@@ -126,6 +128,7 @@ class Receiver:
                         f"received {'end of stream' if batch is None else f'job {batch.job_id}'}"
                     )
                 self.batches_received += 1
+                maybe_fault("receiver", self.batches_received)  # test-only hook
                 self.bytes_received += sum(t.numel() * t.element_size() for t in self.buffers[slot].payload())
                 if self._draining.is_set():
                     self.pool.release_unused(slot)

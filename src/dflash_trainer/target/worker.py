@@ -10,6 +10,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 
 from dflash_trainer.data.types import Job, TokenizedSequence
+from dflash_trainer.runtime.faults import inject_nan, maybe_fault
 from dflash_trainer.target.batch import HiddenStateBatch, WireBatch, WireHeader, from_wire
 from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs
 from dflash_trainer.target.sender import BatchSender
@@ -112,8 +113,11 @@ def forward_job(capture: TapCapture, dataset: Dataset, job: Job, buffers: WireBa
             f"job {job.job_id}: the plan says {job.num_tokens} tokens but its sequences have {real}: "
             "the epoch plan and the tokenized data disagree (re-run planning)"
         )
+    maybe_fault("target_forward")  # test-only hook, inert unless DFLASH_TEST_FAULT is set
     inputs = prepare_inputs(sequences, buffers)
     capture.run(inputs, buffers)
+    if inject_nan(job.job_id):  # test-only hook
+        buffers.taps[: inputs.num_tokens].fill_(float("nan"))
     header = WireHeader(
         job_id=job.job_id,
         bucket_id=job.bucket_id,

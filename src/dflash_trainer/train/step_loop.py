@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash_trainer.runtime.faults import maybe_fault
 from dflash_trainer.train.optim import clip_gradients, scale_and_sync_gradients
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class StepLoop(Generic[B]):
         return self.state
 
     def step(self, take) -> Optional[StepRecord]:
+        maybe_fault("drafter_step", self.state.step + 1)  # test-only hook
         start = time.perf_counter()
         wait = 0.0
         stats = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
@@ -206,7 +208,8 @@ class StepLoop(Generic[B]):
         return StepRecord(
             step=self.state.step,
             skipped=skipped,
-            loss=values["loss_sum"] / weight_sum,
+            # A NaN/inf loss is logged as such (NaN), not as the 0 it was zeroed to for the all-reduce.
+            loss=float("nan") if values["nonfinite"] > 0 else values["loss_sum"] / weight_sum,
             accuracy=sum(slot_correct) / max(sum(slot_count), 1.0),
             slot_accuracy=tuple(c / max(n, 1.0) for c, n in zip(slot_correct, slot_count)),
             sim_tau=values["tau_sum"] / blocks,

@@ -23,6 +23,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.drafter.export import export_drafter, init_from_export
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
+from dflash_trainer.runtime.faults import maybe_fault
 from dflash_trainer.target.batch import HiddenStateBatch
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
@@ -161,6 +162,8 @@ class DrafterTrainer:
             self._log(record, busy, time.perf_counter() - start, bar)
             if record.step % self.config.train.checkpoint_interval == 0 and not record.skipped:
                 self.save_checkpoint(record.step)
+            maybe_fault("kill", record.step)  # test-only hooks: SIGKILL this rank / the whole job
+            maybe_fault("kill_job", record.step)
             self.on_step_extra(record)
 
         state = self.loop.run(take, on_step)

@@ -1,0 +1,196 @@
+"""Helpers for the multi-process CPU tests: launch `torchrun ... dflash_trainer train` and read its run dir.
+
+Every launch gets its own port and log dir and is bounded by a timeout, after which torchrun and every rank
+(each in its own session under torchrun) are killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from dflash_trainer.runtime.faults import kill_tree
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+_CACHE_DIR = tempfile.mkdtemp(prefix="dflash-test-tokenized-")
+"""One tokenized-data cache for the whole test session (the first run tokenizes, the others reuse it)."""
+
+SMALL = (
+    "logging.progress=false",
+    "data.max_conversations=60",
+    "data.num_eval_conversations=4",
+    "data.max_length=256",
+    "pipeline.token_budget=512",
+    "drafter.num_layers=1",
+    "pipeline.timeout_s=60",
+    "train.max_steps=null",
+    f"data.cache_dir={_CACHE_DIR}",
+)
+"""The demo recipe shrunk: 14 jobs of <= 512 tokens, a one-layer drafter, waits bounded by 60 s."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Launch:
+    """What one `torchrun` (or in-process) training run left behind."""
+
+    returncode: int
+    output: str
+    """stdout and stderr of torchrun and every rank, interleaved."""
+    elapsed_s: float
+    run_dir: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def overrides(run_dir: Path, *extra: str) -> list[str]:
+    return [*SMALL, f"run.dir={run_dir}", *extra]
+
+
+def torchrun(
+    run_dir: Path,
+    nproc: int,
+    *extra: str,
+    fault: Optional[str] = None,
+    resume: bool = False,
+    timeout_s: float = 150.0,
+) -> Launch:
+    """Run `torchrun --nproc_per_node nproc -m dflash_trainer train --config demo SMALL... extra...`."""
+    log_dir = Path(tempfile.mkdtemp(prefix="torchrun-logs-", dir=run_dir.parent))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--log-dir", str(log_dir),
+        "-m", "dflash_trainer", "train", "--config", "demo", *overrides(run_dir, *extra),
+    ]
+    if resume:
+        cmd.append("--resume")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env.pop("DFLASH_TEST_FAULT", None)
+    if fault:
+        env["DFLASH_TEST_FAULT"] = fault
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"torchrun did not end within {timeout_s:.0f}s:\n{out.decode(errors='replace')[-6000:]}")
+    return Launch(returncode=proc.returncode, output=out.decode(errors="replace"),
+                  elapsed_s=time.monotonic() - start, run_dir=run_dir)
+
+
+def assert_ok(launch: Launch) -> dict:
+    """The run exited 0 and wrote an ok summary; returns the summary."""
+    assert launch.returncode == 0, f"exit {launch.returncode}:\n{launch.output[-6000:]}"
+    s = summary(launch.run_dir)
+    assert s["status"] == "ok", s
+    return s
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def committed_jobs(rows: list[dict]) -> list[int]:
+    """Job ids committed by the given metrics rows, in order, duplicates kept."""
+    return [j for row in rows for j in row["jobs"]]
+
+
+def planned_jobs(run_dir: Path, epoch: int = 0) -> list[int]:
+    plan = json.loads((run_dir / "plan" / f"epoch_{epoch}.json").read_text())
+    return [job["job_id"] for job in plan["jobs"]]
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    found = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def ledger(checkpoint: Path, epoch: int = 0) -> list[int]:
+    state = json.loads((checkpoint / "state.json").read_text())
+    return list(state["ledger"].get(str(epoch), []))
+
+
+def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -> list[float]:
+    """Per-step losses of a one-drafter run (grad_accum=1) replayed in this process without any transport:
+    the target forward runs inline on each job of `job_order` (in that order) and the drafter trains on it.
+
+    Uses the run dir's plan and tokenized data; builds the target and drafter from the same config and seed.
+    """
+    import torch
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.data.plan import read_epoch_plan
+    from dflash_trainer.data.prepare import prepare_data
+    from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.target.batch import WireSpec, allocate
+    from dflash_trainer.target.capture import TapCapture
+    from dflash_trainer.target.head import head_from_model
+    from dflash_trainer.target.load import load_target, target_model_config
+    from dflash_trainer.target.worker import forward_job
+    from dflash_trainer.train.trainer import DrafterTrainer, planned_steps
+
+    config = load_config("demo", overrides(run_dir, *extra))
+    assert config.train.grad_accum == 1
+    device = torch.device("cpu")
+    tokenizer = load_tokenizer(config.target, config.data.chat_template)
+    prepared = prepare_data(config, run_dir, tokenizer=tokenizer, write_files=False)
+    plan = read_epoch_plan(run_dir, 0)
+    by_id = {job.job_id: job for job in plan.jobs}
+    target_config = target_model_config(config.target)
+    mask_id = config.drafter.mask_token_id if config.drafter.mask_token_id is not None else len(tokenizer)
+    spec = drafter_spec(target_config, config.drafter, mask_token_id=mask_id)
+    target = load_target(config.target, device, seed=config.run.seed)
+    capture = TapCapture(target, spec.tap_layer_ids)
+    wire = WireSpec.from_config(config, hidden_size=spec.hidden_size, num_taps=spec.num_taps)
+    losses: list[float] = []
+    trainer = DrafterTrainer(
+        config, spec=spec, head=head_from_model(target), device=device, group=None, is_leader=False,
+        run_dir=run_dir, data_key=Path(prepared.summary.cache_path).name,
+        total_steps=planned_steps(config, len(plan.jobs), 1, 0), target_config=target_config,
+        on_step=lambda record: losses.append(record.loss),
+    )
+    queue = [by_id[j] for j in job_order]
+
+    def take():
+        if not queue:
+            return None
+        batch, _ = forward_job(capture, prepared.train, queue.pop(0), allocate(wire, device))
+        return batch, lambda: None
+
+    trainer.run(take)
+    return losses
+
+
+def train_in_process(run_dir: Path, *extra: str, resume: bool = False) -> int:
+    """`dflash-train train --config demo SMALL... extra...` in this process (one process: colocated)."""
+    import torch
+
+    from dflash_trainer.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same reduction order as the single-threaded torchrun ranks
+    try:
+        return main(["train", "--config", "demo", *overrides(run_dir, *extra), *(["--resume"] if resume else [])])
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,98 @@
+"""Kill a multi-process run after a checkpoint (one rank, or the whole job, with SIGKILL), resume it with
+`--resume` in the same run dir, also on another target/drafter split: over both runs every planned job is
+committed exactly once, and in deterministic mode the resumed loss curve equals the uninterrupted one."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from pipeline_helpers import (
+    assert_ok, checkpoints, committed_jobs, inline_losses, ledger, metrics, planned_jobs, torchrun, train_in_process,
+)
+
+SPLIT_1_2 = ("pipeline.colocated=false", "pipeline.num_targets=1", "train.checkpoint_interval=2")
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_in_process(monkeypatch):
+    monkeypatch.delenv("DFLASH_TEST_FAULT", raising=False)
+
+
+def _last_checkpoint(run_dir, step: int) -> tuple[int, list[int]]:
+    """(metrics rows so far, the ledger of run 1's last checkpoint), read before run 2 rotates it away."""
+    last = checkpoints(run_dir)[-1]
+    assert last.name == f"step_{step}", last
+    return len(metrics(run_dir)), ledger(last)
+
+
+def _assert_exactly_once_over_runs(run_dir, rows_before: int, kept: list[int], last_checkpoint_step: int) -> list[int]:
+    """The ledger of run 1's last checkpoint and the jobs run 2 committed partition the plan."""
+    rows = metrics(run_dir)[rows_before:]
+    assert rows and rows[0]["step"] == last_checkpoint_step + 1, rows[:1]  # continues after the checkpoint
+    redone = committed_jobs(rows)
+    assert not [j for j, n in Counter(redone).items() if n > 1], redone
+    assert not set(kept) & set(redone), set(kept) & set(redone)  # nothing committed twice across runs
+    assert sorted(kept + redone) == sorted(planned_jobs(run_dir))  # nothing lost
+    return redone
+
+
+def test_sigkill_of_a_drafter_then_resume_on_another_split(tmp_path):
+    """Run 1: 1 target + 2 drafters; drafter rank 2 is killed with SIGKILL after step 3 (checkpoint at 2): the
+    job fails fast and torchrun names the killed rank. Run 2 resumes it as 2 targets + 1 drafter."""
+    run_dir = tmp_path / "run"
+    first = torchrun(run_dir, 3, *SPLIT_1_2, fault="kill:3@2", timeout_s=90)
+    assert first.returncode != 0 and first.elapsed_s < 60, (first.returncode, first.elapsed_s)
+    root = first.output.split("Root Cause (first observed failure):")[-1]
+    assert "rank      : 2 (local_rank: 2)" in root and "Signal 9 (SIGKILL)" in root, root[:2000]
+    assert [c.name for c in checkpoints(run_dir)] == ["step_2"]
+    rows_before, kept = _last_checkpoint(run_dir, 2)
+    assert rows_before == 3 and len(kept) == 4
+
+    s = assert_ok(torchrun(run_dir, 3, *SPLIT_1_2, "pipeline.num_targets=2", resume=True))
+    assert s["roles"] == ["target", "target", "drafter"]
+    _assert_exactly_once_over_runs(run_dir, rows_before, kept, 2)
+    n = len(planned_jobs(run_dir))
+    assert s["jobs_trained"] == {"0": n} and s["jobs_duplicated"] == 0, s
+
+
+def test_sigkill_of_the_whole_job_then_resume_in_one_process(tmp_path):
+    """Run 1: 1 target + 2 drafters; torchrun and every rank are killed with SIGKILL after step 5
+    (checkpoint at 4). Run 2 resumes in one process (colocated)."""
+    run_dir = tmp_path / "run"
+    first = torchrun(run_dir, 3, *SPLIT_1_2, fault="kill_job:5@1", timeout_s=90)
+    assert first.returncode == -9, (first.returncode, first.output[-3000:])  # torchrun itself was killed
+    rows_before, kept = _last_checkpoint(run_dir, 4)
+    assert rows_before == 5 and len(kept) == 8
+
+    assert train_in_process(run_dir, "train.checkpoint_interval=2", resume=True) == 0
+    _assert_exactly_once_over_runs(run_dir, rows_before, kept, 4)
+
+
+DETERMINISTIC = ("pipeline.num_targets=1", "pipeline.deterministic=true", "train.grad_accum=1",
+                 "train.checkpoint_interval=2")
+
+
+def test_deterministic_resume_continues_the_uninterrupted_loss_curve(tmp_path):
+    """Deterministic mode: 1 target + 1 drafter killed (whole job) after step 5, checkpoint at 4; resumed in
+    one process. Steps 5.. after resume have the same jobs and losses as the uninterrupted run (replayed
+    inline, which test_pipeline shows equals the pipeline): RNG is keyed by job and the optimizer, schedule
+    and ledger come back from the checkpoint."""
+    run_dir = tmp_path / "run"
+    first = torchrun(run_dir, 2, "pipeline.colocated=false", *DETERMINISTIC, fault="kill_job:5@1", timeout_s=90)
+    assert first.returncode == -9, first.output[-3000:]
+    rows_before = len(metrics(run_dir))
+    assert train_in_process(run_dir, "pipeline.colocated=true", *DETERMINISTIC, resume=True) == 0
+
+    plan = planned_jobs(run_dir)
+    resumed = metrics(run_dir)[rows_before:]
+    assert committed_jobs(resumed) == plan[4:]  # first in, first out, after the checkpoint's 4 jobs
+    uninterrupted = inline_losses(run_dir, DETERMINISTIC, plan)
+    got = torch.tensor([r["loss"] for r in resumed])
+    want = torch.tensor(uninterrupted[4:])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got, want)
+    # run 1's steps before the kill were on the same curve too
+    before = torch.tensor([r["loss"] for r in metrics(run_dir)[:rows_before]])
+    assert torch.allclose(before, torch.tensor(uninterrupted[:rows_before]), rtol=1e-5, atol=1e-6)

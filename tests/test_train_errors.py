@@ -1,0 +1,80 @@
+"""Bad inputs to `dflash-train train` (one process, in-process CLI): each ends with a clear error naming the
+input and the fix (exit code 2 for config and data errors), and NaN batches are skipped, counted, warned
+about, and stop the run after `train.max_nonfinite_steps`."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from pipeline_helpers import committed_jobs, metrics, planned_jobs, summary, train_in_process
+
+
+@pytest.fixture(autouse=True)
+def _no_fault(monkeypatch):
+    monkeypatch.delenv("DFLASH_TEST_FAULT", raising=False)
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    assert train_in_process(tmp_path / "run", "train.resume=/nope") == 2
+    assert "train.resume='/nope' is not a complete checkpoint directory" in capsys.readouterr().err
+
+
+def test_resume_latest_without_checkpoint(tmp_path, capsys):
+    assert train_in_process(tmp_path / "run", resume=True) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+def test_unwritable_run_dir(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert train_in_process(blocker / "run") == 2
+    err = capsys.readouterr().err
+    assert "cannot create or write the run directory" in err and "set run.dir to a writable directory" in err
+
+
+def test_dataset_without_trainable_sequence(tmp_path, capsys):
+    data = tmp_path / "short.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "ok"}]}
+            for i in range(8)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert train_in_process(tmp_path / "run", f"data.path={data}", "data.num_eval_conversations=0") == 2
+    err = capsys.readouterr().err
+    assert "no trainable sequence" in err and "supervised tokens" in err
+
+
+def test_nan_batch_is_skipped_counted_and_warned_then_other_shape_cannot_resume(tmp_path, monkeypatch, caplog, capsys):
+    """NaN taps in job 0: that step is skipped on all ranks (no update), counted in the summary, warned about,
+    and the job is still committed (it was consumed). Then a resume with another drafter shape is refused."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("DFLASH_TEST_FAULT", "nan_batch:0")
+    with caplog.at_level(logging.WARNING):
+        assert train_in_process(run_dir, "train.checkpoint_interval=2") == 0
+    assert "non-finite loss or gradient: step skipped" in caplog.text
+    s = summary(run_dir)
+    rows = metrics(run_dir)
+    assert s["status"] == "ok" and s["skipped_steps"] == 1, s
+    (bad,) = [r for r in rows if r["skipped"]]
+    assert bad["jobs"] == [0] and bad["loss"] is None  # NaN is logged as null
+    assert all(r["loss"] is not None for r in rows if not r["skipped"])
+    assert sorted(committed_jobs(rows)) == sorted(planned_jobs(run_dir))
+    assert s["steps"] == len(rows) - 1  # the skipped step did not count as an optimizer step
+
+    monkeypatch.delenv("DFLASH_TEST_FAULT")
+    capsys.readouterr()
+    assert train_in_process(run_dir, "train.checkpoint_interval=2", "drafter.num_layers=2", resume=True) == 2
+    err = capsys.readouterr().err
+    assert "is of another model shape" in err and "num_layers" in err, err
+
+
+def test_nan_everywhere_stops_after_max_nonfinite_steps(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("DFLASH_TEST_FAULT", "nan_batch:all")
+    with pytest.raises(FloatingPointError, match="train.max_nonfinite_steps=2"):
+        train_in_process(run_dir, "train.max_nonfinite_steps=2")
+    rows = metrics(run_dir)
+    assert len(rows) == 2 and all(r["skipped"] for r in rows)  # the third skipped step raised
+    s = summary(run_dir)
+    assert s["status"] == "failed" and "FloatingPointError" in s["cause"], s
