@@ -72,6 +72,9 @@ class LocalBackend:
         gen.eos_token_id = self.stop_ids
         gen.pad_token_id = self.pad_id
         gen.use_cache = True
+        rows = model.get_input_embeddings().num_embeddings
+        if rows > len(tokenizer):  # spare embedding rows decode to nothing: never generate them
+            gen.suppress_tokens = list(range(len(tokenizer), rows))
         if temperature > 0:
             gen.do_sample, gen.temperature = True, temperature
         else:
