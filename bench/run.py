@@ -68,7 +68,7 @@ from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, pr
 from dflash_trainer.target.head import head_from_model  # noqa: E402
 from dflash_trainer.target.load import find_decoder_layers, load_target  # noqa: E402
 from dflash_trainer.target.worker import forward_job  # noqa: E402
-from dflash_trainer.train.micro_step import make_micro_step  # noqa: E402
+from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step  # noqa: E402
 from dflash_trainer.train.optim import build_optimizer  # noqa: E402
 from dflash_trainer.train.schedule import build_scheduler  # noqa: E402
 from dflash_trainer.train.step_loop import StepLoop  # noqa: E402
@@ -220,19 +220,6 @@ def reset_memory(device: torch.device) -> None:
 
 def peak_gb(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-
-
-def compile_forward_train(model: DFlashDrafter) -> None:
-    """torch.compile the drafter's `forward_train` as bench/drafter_step.py does (dynamic=False), with the
-    masks built eagerly outside the graph and passed in (create_block_mask stays out of the traced region)."""
-    compiled = torch.compile(model.forward_train, dynamic=False)
-
-    def forward_train(*, taps, cu_seqlens, plan, embed_weight, masks=None):
-        if masks is None:
-            masks = model.build_masks(plan, cu_seqlens, taps.shape[0])
-        return compiled(taps=taps, cu_seqlens=cu_seqlens, plan=plan, embed_weight=embed_weight, masks=masks)
-
-    model.forward_train = forward_train  # instance attribute shadows the method; micro_step looks it up per call
 
 
 def build_drafter(spec: DrafterSpec, attention: str, device: torch.device) -> DFlashDrafter:

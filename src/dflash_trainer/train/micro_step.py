@@ -19,6 +19,19 @@ from dflash_trainer.train.step_loop import MicroResult
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def compile_forward_train(model: DFlashDrafter) -> None:
+    """torch.compile the drafter's `forward_train` (fixed shapes: dynamic=False). The attention masks are
+    built eagerly outside the graph and passed in, so create_block_mask stays out of the traced region."""
+    compiled = torch.compile(model.forward_train, dynamic=False)
+
+    def forward_train(*, taps, cu_seqlens, plan, embed_weight, masks=None):
+        if masks is None:
+            masks = model.build_masks(plan, cu_seqlens, taps.shape[0])
+        return compiled(taps=taps, cu_seqlens=cu_seqlens, plan=plan, embed_weight=embed_weight, masks=masks)
+
+    model.forward_train = forward_train  # an instance attribute shadows the method
+
+
 def make_micro_step(
     config: Config, model: DFlashDrafter, head: TargetHead, *, device: torch.device, progress: Callable[[], float]
 ) -> Callable[[HiddenStateBatch], MicroResult]:

@@ -28,7 +28,7 @@ from dflash_trainer.target.batch import HiddenStateBatch
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
 from dflash_trainer.train.metrics import build_sinks
-from dflash_trainer.train.micro_step import make_micro_step
+from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step
 from dflash_trainer.train.optim import build_optimizer
 from dflash_trainer.train.schedule import build_scheduler
 from dflash_trainer.train.step_loop import LoopState, StepLoop, StepRecord
@@ -100,6 +100,8 @@ class DrafterTrainer:
             self.model.init_weights()
         if config.drafter.init_from:
             init_from_export(self.model, config.drafter.init_from)
+        if config.train.compile and device.type == "cuda":
+            compile_forward_train(self.model)
         self.optimizer = build_optimizer(self.model, config.train)
         self.scheduler = build_scheduler(
             self.optimizer, total_steps=self.total_steps, warmup_ratio=config.train.warmup_ratio,

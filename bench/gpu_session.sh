@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One batch of GPU work on the device machine (H200): install carried wheels, run the GPU tests and the
+# benchmarks, copy every log and result JSON under $OUT. Usage: bash bench/gpu_session.sh PART
+#   PART=1: GPU tests, drafter step (8B shape), target forward (8B shape), end to end 1.7B
+#   PART=2: end to end 8B (mfu workload), colocated training run with a 1.7B-shape target + eval
+set -uo pipefail
+cd "$(dirname "$0")/.."
+FINAL=${OUT:-/tmp/out}
+OUT=/tmp/gpu_logs  # everything is packed into one archive at the end (few files come back)
+mkdir -p "$OUT" "$FINAL" bench/results
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=$PWD/src:/tmp/site
+step() {  # step NAME TIMEOUT_S CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s"; tail -n 25 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+case "${1:-1}" in
+  1)
+    step gpu_tests 240 python3 -m pytest -q -x -m gpu tests/test_gpu.py
+    step drafter_step 200 python3 bench/drafter_step.py
+    step target_forward 200 python3 bench/target_forward.py --iters 3
+    step run_1p7b_mfu 200 python3 bench/run.py --model qwen3-1.7b --workload mfu
+    ;;
+  2)
+    step run_8b_mfu 420 python3 bench/run.py --model qwen3-8b --workload mfu
+    step train_1p7b 150 python3 -m dflash_trainer train --config demo run.dir=/tmp/run17 run.device=cuda \
+      target.random_init=qwen3-1.7b target.dtype=bfloat16 train.dtype=bfloat16 drafter.attention=flex \
+      drafter.num_layers=5 drafter.block_size=16 drafter.tap_layer_ids=null pipeline.token_budget=12288 \
+      data.max_length=3072 data.max_conversations=600 train.num_epochs=1 train.max_steps=20 logging.progress=false \
+      eval.num_prompts=4 eval.max_new_tokens=64
+    cp /tmp/run17/summary.json "$OUT/train_1p7b_summary.json" 2>/dev/null
+    cp /tmp/run17/eval.json "$OUT/train_1p7b_eval.json" 2>/dev/null
+    step eval_1p7b 120 python3 -m dflash_trainer eval --config /tmp/run17/config.yaml --drafter /tmp/run17/export --out /tmp/run17/eval2
+    cp /tmp/run17/eval2/eval.json "$OUT/eval_1p7b.json" 2>/dev/null
+    ;;
+esac
+cp bench/results/*.json "$OUT/" 2>/dev/null
+ls -la "$OUT"
+tar czf "$FINAL/gpu_part${1:-1}.tgz" -C "$OUT" .
