@@ -28,7 +28,7 @@ case "${1:-1}" in
     step run_1p7b_mfu 200 python3 bench/run.py --model qwen3-1.7b --workload mfu
     ;;
   2)
-    step run_8b_mfu 420 python3 bench/run.py --model qwen3-8b --workload mfu
+    step run_8b_mfu 330 python3 bench/run.py --model qwen3-8b --workload mfu
     step train_1p7b 150 python3 -m dflash_trainer train --config demo run.dir=/tmp/run17 run.device=cuda \
       target.random_init=qwen3-1.7b target.dtype=bfloat16 train.dtype=bfloat16 drafter.attention=flex \
       drafter.num_layers=5 drafter.block_size=16 drafter.tap_layer_ids=null pipeline.token_budget=12288 \
@@ -36,7 +36,7 @@ case "${1:-1}" in
       eval.num_prompts=4 eval.max_new_tokens=64
     cp /tmp/run17/summary.json "$OUT/train_1p7b_summary.json" 2>/dev/null
     cp /tmp/run17/eval.json "$OUT/train_1p7b_eval.json" 2>/dev/null
-    step eval_1p7b 120 python3 -m dflash_trainer eval --config /tmp/run17/config.yaml --drafter /tmp/run17/export --out /tmp/run17/eval2
+    step eval_1p7b 90 python3 -m dflash_trainer eval --config /tmp/run17/config.yaml --drafter /tmp/run17/export --out /tmp/run17/eval2
     cp /tmp/run17/eval2/eval.json "$OUT/eval_1p7b.json" 2>/dev/null
     ;;
 esac
