@@ -32,6 +32,8 @@ SMALL = (
     "drafter.num_layers=1",
     "pipeline.timeout_s=60",
     "train.max_steps=null",
+    "train.num_epochs=1",
+    "eval.at_end=false",
     f"data.cache_dir={_CACHE_DIR}",
 )
 """The demo recipe shrunk: 14 jobs of <= 512 tokens, a one-layer drafter, waits bounded by 60 s."""

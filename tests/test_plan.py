@@ -176,9 +176,11 @@ def test_plan_cli_on_the_demo_recipe(tmp_path, capsys):
     for key in ("conversations_total", "conversations_kept", "dropped", "tokens", "jobs", "padding_waste",
                 "buckets", "eval_conversations"):
         assert key in summary
-    assert summary["eval_conversations"] == 16 and summary["conversations_kept"] > 100
+    demo = load_config("demo")
+    held = demo.data.num_eval_conversations
+    assert summary["eval_conversations"] == held and summary["conversations_kept"] > 100
     plan = read_epoch_plan(run_dir, 0)
-    assert len(plan.jobs) == summary["jobs"] and plan.token_budget == 2048
-    assert len((run_dir / "plan" / "eval.jsonl").read_text().splitlines()) == 16
+    assert len(plan.jobs) == summary["jobs"] and plan.token_budget == demo.pipeline.token_budget
+    assert len((run_dir / "plan" / "eval.jsonl").read_text().splitlines()) == held
     out = capsys.readouterr().out
     assert "padding waste" in out and str(run_dir) in out

@@ -11,7 +11,9 @@ from dflash_trainer.errors import ConfigError
 @dataclass
 class EvalConfig:
     interval: int = 0
-    """Measure real tau every this many optimizer steps (0: only at the end of training)."""
+    """Measure real tau every this many optimizer steps (0: never during training)."""
+    at_end: bool = True
+    """Measure real tau on the final drafter at the end of training (colocated runs)."""
     prompts: Optional[str] = None
     """JSONL of {"messages": [...]}; default: the run's plan/eval.jsonl."""
     num_prompts: int = 16

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 from typing import Callable, Optional
 
@@ -45,11 +46,46 @@ def fail_rank(control: Optional[ControlPlane], rank: int, error: BaseException, 
     exit_now(EXIT_FAILED)
 
 
-class AbortWatchdog:
-    """Daemon thread: when another rank has failed, print its cause once and end this process."""
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ProcessGroupNCCL", "NCCL error")
 
-    def __init__(self, control: ControlPlane, *, rank: int, poll_s: float = 0.25, on_abort: Callable[[str], None] = lambda cause: None) -> None:
+
+def is_secondary(error: BaseException, control: Optional[ControlPlane], rank: int) -> bool:
+    """True when `error` is a consequence of another rank's failure: the abort flag names another rank, or
+    the error (or one it was raised from) is a broken connection to a peer."""
+    from dflash_trainer.runtime.control import Aborted
+
+    if control is not None:
+        info = control.aborted()
+        if info is not None and info.rank != rank:
+            return True
+    seen = error
+    while seen is not None:
+        if isinstance(seen, Aborted) or any(marker in str(seen) for marker in _PEER_GONE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def stop_after_peer_failure(control: Optional[ControlPlane], rank: int, error: BaseException, *, grace_s: float = 3.0) -> None:
+    """End a rank whose error only follows another rank's failure, without claiming to be the cause: wait
+    `grace_s` so torchrun observes the failing rank first (its root cause), then exit non-zero."""
+    info = control.aborted() if control is not None else None
+    why = f"rank {info.rank} failed: {info.cause}" if info is not None else f"a peer rank is gone ({type(error).__name__}: {error})"
+    print(f"[rank {rank}] stopping: {why}", file=sys.stderr, flush=True)
+    time.sleep(grace_s)
+    if control is not None and control.aborted() is None:  # a peer died without a word (kill -9)
+        control.abort(f"a peer rank died; rank {rank} lost its connection ({type(error).__name__}: {error})")
+    exit_now(EXIT_FAILED)
+
+
+class AbortWatchdog:
+    """Daemon thread: when another rank has failed, print its cause once and end this process (after a short
+    grace, so that the failing rank is the first to exit)."""
+
+    def __init__(self, control: ControlPlane, *, rank: int, poll_s: float = 0.25, grace_s: float = 2.0,
+                 on_abort: Callable[[str], None] = lambda cause: None) -> None:
         self._control = control
+        self._grace_s = grace_s
         self._rank = rank
         self._poll_s = poll_s
         self._on_abort = on_abort
@@ -73,4 +109,5 @@ class AbortWatchdog:
                     self._on_abort(msg)
                 except Exception:
                     pass
+                time.sleep(self._grace_s)  # let the failing rank exit first: torchrun names it as the root cause
                 exit_now(EXIT_FAILED)

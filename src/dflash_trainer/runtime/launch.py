@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec
 from dflash_trainer.rundir import make_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv, choose_device, dist_env, init_distributed
-from dflash_trainer.runtime.failures import AbortWatchdog, fail_rank
+from dflash_trainer.runtime.failures import AbortWatchdog, exit_now, fail_rank, is_secondary, stop_after_peer_failure
 from dflash_trainer.runtime.jobs import STOP, StoreJobSource
 from dflash_trainer.runtime.pool import BufferedPool
 from dflash_trainer.runtime.roles import Placement, plan_placement
@@ -85,6 +86,8 @@ def run_training(config: Config) -> int:
     control = ControlPlane(store, rank=env.rank, stall_timeout_s=config.pipeline.timeout_s)
     holder: dict[str, Any] = {}
     watchdog = AbortWatchdog(control, rank=env.rank).start() if env.distributed else None
+    if env.distributed:
+        signal.signal(signal.SIGTERM, _on_sigterm(holder, control, env.rank))
     started = time.time()
     try:
         setup = _setup(config, env, device, control, holder)
@@ -98,13 +101,18 @@ def run_training(config: Config) -> int:
             control.wait_value("run_done")
     except BaseException as error:
         cause = f"{type(error).__name__}: {error}"
-        if env.distributed:
-            control.abort(cause)  # first: the others stop now; the first failure recorded wins
-        first = control.aborted() if env.distributed else None
-        # A rank that fails *because* another one did (Aborted, a broken connection) names the first failure.
-        _write_failed_summary(holder.get("run_dir"), first.rank if first else env.rank, first.cause if first else cause)
         if not env.distributed:
+            _write_failed_summary(holder.get("run_dir"), env.rank, cause)
             raise
+        if is_secondary(error, control, env.rank):
+            # Failing *because* another rank did (Aborted, a broken connection): name that rank, not this one.
+            first = control.aborted()
+            _write_failed_summary(holder.get("run_dir"), first.rank if first else -1,
+                                  first.cause if first else f"a peer rank died ({cause})")
+            stop_after_peer_failure(control, env.rank, error)
+        control.abort(cause)  # first: the others stop now; the first failure recorded wins
+        first = control.aborted()
+        _write_failed_summary(holder.get("run_dir"), first.rank if first else env.rank, first.cause if first else cause)
         fail_rank(control, env.rank, error)
     if watchdog is not None:
         watchdog.stop()
@@ -327,6 +335,8 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
 def _tau_tracker(setup: RunSetup, target, head):
     """Real-tau evaluation during training: colocated ranks only (the target is at hand); split runs
     evaluate the export afterwards with `dflash-train eval`."""
+    if setup.config.eval.interval == 0 and not setup.config.eval.at_end:
+        return None
     if target is None:
         log.info("split run: real tau is not measured during training; run `dflash-train eval` on the export")
         return None
@@ -392,13 +402,30 @@ def write_summary_file(run_dir: Path, summary: dict) -> None:
     tmp.replace(path)
 
 
-def _write_failed_summary(run_dir: Optional[Path], rank: int, cause: str) -> None:
+def _write_failed_summary(run_dir: Optional[Path], rank: int, cause: str, *, keep_existing: bool = False) -> None:
+    """`summary.json` with status failed; `keep_existing`: leave a failure summary already written alone."""
     if run_dir is None:
         return
+    path = Path(run_dir) / "summary.json"
     try:
+        if keep_existing and path.is_file() and json.loads(path.read_text()).get("status") == "failed":
+            return
         write_summary_file(run_dir, {"status": "failed", "failed_rank": rank, "cause": cause})
-    except OSError:
+    except (OSError, ValueError):
         pass
+
+
+def _on_sigterm(holder: dict, control: ControlPlane, rank: int):
+    """torchrun's agent ends the surviving ranks with SIGTERM when one dies (kill -9 leaves no word of its own):
+    record the failure in the summary unless a more precise one is there, then leave."""
+
+    def handler(signum, frame) -> None:
+        info = control.aborted()
+        cause = info.cause if info else "terminated by SIGTERM (a rank died or the job was stopped)"
+        _write_failed_summary(holder.get("run_dir"), info.rank if info else -1, cause, keep_existing=True)
+        exit_now(128 + signum)
+
+    return handler
 
 
 def _print_summary(summary: dict, run_dir: Path) -> None:
