@@ -86,15 +86,11 @@ class DrafterSpec:
 
 
 def default_tap_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Evenly spread taps over layers 1 .. L-3 (gives [1, 9, 17, 25, 33] for 36 layers, 5 taps, as the
-    released drafters); on targets too shallow for `num_taps` distinct layers, the distinct ones."""
-    if num_target_layers < 3:
-        raise ConfigError(f"target has {num_target_layers} layers; a drafter needs a target with >= 3")
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    start, end = 1, max(1, num_target_layers - 3)
-    ids = [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
-    return sorted(set(ids))
+    """Evenly spread taps, as the released drafters ([1, 9, 17, 25, 33] for 36 layers and 5 taps); the rule
+    lives with the target's start-time checks."""
+    from dflash_trainer.target.checks import choose_tap_layer_ids
+
+    return choose_tap_layer_ids(num_target_layers, num_taps)
 
 
 def drafter_spec(
