@@ -114,7 +114,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def committed_jobs(rows: list[dict]) -> list[int]:
     """Job ids committed by the given metrics rows, in order, duplicates kept."""
-    return [j for row in rows for j in row["jobs"]]
+    return [j for row in rows for j in row.get("jobs", ())]  # eval rows carry eval_tau, no jobs
 
 
 def planned_jobs(run_dir: Path, epoch: int = 0) -> list[int]:

@@ -27,6 +27,7 @@ from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer
 from dflash_trainer.data.types import Job
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec
+from dflash_trainer.eval.drafter_eval import warn_regen_mismatch
 from dflash_trainer.rundir import make_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv, choose_device, dist_env, init_distributed
@@ -34,6 +35,7 @@ from dflash_trainer.runtime.failures import AbortWatchdog, exit_now, fail_rank, 
 from dflash_trainer.runtime.jobs import STOP, StoreJobSource
 from dflash_trainer.runtime.pool import BufferedPool
 from dflash_trainer.runtime.roles import Placement, plan_placement
+from dflash_trainer.runtime.split_eval import SplitEvalClient, SplitEvalServer, make_tau_tracker, split_eval_enabled
 from dflash_trainer.runtime.transport import LocalProducer, P2PShipper, Receiver
 from dflash_trainer.target.batch import WireSpec, allocate
 from dflash_trainer.target.capture import TapCapture
@@ -147,6 +149,7 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
         prepared = prepare_data(config, run_dir, tokenizer=tokenizer)
         plans = [_epoch_plan(config, run_dir, prepared, e) for e in range(config.train.num_epochs)]
         write_summary(run_dir, summary_json(prepared.summary, plans[0]))
+        warn_regen_mismatch(config)  # data regenerated with other thinking/temperature than evaluation uses
         control.set_value("data_ready", "1")
     else:
         control.wait_value("data_ready")
@@ -233,14 +236,21 @@ def _wire_spec(setup: RunSetup) -> WireSpec:
 
 def _run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
     config = setup.config
-    _, capture = _load_checked_target(setup)
+    target, capture = _load_checked_target(setup)
     shipper = P2PShipper(control, rank=setup.env.rank, drafter_ranks=setup.placement.drafter_ranks, device=setup.device)
     sender = BatchSender.create(
         _wire_spec(setup), setup.device, depth=config.pipeline.target_postprocess_depth, ship=shipper.ship,
         finish=shipper.finish, timeout_s=config.pipeline.timeout_s, name=f"target-sender-{setup.env.rank}",
     )
     jobs = StoreJobSource(control, setup.remaining)
-    report = run_target_worker(capture=capture, job_source=jobs, dataset=setup.prepared.train, sender=sender)
+    server = None
+    if setup.env.rank == setup.placement.target_ranks[0] and split_eval_enabled(config):
+        tracker = make_tau_tracker(config, target=target, head=head_from_model(target), run_dir=setup.run_dir)
+        server = SplitEvalServer(control, tracker, device=setup.device) if tracker is not None else None
+    source = jobs if server is None else server.pausing(jobs)
+    report = run_target_worker(capture=capture, job_source=source, dataset=setup.prepared.train, sender=sender)
+    if server is not None:
+        server.serve_until_end()
     return TargetStats(
         rank=setup.env.rank, tokens=report.num_tokens, batches=len(report.batches),
         busy_s=sum(b.forward_s for b in report.batches), wall_s=report.wall_s, bytes_moved=shipper.bytes_sent,
@@ -281,11 +291,20 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
     )
     target_stats: Optional[TargetStats] = None
     receiver = None
-    tracker = _tau_tracker(setup, target, head) if trainer.is_leader else None
-    if tracker is not None and config.eval.interval > 0:
-        trainer.on_step_extra = lambda record: (
-            tracker.evaluate(trainer, record.step) if record.step % config.eval.interval == 0 and not record.skipped else None
-        )
+    tracker = _tau_tracker(setup, target, head) if trainer.is_leader and colocated else None
+    client = SplitEvalClient(control, setup.run_dir) if trainer.is_leader and not colocated and split_eval_enabled(setup.config) else None
+    interval = config.eval.interval
+
+    def on_step(record) -> None:
+        due = interval > 0 and record.step % interval == 0 and not record.skipped
+        if tracker is not None and due:
+            tracker.evaluate(trainer.model, record.step, export=trainer.export, sink=trainer.sink)
+        if client is not None:
+            if due:
+                client.request(trainer, record.step)
+            client.poll(trainer.sink)
+
+    trainer.on_step_extra = on_step
     if colocated:
         target_stats = TargetStats(rank=rank)
         jobs = StoreJobSource(control, setup.remaining)
@@ -317,14 +336,22 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
     result = trainer.run(take)
     if trainer.is_leader:
         control.set_value(STOP, "1")  # targets stop pulling jobs (max_steps reached or all done)
+    if receiver is not None:
+        # Before anything waits on a target: batches still in flight are received and dropped at once, so a
+        # target blocked on credits moves on (and the first target can serve the final tau evaluation).
+        receiver.drain()
+    if trainer.is_leader:
         if result.state.step > 0 and (not result.checkpoints or not result.checkpoints[-1].endswith(f"step_{result.state.step}")):
             trainer.save_checkpoint(result.state.step)
             result.checkpoints = trainer.checkpoints
         result.export_dir = str(trainer.export(setup.run_dir / "export"))
-        if tracker is not None and result.state.step > 0:
-            result.eval = tracker.finish(trainer, result.state.step)
+        if tracker is not None and result.state.step > 0 and config.eval.at_end:
+            result.eval = tracker.finish(trainer.model, result.state.step, export=trainer.export, sink=trainer.sink)
+        elif tracker is not None and tracker.history:
+            result.eval = tracker.summary(tracker.history[-1].step)
+        if client is not None:
+            result.eval = client.finish(trainer, result.state.step, at_end=config.eval.at_end, sink=trainer.sink)
     if receiver is not None:
-        receiver.drain()
         receiver.join(config.pipeline.timeout_s)
     if target_stats is not None:
         target_stats.wall_s = time.perf_counter() - t0
@@ -333,22 +360,10 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
 
 
 def _tau_tracker(setup: RunSetup, target, head):
-    """Real-tau evaluation during training: colocated ranks only (the target is at hand); split runs
-    evaluate the export afterwards with `dflash-train eval`."""
+    """Real-tau evaluation in place on a colocated leader (split runs: `split_eval.py`)."""
     if setup.config.eval.interval == 0 and not setup.config.eval.at_end:
         return None
-    if target is None:
-        log.info("split run: real tau is not measured during training; run `dflash-train eval` on the export")
-        return None
-    from dflash_trainer.eval.drafter_eval import eval_prompts_path
-    from dflash_trainer.train.tau_eval import TauTracker
-
-    path = eval_prompts_path(setup.config)
-    if not path.is_file() or path.stat().st_size == 0:
-        log.warning("no held-out prompts at %s: real tau is not measured (set data.num_eval_conversations > 0)", path)
-        return None
-    return TauTracker(setup.config, target=target, tokenizer=load_tokenizer(setup.config.target, setup.config.data.chat_template),
-                      head=head, prompts_path=path, run_dir=setup.run_dir)
+    return make_tau_tracker(setup.config, target=target, head=head, run_dir=setup.run_dir)
 
 
 # -- summary ----------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -42,8 +42,9 @@ class TauTracker:
         self.best: Optional[TauRecord] = None
         self.last_report: Optional[EvalReport] = None
 
-    def evaluate(self, trainer, step: int) -> EvalReport:
-        model = trainer.model
+    def evaluate(self, model, step: int, *, export: Callable[[Path], object], sink=None) -> EvalReport:
+        """Tau of `model` (a DFlashDrafter) at optimizer step `step`; `export(dir)` writes that drafter in the
+        inference format (used when it is the best so far); `sink` logs the result (None: not logged here)."""
         was_training = model.training
         model.eval()
         try:
@@ -53,27 +54,31 @@ class TauTracker:
             model.train(was_training)
         self.history.append(TauRecord(step=step, tau=report.tau))
         self.last_report = report
-        trainer.sink.log(step, {"eval_tau": report.tau, "eval_greedy_match_rate": report.greedy_match_rate})
+        if sink is not None:
+            sink.log(step, {"eval_tau": report.tau, "eval_greedy_match_rate": report.greedy_match_rate})
         log.info("step %d: real tau %.3f on %d held-out prompts", step, report.tau, report.prompts)
         if self.best is None or report.tau > self.best.tau:
             self.best = TauRecord(step=step, tau=report.tau)
-            self._save_best(trainer, step, report)
+            self._save_best(export, step, report)
         return report
 
-    def finish(self, trainer, step: int) -> dict:
+    def finish(self, model, step: int, *, export: Callable[[Path], object], sink=None) -> dict:
         """Evaluate the final drafter (unless just done), write `RUN_DIR/eval.json`, return the summary entry."""
         if not self.history or self.history[-1].step != step:
-            self.evaluate(trainer, step)
+            self.evaluate(model, step, export=export, sink=sink)
+        return self.summary(step)
+
+    def summary(self, step: int) -> dict:
         report = self.last_report
         (self.run_dir / "eval.json").write_text(json.dumps({"step": step, **report.to_json()}, indent=2))
-        return {"tau": report.tau, "best_tau": self.best.tau, "best_step": self.best.step,
+        return {"tau": report.tau, "greedy_match_rate": report.greedy_match_rate, "best_tau": self.best.tau, "best_step": self.best.step,
                 "best_dir": str(self.run_dir / "best"), "acceptance_histogram": report.acceptance_histogram}
 
-    def _save_best(self, trainer, step: int, report: EvalReport) -> None:
+    def _save_best(self, export: Callable[[Path], object], step: int, report: EvalReport) -> None:
         best = self.run_dir / "best"
         tmp = self.run_dir / ".best.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        trainer.export(tmp)
+        export(tmp)
         (tmp / "eval.json").write_text(json.dumps({"step": step, **report.to_json()}, indent=2))
         shutil.rmtree(best, ignore_errors=True)
         tmp.rename(best)

@@ -1,0 +1,131 @@
+"""Real tau during a split run: the first target rank evaluates the drafter the leader drafter sends it.
+
+The leader exports the drafter (`RUN_DIR/.eval/step_N/`, on the run dir that every rank shares) and posts
+a request in the store; the first target rank serves requests between jobs: its job pulling pauses while it
+runs speculative decoding with its own target, then it posts the result and keeps the best drafter by tau
+in `RUN_DIR/best/`. The leader logs results as they arrive and waits only for the final one. An explicit
+end request tells the server that no more will come.
+
+Store values: `eval_request/K` = {"step", "path"} or {"end": true}; `eval_result/K` = the summary entry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dflash_trainer.runtime.control import ControlPlane
+from dflash_trainer.target.head import TargetHead
+
+log = logging.getLogger(__name__)
+
+
+def split_eval_enabled(config: Any) -> bool:
+    """Identical on every rank: tau is measured periodically or at the end, and prompts are configured or
+    held out (the held-out file itself is written by rank 0 before any role starts)."""
+    if config.eval.interval == 0 and not config.eval.at_end:
+        return False
+    return bool(config.eval.prompts) or config.data.num_eval_conversations > 0
+
+
+def make_tau_tracker(config: Any, *, target, head: TargetHead, run_dir: Path):
+    """A TauTracker over the run's held-out prompts, or None (with a warning) when there are none."""
+    from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.eval.drafter_eval import eval_prompts_path
+    from dflash_trainer.train.tau_eval import TauTracker
+
+    path = eval_prompts_path(config)
+    if not path.is_file() or path.stat().st_size == 0:
+        log.warning("no held-out prompts at %s: real tau is not measured (set data.num_eval_conversations > 0)", path)
+        return None
+    tokenizer = load_tokenizer(config.target, config.data.chat_template)
+    return TauTracker(config, target=target, tokenizer=tokenizer, head=head, prompts_path=path, run_dir=run_dir)
+
+
+class SplitEvalClient:
+    """On the leader drafter: sends drafters to evaluate and collects the results."""
+
+    def __init__(self, control: ControlPlane, run_dir: Path) -> None:
+        self.control = control
+        self.run_dir = Path(run_dir)
+        self.posted = 0
+        self.collected = 0
+        self.steps: dict[int, int] = {}
+        self.last: Optional[dict] = None
+
+    def request(self, trainer, step: int) -> None:
+        path = self.run_dir / ".eval" / f"step_{step}"
+        trainer.export(path)
+        self.posted += 1
+        self.steps[self.posted] = step
+        self.control.set_value(f"eval_request/{self.posted}", json.dumps({"step": step, "path": str(path)}))
+
+    def poll(self, sink) -> None:
+        """Log the results that have arrived (no waiting)."""
+        while self.collected < self.posted and self.control.has_value(f"eval_result/{self.collected + 1}"):
+            self._collect(sink)
+
+    def _collect(self, sink) -> None:
+        self.collected += 1
+        self.last = json.loads(self.control.wait_value(f"eval_result/{self.collected}"))
+        step = self.steps[self.collected]
+        sink.log(step, {"eval_tau": self.last["tau"], "eval_greedy_match_rate": self.last.get("greedy_match_rate")})
+
+    def finish(self, trainer, step: int, *, at_end: bool, sink) -> Optional[dict]:
+        """Evaluate the final drafter (when asked and not just done), wait for every result, end the server."""
+        if at_end and step > 0 and (not self.steps or self.steps[self.posted] != step):
+            self.request(trainer, step)
+        while self.collected < self.posted:
+            self._collect(sink)  # waits (bounded by pipeline.timeout_s) for the server
+        self.control.set_value(f"eval_request/{self.posted + 1}", json.dumps({"end": True}))
+        shutil.rmtree(self.run_dir / ".eval", ignore_errors=True)
+        return self.last
+
+
+class SplitEvalServer:
+    """On the first target rank: evaluates requested drafters with its target, between jobs."""
+
+    def __init__(self, control: ControlPlane, tracker, *, device: torch.device) -> None:
+        self.control = control
+        self.tracker = tracker
+        self.device = device
+        self.next = 1
+        self.ended = False
+
+    def pausing(self, source):
+        """`source` whose `next_job` first serves the evaluation requests that are waiting."""
+        server = self
+
+        class _Pausing:
+            def next_job(self):
+                server.serve_pending()
+                return source.next_job()
+
+        return _Pausing()
+
+    def serve_pending(self) -> None:
+        while not self.ended and self.control.has_value(f"eval_request/{self.next}"):
+            self._serve(json.loads(self.control.wait_value(f"eval_request/{self.next}")))
+
+    def serve_until_end(self) -> None:
+        """After the last job: serve until the leader's end request (each wait bounded by pipeline.timeout_s)."""
+        while not self.ended:
+            self._serve(json.loads(self.control.wait_value(f"eval_request/{self.next}")))
+
+    def _serve(self, request: dict) -> None:
+        from dflash_trainer.drafter.export import load_drafter
+
+        index = self.next
+        self.next += 1
+        if request.get("end"):
+            self.ended = True
+            return
+        path = Path(request["path"])
+        drafter = load_drafter(path, attention="sdpa").to(self.device)
+        self.tracker.evaluate(drafter, request["step"], export=lambda out: shutil.copytree(path, out))
+        self.control.set_value(f"eval_result/{index}", json.dumps(self.tracker.summary(request["step"])))

@@ -1,0 +1,23 @@
+"""Real tau during a split run (1 target + 1 drafter, gloo): the first target rank evaluates the drafters
+the leader sends it between jobs, the leader logs the results and the best drafter by tau is kept."""
+
+import json
+
+from pipeline_helpers import assert_ok, committed_jobs, metrics, planned_jobs, torchrun
+
+
+def test_split_run_measures_tau_on_the_target_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    launch = torchrun(run_dir, 2, "pipeline.colocated=false", "pipeline.num_targets=1", "eval.interval=4",
+                      "eval.at_end=true", "eval.num_prompts=2", "eval.max_new_tokens=16")
+    summary = assert_ok(launch)
+    rows = metrics(run_dir)
+    evals = [r for r in rows if "eval_tau" in r]
+    steps = summary["steps"]
+    assert [r["step"] for r in evals] == sorted({*range(4, steps + 1, 4), steps}), evals
+    assert all(r["eval_tau"] >= 1.0 for r in evals)
+    assert sorted(committed_jobs([r for r in rows if "jobs" in r])) == sorted(planned_jobs(run_dir))
+    assert summary["eval"]["tau"] == evals[-1]["eval_tau"]
+    best = json.loads((run_dir / "best" / "eval.json").read_text())
+    assert best["tau"] == max(r["eval_tau"] for r in evals)
+    assert (run_dir / "best" / "model.safetensors").is_file() and not (run_dir / ".eval").exists()
