@@ -3,6 +3,7 @@
 # benchmarks, copy every log and result JSON under $OUT. Usage: bash bench/gpu_session.sh PART
 #   PART=1: GPU tests, drafter step (8B shape), target forward (8B shape), end to end 1.7B
 #   PART=2: end to end 8B (mfu workload), colocated training run with a 1.7B-shape target + eval
+#   PART=3: 8B with the target's layers compiled, 8B on the ShareGPT length mix, the drafter step alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL=${OUT:-/tmp/out}
@@ -38,6 +39,11 @@ case "${1:-1}" in
     cp /tmp/run17/eval.json "$OUT/train_1p7b_eval.json" 2>/dev/null
     step eval_1p7b 90 python3 -m dflash_trainer eval --config /tmp/run17/config.yaml --drafter /tmp/run17/export --out /tmp/run17/eval2
     cp /tmp/run17/eval2/eval.json "$OUT/eval_1p7b.json" 2>/dev/null
+    ;;
+  3)
+    step run_8b_mfu_ctarget 200 python3 bench/run.py --model qwen3-8b --workload mfu --compile-target --no-baseline
+    step run_8b_sharegpt 220 python3 bench/run.py --model qwen3-8b --workload sharegpt
+    step drafter_step_nobase 150 python3 bench/drafter_step.py --no-baseline
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

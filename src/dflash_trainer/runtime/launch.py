@@ -38,7 +38,7 @@ from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.runtime.split_eval import SplitEvalClient, SplitEvalServer, make_tau_tracker, split_eval_enabled
 from dflash_trainer.runtime.transport import LocalProducer, P2PShipper, Receiver
 from dflash_trainer.target.batch import WireSpec, allocate
-from dflash_trainer.target.capture import TapCapture
+from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.head import head_from_model, load_target_head
 from dflash_trainer.target.load import load_target, target_model_config
@@ -227,6 +227,9 @@ def _load_checked_target(setup: RunSetup):
         mask_token_id=spec.mask_token_id, max_length=config.data.max_length,
     )
     capture = TapCapture(target, spec.tap_layer_ids, capture_last_hidden=config.drafter.kd_weight > 0)
+    if config.target.compile and setup.device.type == "cuda":
+        # Each layer compiled (hooks and early exit stay eager); padded shapes vary by job, so dynamic.
+        compile_decoder_layers(target, upto=capture.stop_layer, dynamic=None)
     return target, capture
 
 
