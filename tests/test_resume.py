@@ -30,7 +30,10 @@ def _last_checkpoint(run_dir, step: int) -> tuple[int, list[int]]:
 
 def _assert_exactly_once_over_runs(run_dir, rows_before: int, kept: list[int], last_checkpoint_step: int) -> list[int]:
     """The ledger of run 1's last checkpoint and the jobs run 2 committed partition the plan."""
-    rows = metrics(run_dir)[rows_before:]
+    everything = [r for r in metrics(run_dir) if "jobs" in r]
+    steps = [r["step"] for r in everything]
+    assert len(steps) == len(set(steps)), steps  # a resume drops the killed run's rows past its checkpoint
+    rows = [r for r in everything if r["step"] > last_checkpoint_step]
     assert rows and rows[0]["step"] == last_checkpoint_step + 1, rows[:1]  # continues after the checkpoint
     redone = committed_jobs(rows)
     assert not [j for j, n in Counter(redone).items() if n > 1], redone
@@ -83,16 +86,17 @@ def test_deterministic_resume_continues_the_uninterrupted_loss_curve(tmp_path):
     run_dir = tmp_path / "run"
     first = torchrun(run_dir, 2, "pipeline.colocated=false", *DETERMINISTIC, fault="kill_job:5@1", timeout_s=90)
     assert first.returncode == -9, first.output[-3000:]
-    rows_before = len(metrics(run_dir))
+    run1 = metrics(run_dir)
+    rows_before = len(run1)
     assert train_in_process(run_dir, "pipeline.colocated=true", *DETERMINISTIC, resume=True) == 0
 
     plan = planned_jobs(run_dir)
-    resumed = metrics(run_dir)[rows_before:]
+    resumed = [r for r in metrics(run_dir) if r["step"] > 4]
     assert committed_jobs(resumed) == plan[4:]  # first in, first out, after the checkpoint's 4 jobs
     uninterrupted = inline_losses(run_dir, DETERMINISTIC, plan)
     got = torch.tensor([r["loss"] for r in resumed])
     want = torch.tensor(uninterrupted[4:])
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got, want)
     # run 1's steps before the kill were on the same curve too
-    before = torch.tensor([r["loss"] for r in metrics(run_dir)[:rows_before]])
+    before = torch.tensor([r["loss"] for r in run1])
     assert torch.allclose(before, torch.tensor(uninterrupted[:rows_before]), rtol=1e-5, atol=1e-6)

@@ -69,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError, NotBuiltYet) as e:
         print(f"dflash-train {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # the NaN/inf step limit: a data or learning-rate problem, not a bug
+        print(f"dflash-train {args.command}: stopped: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -127,6 +127,8 @@ class DrafterTrainer:
             max_steps=config.train.max_steps,
             max_nonfinite_steps=config.train.max_nonfinite_steps,
         )
+        if resume is not None and is_leader:
+            _truncate_metrics(run_dir / "metrics.jsonl", resume.state.step)
         self.sink = build_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb, enabled=is_leader)
         self.checkpoints: list[str] = []
 
@@ -222,6 +224,16 @@ class DrafterTrainer:
 
     def close(self) -> None:
         self.sink.close()
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop the rows a resumed run will write again (steps after its checkpoint), keeping the file's history."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def planned_steps(config: Config, remaining_jobs: int, num_drafters: int, start_step: int) -> int:
