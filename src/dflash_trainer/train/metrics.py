@@ -50,6 +50,21 @@ class TensorBoardSink(NullSink):
         self._writer.close()
 
 
+class WandbSink(NullSink):
+    """Weights & Biases (needs the `wandb` package and a login or WANDB_MODE=offline)."""
+
+    def __init__(self, run_dir: Path, *, project: str, config: Mapping[str, Any]) -> None:
+        import wandb
+
+        self._run = wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=dict(config))
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        self._run.log({k: v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MultiSink(NullSink):
     def __init__(self, sinks: list[NullSink]) -> None:
         self.sinks = sinks
@@ -63,7 +78,8 @@ class MultiSink(NullSink):
             s.close()
 
 
-def build_sinks(run_dir: Path, *, tensorboard: bool, wandb: bool, enabled: bool) -> NullSink:
+def build_sinks(run_dir: Path, *, tensorboard: bool, wandb: bool, enabled: bool, wandb_project: str = "dflash-trainer",
+                config: Mapping[str, Any] | None = None) -> NullSink:
     """Sinks for rank 0 (`enabled`); other ranks get a null sink."""
     if not enabled:
         return NullSink()
@@ -74,5 +90,8 @@ def build_sinks(run_dir: Path, *, tensorboard: bool, wandb: bool, enabled: bool)
         except ImportError:
             log.warning("logging.tensorboard=true but the tensorboard package is missing: pip install tensorboard")
     if wandb:
-        log.warning("logging.wandb=true: W&B logging is not built yet; metrics go to metrics.jsonl")
+        try:
+            sinks.append(WandbSink(run_dir, project=wandb_project, config=config or {}))
+        except ImportError:
+            log.warning("logging.wandb=true but the wandb package is missing: pip install wandb")
     return MultiSink(sinks)

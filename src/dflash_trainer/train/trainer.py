@@ -129,7 +129,10 @@ class DrafterTrainer:
         )
         if resume is not None and is_leader:
             _truncate_metrics(run_dir / "metrics.jsonl", resume.state.step)
-        self.sink = build_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb, enabled=is_leader)
+        self.sink = build_sinks(
+            run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb, enabled=is_leader,
+            wandb_project=config.logging.wandb_project, config=asdict(config),
+        )
         self.checkpoints: list[str] = []
 
     def progress(self) -> float:
