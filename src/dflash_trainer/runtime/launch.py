@@ -313,12 +313,12 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
         jobs = StoreJobSource(control, setup.remaining)
 
         def forward(job: Job, wire):
-            interval = Interval(device)
+            timer = Interval(device)
             batch, inputs = forward_job(capture, setup.prepared.train, job, wire)
-            interval.stop()
+            timer.stop()
             target_stats.tokens += inputs.num_tokens
             target_stats.batches += 1
-            target_stats.busy_s += interval.seconds()  # colocated: the step that follows waits for it anyway
+            target_stats.busy_s += timer.seconds()  # colocated: the step that follows waits for it anyway
             return batch
 
         producer = LocalProducer(pool, buffers, next_job=jobs.next_job, forward=forward)
