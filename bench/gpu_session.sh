@@ -4,6 +4,7 @@
 #   PART=1: GPU tests, drafter step (8B shape), target forward (8B shape), end to end 1.7B
 #   PART=2: end to end 8B (mfu workload), colocated training run with a 1.7B-shape target + eval
 #   PART=3: 8B with the target's layers compiled, 8B on the ShareGPT length mix, the drafter step alone
+#   PART=4: GPU tests and 8B with the target compiled, against the baseline
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL=${OUT:-/tmp/out}
@@ -44,6 +45,10 @@ case "${1:-1}" in
     step run_8b_mfu_ctarget 200 python3 bench/run.py --model qwen3-8b --workload mfu --compile-target --no-baseline
     step run_8b_sharegpt 220 python3 bench/run.py --model qwen3-8b --workload sharegpt
     step drafter_step_nobase 150 python3 bench/drafter_step.py --no-baseline
+    ;;
+  4)
+    step gpu_tests 170 python3 -m pytest -q -x -m gpu tests/test_gpu.py
+    step run_8b_mfu_ctarget_base 260 python3 bench/run.py --model qwen3-8b --workload mfu --compile-target
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import types
+
 import pytest
 import torch
 
@@ -55,6 +57,33 @@ def test_chunked_equals_unchunked_values_and_grads(kd_weight):
     assert torch.equal(a.weight_sum, b.weight_sum) and torch.equal(a.slot_correct, b.slot_correct)
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dpace", [False, True])
+def test_frozen_head_gradient_in_forward_equals_plain_autograd(dpace):
+    """The fused path (CE gradient computed in the forward, frozen head) against plain autograd through
+    one unchunked logits tensor: same loss, same per-slot hits, same gradient w.r.t. the hidden states."""
+    torch.manual_seed(3)
+    n, b, h, v = 6, 5, 16, 50
+    hidden = torch.randn(n, b, h, requires_grad=True)
+    head = torch.randn(v, h) * 0.3
+    labels = torch.randint(0, v, (n, b))
+    valid = torch.rand(n, b) > 0.3
+    valid[:, 0] = False
+    plan = types.SimpleNamespace(labels=labels, label_valid=valid, block_valid=torch.ones(n, dtype=torch.bool))
+    out = drafter_loss(hidden, plan, lm_head_weight=head, gamma=2.0, chunk_rows=7, dpace=dpace)
+    (grad_fused,) = torch.autograd.grad(out.loss_sum, hidden)
+
+    logits = hidden[:, 1:] @ head.T  # (n, b-1, v)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, v), labels[:, 1:].reshape(-1), reduction="none").view(n, b - 1)
+    valid_rows = valid[:, 1:]
+    weights = (dpace_weights(ce, valid_rows, 0.5) if dpace else decay_weights(b, 2.0, hidden.device)[None]) * valid_rows
+    reference = (weights * ce).sum()
+    (grad_plain,) = torch.autograd.grad(reference, hidden)
+    torch.testing.assert_close(out.loss_sum, reference)
+    torch.testing.assert_close(grad_fused, grad_plain, atol=1e-6, rtol=1e-5)
+    hits = (logits.argmax(-1) == labels[:, 1:]) & valid_rows
+    assert torch.equal(out.slot_correct, hits.float().sum(0))
 
 
 def test_loss_matches_explicit_formula():

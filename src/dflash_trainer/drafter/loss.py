@@ -91,6 +91,39 @@ def _chunk_losses(
     return ce, kl, hit
 
 
+class _FrozenHeadCE(torch.autograd.Function):
+    """Chunked CE through a frozen LM head whose gradient is computed in the forward pass.
+
+    The head needs no gradient, so per chunk the forward computes the logits, the CE, and at once the
+    CE's gradient w.r.t. the hidden rows, (softmax - onehot) @ head; backward only scales the stored
+    gradient by the incoming one. Two vocab-sized matmuls per row instead of three (forward, the
+    checkpoint's recompute, backward), and only one chunk of fp32 logits alive at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, chunk_rows: int):
+        ce = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)  # (R,)
+        hit = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)  # (R,)
+        grad = torch.empty_like(rows)  # (R, H): dCE_r / d rows_r
+        for start in range(0, rows.shape[0], chunk_rows):
+            stop = min(start + chunk_rows, rows.shape[0])
+            logits = F.linear(rows[start:stop].to(head.dtype), head).float()  # (r, V) fp32
+            lab = labels[start:stop]
+            probs = torch.softmax(logits, dim=-1)  # (r, V)
+            ce[start:stop] = torch.logsumexp(logits, dim=-1) - logits.gather(1, lab[:, None])[:, 0]
+            hit[start:stop] = logits.argmax(dim=-1) == lab
+            probs.scatter_add_(1, lab[:, None], torch.full_like(probs[:, :1], -1.0))  # softmax - onehot
+            grad[start:stop] = (probs.to(head.dtype) @ head).to(rows.dtype)  # (r, H)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(hit)
+        return ce, hit
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor, grad_hit):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_ce[:, None].to(grad.dtype), None, None, None
+
+
 def drafter_loss(
     hidden: torch.Tensor,
     plan: BlockPlan,
@@ -117,7 +150,10 @@ def drafter_loss(
         teacher_rows = teacher.last_hidden[idx.reshape(-1)]  # (N*(B-1), H)
     ce_parts, kl_parts, hit_parts = [], [], []
     grad = torch.is_grad_enabled() and rows.requires_grad
-    for start in range(0, rows.shape[0], chunk_rows):
+    if grad and teacher_rows is None and not lm_head_weight.requires_grad:
+        ce_all, hit_all = _FrozenHeadCE.apply(rows, labels, lm_head_weight, chunk_rows)
+        ce_parts, kl_parts, hit_parts = [ce_all], [torch.zeros_like(ce_all)], [hit_all]
+    for start in range(0, rows.shape[0] if not ce_parts else 0, chunk_rows):
         stop = min(start + chunk_rows, rows.shape[0])
         t_chunk = None if teacher_rows is None else teacher_rows[start:stop]
         args = (rows[start:stop], labels[start:stop], t_chunk, lm_head_weight,
