@@ -59,3 +59,8 @@ def test_resolved_config_round_trips(tmp_path):
 def test_cli_reports_config_errors(capsys):
     assert main(["plan", "--config", "demo", "train.nope=1"]) == 2
     assert "train.nope" in capsys.readouterr().err
+
+
+def test_bench_subcommand_points_to_the_scripts(capsys):
+    assert main(["bench", "--config", "demo"]) == 2
+    assert "bench/run.py" in capsys.readouterr().err
