@@ -1,0 +1,103 @@
+"""The run summary (`RUN_DIR/summary.json`): what trained, how fast each side ran, and how it ended."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from dflash_trainer.train.trainer import TrainResult
+
+if TYPE_CHECKING:
+    from dflash_trainer.runtime.launch import RunSetup
+
+
+@dataclass
+class TargetStats:
+    """One target rank's side of the run (a colocated rank's target half), reported to the leader."""
+
+    rank: int = -1
+    tokens: int = 0
+    batches: int = 0
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+    bytes_moved: int = 0
+    slot_wait_s: float = 0.0
+    """Time the forward waited for a free send slot (backpressure from the drafters)."""
+
+
+def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStats], pools: list[dict]) -> dict:
+    """`pools`: every drafter's pool stats (`_pool_stats`), the leader's first."""
+    planned = {e: len(jobs) for e, jobs in enumerate(setup.plans_jobs)}
+    trained = {e: len(set(ids)) for e, ids in result.ledger.items()}
+    duplicated = sum(len(ids) - len(set(ids)) for ids in result.ledger.values())
+    target_tokens = sum(t.tokens for t in targets)
+    target_busy = sum(t.busy_s for t in targets)
+    target_wall = sum(t.wall_s for t in targets)
+    drafter_wall = result.elapsed_s
+    return {
+        "status": "ok",
+        "run_dir": str(setup.run_dir),
+        "world_size": setup.env.world_size,
+        "roles": [r.value for r in setup.placement.roles],
+        "steps": result.state.step,
+        "skipped_steps": result.state.skipped_steps,
+        "jobs_planned": {str(e): n for e, n in planned.items()},
+        "jobs_trained": {str(e): trained.get(e, 0) for e in planned},
+        "jobs_duplicated": duplicated,
+        "tokens_trained": result.state.tokens,
+        "I_tokens_per_s": target_tokens / target_busy if target_busy > 0 else None,
+        "T_tokens_per_s": result.state.tokens / result.step_time_s if result.step_time_s > 0 else None,
+        "throughput_tokens_per_s": result.state.tokens / drafter_wall if drafter_wall > 0 else None,
+        "drafter_wait_frac": result.wait_time_s / drafter_wall if drafter_wall > 0 else None,
+        "target_idle_frac": (1 - target_busy / target_wall) if target_wall > 0 and not setup.placement.colocated else None,
+        "pool_depth_max": max(p["depth_max"] for p in pools),
+        "pool_depth_mean": sum(p["depth_sum"] for p in pools) / max(1, sum(p["takes"] for p in pools)),
+        "pool_occupied_max": max(p["occupied_max"] for p in pools),
+        "pool_capacity": setup.config.pipeline.pool_capacity,
+        "target_batches": {str(t.rank): t.batches for t in targets},
+        "target_slot_wait_s": sum(t.slot_wait_s for t in targets),
+        "bytes_moved": sum(t.bytes_moved for t in targets),
+        "final_loss": result.last_record.loss if result.last_record else None,
+        "final_acc": result.last_record.accuracy if result.last_record else None,
+        "final_sim_tau": result.last_record.sim_tau if result.last_record else None,
+        "eval": result.eval,
+        "checkpoints": result.checkpoints,
+        "export_dir": result.export_dir,
+    }
+
+
+def write_summary_file(run_dir: Path, summary: dict) -> None:
+    path = Path(run_dir) / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(path)
+
+
+def write_failed_summary(run_dir: Optional[Path], rank: int, cause: str, *, keep_existing: bool = False) -> None:
+    """`summary.json` with status failed; `keep_existing`: leave a failure summary already written alone."""
+    if run_dir is None:
+        return
+    path = Path(run_dir) / "summary.json"
+    try:
+        if keep_existing and path.is_file() and json.loads(path.read_text()).get("status") == "failed":
+            return
+        write_summary_file(run_dir, {"status": "failed", "failed_rank": rank, "cause": cause})
+    except (OSError, ValueError):
+        pass
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    keys = ["status", "steps", "tokens_trained", "final_loss", "final_acc", "final_sim_tau", "eval", "jobs_planned",
+            "jobs_trained", "jobs_duplicated", "I_tokens_per_s", "T_tokens_per_s", "drafter_wait_frac",
+            "target_idle_frac", "pool_depth_max", "elapsed_s", "export_dir"]
+    width = max(map(len, keys))
+    lines = [f"{k:<{width}}  {_fmt(summary.get(k))}" for k in keys]
+    print("\n".join(["", "run summary", *lines, f"{'run dir':<{width}}  {run_dir}"]), flush=True)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    return str(v)
