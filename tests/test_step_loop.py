@@ -39,22 +39,31 @@ def _micro(model):
     return step
 
 
-def _run(batches, group, grad_accum):
+def _run(batches, group, grad_accum, sharded=False):
     model = _model()
+    dummy = None
+    if sharded:
+        from dflash_trainer.train.parallel import shard_drafter
+
+        model.layers = torch.nn.ModuleList()  # the toy has no decoder layers: only the root is a unit
+        shard_drafter(model, group, torch.device("cpu"))
+        dummy = (0, -1, torch.zeros(1, DIM), torch.zeros(1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     loop = StepLoop(model=model, optimizer=opt, scheduler=sched, micro_step=_micro(model), job_key=lambda b: (b[0], b[1]),
-                    grad_accum=grad_accum, block_size=2, grad_clip=0.0, group=group, device=torch.device("cpu"))
+                    grad_accum=grad_accum, block_size=2, grad_clip=0.0, group=group, device=torch.device("cpu"),
+                    dummy_batch=dummy)
     queue = list(batches)
     records = []
     loop.run(lambda: (queue.pop(0), lambda: None) if queue else None, records.append)
-    return model.weight.detach().clone(), records, loop.state
+    weight = model.weight.full_tensor() if sharded else model.weight
+    return weight.detach().clone(), records, loop.state
 
 
-def _worker(rank, port, shards, out_dir):
+def _worker(rank, port, shards, out_dir, sharded):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    weight, records, state = _run(shards[rank], dist.group.WORLD, grad_accum=2)
+    weight, records, state = _run(shards[rank], dist.group.WORLD, grad_accum=2, sharded=sharded)
     torch.save({"weight": weight, "steps": state.step, "committed": state.committed, "skipped": state.skipped_steps,
                 "losses": [r.loss for r in records]}, os.path.join(out_dir, f"r{rank}.pt"))
     dist.destroy_process_group()
@@ -66,11 +75,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_ranks_equal_one_process_with_uneven_inputs(tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fsdp2"])
+def test_two_ranks_equal_one_process_with_uneven_inputs(tmp_path, sharded):
     b = _batches()
-    # Step 1: rank0 {0,1}, rank1 {2,3}; step 2 (partial): rank0 {4}, rank1 nothing.
+    # Step 1: rank0 {0,1}, rank1 {2,3}; step 2 (partial): rank0 {4}, rank1 nothing (FSDP2: a dummy pass).
     shards = [[b[0], b[1], b[4]], [b[2], b[3]]]
-    mp.start_processes(_worker, args=(_free_port(), shards, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(_free_port(), shards, str(tmp_path), sharded), nprocs=2, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"r{i}.pt", weights_only=True) for i in range(2))
     ref_weight, ref_records, _ = _run([b[0], b[1], b[2], b[3], b[4]], None, grad_accum=4)
     torch.testing.assert_close(r0["weight"], r1["weight"])

@@ -38,7 +38,7 @@ from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.runtime.split_eval import SplitEvalClient, SplitEvalServer, make_tau_tracker, split_eval_enabled
 from dflash_trainer.runtime.summary import TargetStats, print_summary, run_summary, write_failed_summary, write_summary_file
 from dflash_trainer.runtime.transport import LocalProducer, P2PShipper, Receiver
-from dflash_trainer.target.batch import WireSpec, allocate
+from dflash_trainer.target.batch import WireHeader, WireSpec, allocate, from_wire
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.head import head_from_model, load_target_head
@@ -274,26 +274,31 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
             data_fingerprint=data_fingerprint(config, Path(setup.prepared.summary.cache_path).name),
         )
     remaining_jobs = sum(len(r) for r in setup.remaining)
+    empty = WireHeader(job_id=-1, bucket_id=-1, epoch=0, num_tokens=0, num_seqs=0,
+                       has_last_hidden=config.drafter.kd_weight > 0, end_of_stream=False)
     trainer = DrafterTrainer(
         config, spec=setup.spec, head=head, device=device, group=setup.drafter_group,
         is_leader=rank == placement.drafter_ranks[0], run_dir=setup.run_dir,
         data_key=Path(setup.prepared.summary.cache_path).name,
         total_steps=planned_steps(config, remaining_jobs, len(placement.drafter_ranks), resume.state.step if resume else 0),
         resume=resume, target_config=target_model_config(config.target),
+        dummy_batch=from_wire(allocate(_wire_spec(setup), device), empty),  # zeros: no token, no loss
     )
     target_stats: Optional[TargetStats] = None
     receiver = None
     tracker = _tau_tracker(setup, target, head) if trainer.is_leader and colocated else None
-    client = SplitEvalClient(control, setup.run_dir) if trainer.is_leader and not colocated and split_eval_enabled(setup.config) else None
+    client = SplitEvalClient(control, setup.run_dir) if trainer.is_leader and not colocated and split_eval_enabled(config) else None
+    evaluating = split_eval_enabled(config)  # the same on every drafter rank (FSDP2 gathers the model together)
     interval = config.eval.interval
 
     def on_step(record) -> None:
-        due = interval > 0 and record.step % interval == 0 and not record.skipped
-        if tracker is not None and due:
-            tracker.evaluate(trainer.model, record.step, export=trainer.export, sink=trainer.sink)
+        due = evaluating and interval > 0 and record.step % interval == 0 and not record.skipped
+        model = trainer.full_model() if due else None  # a collective with FSDP2; the leader gets the model
+        if tracker is not None and model is not None:
+            tracker.evaluate(model, record.step, export=lambda out: trainer.export(out, model), sink=trainer.sink)
         if client is not None:
-            if due:
-                client.request(trainer, record.step)
+            if model is not None:
+                client.request(trainer, record.step, model)
             client.poll(trainer.sink)
 
     trainer.on_step_extra = on_step
@@ -332,17 +337,19 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
         # Before anything waits on a target: batches still in flight are received and dropped at once, so a
         # target blocked on credits moves on (and the first target can serve the final tau evaluation).
         receiver.drain()
+    # Every drafter rank takes part in the final checkpoint and export (FSDP2 gathers the full state).
+    if result.state.step > 0 and trainer.last_saved_step != result.state.step:
+        trainer.save_checkpoint(result.state.step)
+        result.checkpoints = trainer.checkpoints
+    model = trainer.full_model()
     if trainer.is_leader:
-        if result.state.step > 0 and (not result.checkpoints or not result.checkpoints[-1].endswith(f"step_{result.state.step}")):
-            trainer.save_checkpoint(result.state.step)
-            result.checkpoints = trainer.checkpoints
-        result.export_dir = str(trainer.export(setup.run_dir / "export"))
+        result.export_dir = str(trainer.export(setup.run_dir / "export", model))
         if tracker is not None and result.state.step > 0 and config.eval.at_end:
-            result.eval = tracker.finish(trainer.model, result.state.step, export=trainer.export, sink=trainer.sink)
+            result.eval = tracker.finish(model, result.state.step, export=lambda out: trainer.export(out, model), sink=trainer.sink)
         elif tracker is not None and tracker.history:
             result.eval = tracker.summary(tracker.history[-1].step)
         if client is not None:
-            result.eval = client.finish(trainer, result.state.step, at_end=config.eval.at_end, sink=trainer.sink)
+            result.eval = client.finish(trainer, result.state.step, model, at_end=config.eval.at_end, sink=trainer.sink)
     if receiver is not None:
         receiver.join(config.pipeline.timeout_s)
     if target_stats is not None:

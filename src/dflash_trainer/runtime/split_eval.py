@@ -58,9 +58,9 @@ class SplitEvalClient:
         self.steps: dict[int, int] = {}
         self.last: Optional[dict] = None
 
-    def request(self, trainer, step: int) -> None:
+    def request(self, trainer, step: int, model) -> None:
         path = self.run_dir / ".eval" / f"step_{step}"
-        trainer.export(path)
+        trainer.export(path, model)
         self.posted += 1
         self.steps[self.posted] = step
         self.control.set_value(f"eval_request/{self.posted}", json.dumps({"step": step, "path": str(path)}))
@@ -76,10 +76,10 @@ class SplitEvalClient:
         step = self.steps[self.collected]
         sink.log(step, {"eval_tau": self.last["tau"], "eval_greedy_match_rate": self.last.get("greedy_match_rate")})
 
-    def finish(self, trainer, step: int, *, at_end: bool, sink) -> Optional[dict]:
+    def finish(self, trainer, step: int, model, *, at_end: bool, sink) -> Optional[dict]:
         """Evaluate the final drafter (when asked and not just done), wait for every result, end the server."""
         if at_end and step > 0 and (not self.steps or self.steps[self.posted] != step):
-            self.request(trainer, step)
+            self.request(trainer, step, model)
         while self.collected < self.posted:
             self._collect(sink)  # waits (bounded by pipeline.timeout_s) for the server
         self.control.set_value(f"eval_request/{self.posted + 1}", json.dumps({"end": True}))

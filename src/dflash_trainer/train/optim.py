@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_trainer.train.config import TrainConfig
+from dflash_trainer.train.parallel import global_norm
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -27,7 +28,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def scale_and_sync_gradients(
-    params: Iterable[nn.Parameter], scale: torch.Tensor, group: Optional[dist.ProcessGroup]
+    params: Iterable[nn.Parameter], scale: torch.Tensor, group: Optional[dist.ProcessGroup], *, sharded: bool = False
 ) -> None:
     """Sum gradients over the drafter group, then multiply by `scale` (a device scalar, no host sync).
 
@@ -35,6 +36,11 @@ def scale_and_sync_gradients(
     with zero gradients, and the loss is normalised by the whole step's weight sum, known only afterwards.
     """
     grads = [p.grad for p in params if p.grad is not None]
+    if sharded:  # FSDP2 already reduce-scattered (averaged) them in the last backward
+        world = dist.get_world_size(group) if group is not None else 1
+        for g in grads:
+            g.mul_(scale * world)
+        return
     if group is not None and dist.get_world_size(group) > 1:
         works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
         for w in works:
@@ -46,5 +52,5 @@ def clip_gradients(params: Iterable[nn.Parameter], max_norm: float) -> torch.Ten
     """Total gradient norm as a device scalar (0-d); clipped in place when max_norm > 0."""
     params = [p for p in params if p.grad is not None]
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        return global_norm(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+    return global_norm(torch.nn.utils.get_total_norm([p.grad for p in params]))

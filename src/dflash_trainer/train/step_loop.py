@@ -23,6 +23,7 @@ from torch import nn
 
 from dflash_trainer.runtime.faults import maybe_fault
 from dflash_trainer.train.optim import clip_gradients, scale_and_sync_gradients
+from dflash_trainer.train.parallel import set_gradient_sync
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ class StepLoop(Generic[B]):
         device: torch.device,
         max_steps: Optional[int] = None,
         max_nonfinite_steps: int = 10,
+        dummy_batch: Optional[B] = None,
     ) -> None:
+        """`dummy_batch` (FSDP2 only): a batch with no supervised token, run by a rank that has no batch."""
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer
@@ -115,6 +118,7 @@ class StepLoop(Generic[B]):
         self.device = device
         self.max_steps = max_steps
         self.max_nonfinite_steps = max_nonfinite_steps
+        self.dummy_batch = dummy_batch
         self.world = dist.get_world_size(group) if group is not None else 1
         self.state = LoopState(step=start_step)
 
@@ -140,12 +144,22 @@ class StepLoop(Generic[B]):
         releases: list[Callable[[], None]] = []
         keys: list[tuple[int, int]] = []
         self.optimizer.zero_grad(set_to_none=False)
-        for _ in range(self.grad_accum):
-            t0 = time.perf_counter()
-            got = take()
-            wait += time.perf_counter() - t0
+        dry = False
+        for micro in range(self.grad_accum):
+            set_gradient_sync(self.model, micro == self.grad_accum - 1)
+            got = None
+            if not dry:
+                t0 = time.perf_counter()
+                got = take()
+                wait += time.perf_counter() - t0
             if got is None:
-                break
+                dry = True
+                if self.dummy_batch is None:
+                    break
+                # FSDP2: every rank runs the same number of backward passes (their reduce-scatters pair up);
+                # a dry rank runs a zero-weight batch that adds nothing to the loss or the gradients.
+                self.micro_step(self.dummy_batch)
+                continue
             batch, release = got
             releases.append(release)
             keys.append(self.job_key(batch))
@@ -181,7 +195,7 @@ class StepLoop(Generic[B]):
         grad_norm = float("nan")
         if not skipped:
             scale = torch.tensor(1.0 / weight_sum, device=self.device)
-            scale_and_sync_gradients(self.params, scale, self.group)
+            scale_and_sync_gradients(self.params, scale, self.group, sharded=self.dummy_batch is not None)
             norm = clip_gradients(self.params, self.grad_clip)
             grad_norm = float(norm)  # host sync: a non-finite gradient skips the step on every rank alike
             skipped = not torch.isfinite(torch.tensor(grad_norm)).item()

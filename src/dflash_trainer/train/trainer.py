@@ -30,6 +30,7 @@ from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, s
 from dflash_trainer.train.metrics import build_sinks
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step
 from dflash_trainer.train.optim import build_optimizer
+from dflash_trainer.train.parallel import full_optimizer_state, full_weights, load_full_state, shard_drafter
 from dflash_trainer.train.schedule import build_scheduler
 from dflash_trainer.train.step_loop import LoopState, StepLoop, StepRecord
 
@@ -81,7 +82,9 @@ class DrafterTrainer:
         resume: Optional[LoadedCheckpoint] = None,
         target_config=None,
         on_step: Callable[[StepRecord], None] = lambda record: None,
+        dummy_batch: Optional[HiddenStateBatch] = None,
     ) -> None:
+        """`dummy_batch`: a batch with no supervised token (needed with `train.fsdp`; see `parallel.py`)."""
         self.config = config
         self.spec = spec
         self.head = head
@@ -100,6 +103,9 @@ class DrafterTrainer:
             self.model.init_weights()
         if config.drafter.init_from:
             init_from_export(self.model, config.drafter.init_from)
+        self.sharded = bool(config.train.fsdp and group is not None and dist.get_world_size(group) > 1)
+        if self.sharded:
+            shard_drafter(self.model, group, device)
         if config.train.compile and device.type == "cuda":
             compile_forward_train(self.model)
         self.optimizer = build_optimizer(self.model, config.train)
@@ -126,6 +132,7 @@ class DrafterTrainer:
             device=device,
             max_steps=config.train.max_steps,
             max_nonfinite_steps=config.train.max_nonfinite_steps,
+            dummy_batch=dummy_batch if self.sharded else None,
         )
         if resume is not None and is_leader:
             _truncate_metrics(run_dir / "metrics.jsonl", resume.state.step)
@@ -134,6 +141,7 @@ class DrafterTrainer:
             wandb_project=config.logging.wandb_project, config=asdict(config),
         )
         self.checkpoints: list[str] = []
+        self.last_saved_step: Optional[int] = resume.state.step if resume is not None else None
 
     def progress(self) -> float:
         return min(1.0, self.loop.state.step / self.total_steps) if hasattr(self, "loop") else 0.0
@@ -142,8 +150,7 @@ class DrafterTrainer:
         missing = set(self.model.state_dict()) ^ set(ckpt.weights)
         if missing:
             raise ValueError(f"checkpoint {ckpt.path} weights do not match the drafter: {sorted(missing)[:4]}")
-        self.model.load_state_dict({k: v.to(self.device) for k, v in ckpt.weights.items()})
-        self.optimizer.load_state_dict(ckpt.optimizer_state)
+        load_full_state(self.model, self.optimizer, ckpt.weights, ckpt.optimizer_state)
         self.scheduler.load_state_dict(ckpt.state.scheduler)
         self.ledger = {e: list(ids) for e, ids in ckpt.state.ledger.items()}
         torch.set_rng_state(ckpt.rng["torch"])
@@ -209,6 +216,12 @@ class DrafterTrainer:
                      record.accuracy, record.sim_tau, record.lr, tokens_per_s)
 
     def save_checkpoint(self, step: int) -> Optional[Path]:
+        """Called on every drafter rank (with FSDP2 the full state is gathered by all); the leader writes."""
+        self.last_saved_step = step
+        if not (self.sharded or self.is_leader):
+            return None
+        weights = full_weights(self.model)
+        optimizer_state = full_optimizer_state(self.model, self.optimizer)
         if not self.is_leader:
             return None
         state = CheckpointState(
@@ -216,14 +229,29 @@ class DrafterTrainer:
             model_signature=self.signature, data_fingerprint=self.fingerprint,
             scheduler=self.scheduler.state_dict(), extra={"tokens": self.loop.state.tokens},
         )
-        path = save_checkpoint(self.run_dir, state, dict(self.model.state_dict()), self.optimizer.state_dict(),
-                               keep_last=self.config.train.keep_last)
+        path = save_checkpoint(self.run_dir, state, weights, optimizer_state, keep_last=self.config.train.keep_last)
         self.checkpoints.append(str(path))
         log.info("checkpoint %s", path)
         return path
 
-    def export(self, out_dir: Path) -> Path:
-        return export_drafter(self.model, out_dir, target_config=self.target_config)
+    def full_model(self) -> Optional[DFlashDrafter]:
+        """The drafter with full weights: the model itself, or with FSDP2 an unsharded copy on the leader
+        (gathered by every drafter rank together; None on the others)."""
+        if not self.sharded:
+            return self.model
+        weights = full_weights(self.model)
+        if not self.is_leader:
+            return None
+        copy = DFlashDrafter(self.spec, attention="sdpa")
+        copy.load_state_dict(weights)
+        return copy.to(self.device)
+
+    def export(self, out_dir: Path, model: Optional[DFlashDrafter] = None) -> Optional[Path]:
+        """Export `model` (default: `full_model()`, a collective with FSDP2); written by the leader."""
+        model = model if model is not None else self.full_model()
+        if model is None:
+            return None
+        return export_drafter(model, out_dir, target_config=self.target_config)
 
     def close(self) -> None:
         self.sink.close()

@@ -1,0 +1,43 @@
+"""FSDP2 drafters (`train.fsdp=true`, gloo on CPU): a split run with two sharded drafters trains every job once,
+gathers full weights for checkpoints, the export and tau; its checkpoint resumes in an unsharded process."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import torch
+from safetensors.torch import load_file
+
+from pipeline_helpers import (
+    assert_ok, checkpoints, committed_jobs, metrics, planned_jobs, summary, torchrun, train_in_process,
+)
+
+
+def test_fsdp_split_run_then_unsharded_resume(tmp_path, monkeypatch):
+    monkeypatch.delenv("DFLASH_TEST_FAULT", raising=False)
+    run_dir = tmp_path / "run"
+    s = assert_ok(torchrun(run_dir, 3, "pipeline.colocated=false", "pipeline.num_targets=1", "train.fsdp=true",
+                           "train.checkpoint_interval=3", "eval.at_end=true", "eval.num_prompts=2",
+                           "eval.max_new_tokens=8"))
+    assert s["roles"] == ["target", "drafter", "drafter"]
+    committed = committed_jobs(metrics(run_dir))
+    assert not [j for j, n in Counter(committed).items() if n > 1]
+    assert sorted(committed) == sorted(planned_jobs(run_dir))
+    assert s["eval"]["tau"] >= 1.0  # the leader gathered the full drafter, the target rank evaluated it
+
+    last = checkpoints(run_dir)[-1]
+    assert last.name == f"step_{s['steps']}"
+    saved = load_file(str(last / "drafter.safetensors"))
+    exported = load_file(str(run_dir / "export" / "model.safetensors"))
+    assert set(saved) == set(exported) and len(saved) > 0
+    for name, tensor in saved.items():  # full (unsharded) shapes, the same weights
+        torch.testing.assert_close(exported[name].float(), tensor)
+
+    # The sharded run's checkpoint (weights and optimizer state by parameter name) resumes unsharded.
+    assert train_in_process(run_dir, "train.num_epochs=2", "train.checkpoint_interval=3", resume=True) == 0
+    s2 = summary(run_dir)
+    assert s2["status"] == "ok" and s2["steps"] > s["steps"]
+    assert s2["jobs_trained"]["1"] == s2["jobs_planned"]["1"]
+    state = json.loads((checkpoints(run_dir)[-1] / "state.json").read_text())
+    assert sorted(state["ledger"]["0"]) == sorted(planned_jobs(run_dir))
