@@ -36,6 +36,18 @@ def _to_cpu(tree):
     return tree
 
 
+def want_sharding(setting: Optional[bool], model: nn.Module, device: torch.device, world: int) -> bool:
+    """`train.fsdp`: explicit, or (None) when fp32 weights + Adam moments + gradients exceed 1/4 of the GPU."""
+    if world < 2:
+        return False
+    if setting is not None:
+        return setting
+    if device.type != "cuda":
+        return False
+    state_bytes = 16 * sum(p.numel() for p in model.parameters())
+    return state_bytes > torch.cuda.get_device_properties(device).total_memory / 4
+
+
 def shard_drafter(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
     """FSDP2 over the drafter group: each decoder layer (and its attention) is a unit, the root holds fc and
     the norms."""

@@ -30,7 +30,7 @@ from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, s
 from dflash_trainer.train.metrics import build_sinks
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step
 from dflash_trainer.train.optim import build_optimizer
-from dflash_trainer.train.parallel import full_optimizer_state, full_weights, load_full_state, shard_drafter
+from dflash_trainer.train.parallel import full_optimizer_state, full_weights, load_full_state, shard_drafter, want_sharding
 from dflash_trainer.train.schedule import build_scheduler
 from dflash_trainer.train.step_loop import LoopState, StepLoop, StepRecord
 
@@ -103,7 +103,8 @@ class DrafterTrainer:
             self.model.init_weights()
         if config.drafter.init_from:
             init_from_export(self.model, config.drafter.init_from)
-        self.sharded = bool(config.train.fsdp and group is not None and dist.get_world_size(group) > 1)
+        world = dist.get_world_size(group) if group is not None else 1
+        self.sharded = want_sharding(config.train.fsdp, self.model, device, world)
         if self.sharded:
             shard_drafter(self.model, group, device)
         if config.train.compile and device.type == "cuda":
