@@ -41,3 +41,14 @@ def test_fsdp_split_run_then_unsharded_resume(tmp_path, monkeypatch):
     assert s2["jobs_trained"]["1"] == s2["jobs_planned"]["1"]
     state = json.loads((checkpoints(run_dir)[-1] / "state.json").read_text())
     assert sorted(state["ledger"]["0"]) == sorted(planned_jobs(run_dir))
+
+
+def test_sharding_choice():
+    from dflash_trainer.train.parallel import want_sharding
+
+    model = torch.nn.Linear(4, 4)
+    cpu = torch.device("cpu")
+    assert want_sharding(True, model, cpu, world=2) is True
+    assert want_sharding(True, model, cpu, world=1) is False  # nothing to shard over
+    assert want_sharding(False, model, cpu, world=4) is False
+    assert want_sharding(None, model, cpu, world=4) is False  # auto: GPUs only
