@@ -73,14 +73,16 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
     return config
 
 
-def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_config: Optional[Any] = None) -> Path:
-    """Write config.json + model.safetensors to out_dir (created); returns the directory."""
+def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_config: Optional[Any] = None,
+                   dtype: Optional[torch.dtype] = None) -> Path:
+    """Write config.json + model.safetensors to out_dir (created); returns the directory. `dtype`: cast the
+    weights (e.g. the target's bf16 for serving; training keeps fp32 master weights)."""
     spec = model.spec
     if target_config is not None and target_config.hidden_size != spec.hidden_size:
         raise ConfigError(
             f"export: drafter hidden size {spec.hidden_size} != target's {target_config.hidden_size}"
         )
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}  # host copy: export
+    state = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}  # host copy
     check_keys(set(state), spec.num_layers, "export")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

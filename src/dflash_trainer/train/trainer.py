@@ -252,7 +252,8 @@ class DrafterTrainer:
         model = model if model is not None else self.full_model()
         if model is None:
             return None
-        return export_drafter(model, out_dir, target_config=self.target_config)
+        # Served next to the target: exported in its dtype (bf16 for real targets), as the released drafters are.
+        return export_drafter(model, out_dir, target_config=self.target_config, dtype=getattr(torch, self.config.target.dtype))
 
     def close(self) -> None:
         self.sink.close()
