@@ -31,13 +31,12 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from flops import PEAK_TFLOPS, drafter_step_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
 
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.loss import drafter_loss  # noqa: E402
 from dflash_trainer.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_trainer.drafter.spec import DrafterSpec  # noqa: E402
-
-PEAK_TFLOPS = 789.0
 
 SHAPES = {
     "qwen3-8b": dict(H=4096, nh=32, nkv=8, hd=128, I=12288, L=5, K=5, V=151936, B=16, T=3072, N=512, seqs=(1800, 1272)),
@@ -73,18 +72,6 @@ def build(shape: dict, device: torch.device, dtype: torch.dtype):
     return model, embed, head, dict(taps=taps, input_ids=input_ids, loss_mask=loss_mask, cu_seqlens=cu)
 
 
-def step_flops(shape: dict, plan) -> float:
-    H, nh, nkv, hd, I, L, K, V, B, T, N = (shape[k] for k in ("H", "nh", "nkv", "hd", "I", "L", "K", "V", "B", "T", "N"))
-    Q = N * B
-    valid = plan.block_valid
-    pairs = float((B * (plan.anchor_pos[valid] + B)).sum())  # host sync: once, outside timing
-    fc = 2 * T * K * H * H * 2
-    layer = (2 * Q * H * nh * hd + 2 * 2 * (Q + T) * H * nkv * hd + 2 * Q * nh * hd * H + 3 * 2 * Q * H * I) * 3
-    attn = 4 * pairs * hd * nh * 3
-    head = 2 * N * (B - 1) * H * V * 2
-    return fc + L * (layer + attn) + head
-
-
 def run_variant(name, attention, compiled, shape, model, embed, head, batch, steps, warmup, device):
     model.attention = attention
     forward = torch.compile(model.forward_train, dynamic=False) if compiled else model.forward_train
@@ -115,7 +102,7 @@ def run_variant(name, attention, compiled, shape, model, embed, head, batch, ste
         plan, out = one_step(warmup + i)
     sync()  # timing boundary
     step_s = (time.perf_counter() - t0) / steps
-    flops = step_flops(shape, plan)
+    flops = drafter_step_flops(model.spec, anchor_pos=plan.anchor_pos[plan.block_valid], context_tokens=shape["T"])
     return {
         "variant": name,
         "step_ms": step_s * 1e3,

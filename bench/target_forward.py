@@ -26,6 +26,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from flops import target_forward_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.target.batch import WireSpec, allocate  # noqa: E402
@@ -36,18 +37,6 @@ from dflash_trainer.target.load import find_decoder, load_target  # noqa: E402
 
 class _Stop(Exception):
     pass
-
-
-def forward_flops(config, lengths: list[int], num_layers: int, lm_head: bool) -> float:
-    """Useful forward FLOPs: matmuls per real token plus causal attention within each sequence."""
-    h, i = config.hidden_size, config.intermediate_size
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    tokens = sum(lengths)
-    linear = 2 * tokens * (h * (q + 2 * kv) + q * h + 3 * h * i)
-    attention = sum(2 * 2 * q * n * (n + 1) / 2 for n in lengths)  # QK^T and PV, causal half
-    head = 2 * tokens * h * config.vocab_size if lm_head else 0
-    return num_layers * (linear + attention) + head
 
 
 def make_sequences(budget: int, seq_len: int, vocab: int, seed: int) -> list[TokenizedSequence]:
@@ -138,7 +127,7 @@ def main() -> int:
             }
             for mode, (fn, layers_run, head) in modes.items():
                 seconds = timed(fn, iters=args.iters, warmup=args.warmup, device=device)
-                flops = forward_flops(config, lengths, layers_run, head)
+                flops = target_forward_flops(config, lengths, num_layers=layers_run, lm_head=head)
                 rows.append(dict(budget=budget, compiled=compiled, mode=mode, ms=seconds * 1e3,
                                  tokens_per_s=sum(lengths) / seconds, padded_tokens=inputs.padded_tokens,
                                  mfu=flops / seconds / (args.peak_tflops * 1e12)))
