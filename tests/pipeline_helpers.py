@@ -144,7 +144,7 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
     from dflash_trainer.data.plan import read_epoch_plan
     from dflash_trainer.data.prepare import prepare_data
     from dflash_trainer.data.tokenizer import load_tokenizer
-    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
     from dflash_trainer.target.batch import WireSpec, allocate
     from dflash_trainer.target.capture import TapCapture
     from dflash_trainer.target.head import head_from_model
@@ -160,7 +160,7 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
     plan = read_epoch_plan(run_dir, 0)
     by_id = {job.job_id: job for job in plan.jobs}
     target_config = target_model_config(config.target)
-    mask_id = config.drafter.mask_token_id if config.drafter.mask_token_id is not None else len(tokenizer)
+    mask_id = first_spare_row(tokenizer)  # drafter_spec prefers drafter.mask_token_id when set
     spec = drafter_spec(target_config, config.drafter, mask_token_id=mask_id)
     target = load_target(config.target, device, seed=config.run.seed)
     capture = TapCapture(target, spec.tap_layer_ids)

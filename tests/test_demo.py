@@ -9,7 +9,7 @@ from dflash_trainer.cli import main
 from dflash_trainer.config import load_config
 from dflash_trainer.data.tokenizer import load_tokenizer
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.drafter.spec import drafter_spec
+from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
 from dflash_trainer.eval.drafter_eval import evaluate_drafter
 from dflash_trainer.eval.evaluate import load_prompt_messages
 from dflash_trainer.target.head import head_from_model
@@ -32,7 +32,7 @@ def test_demo_loss_falls_and_tau_beats_untrained(tmp_path):
     config = load_config("demo", [f"run.dir={run}", f"data.path={data}"])
     target = load_target(config.target, "cpu", seed=config.run.seed)
     tokenizer = load_tokenizer(config.target)
-    spec = drafter_spec(target.config, config.drafter, mask_token_id=len(tokenizer))
+    spec = drafter_spec(target.config, config.drafter, mask_token_id=first_spare_row(tokenizer))
     torch.manual_seed(config.run.seed)
     untrained = DFlashDrafter(spec, attention="sdpa")
     with torch.no_grad():

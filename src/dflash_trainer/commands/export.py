@@ -15,7 +15,7 @@ def run(config: Config, args) -> int:
     from dflash_trainer.data.tokenizer import load_tokenizer
     from dflash_trainer.drafter.export import export_drafter
     from dflash_trainer.drafter.model import DFlashDrafter
-    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
     from dflash_trainer.target.load import target_model_config
     from dflash_trainer.train.checkpoint import COMPLETE
 
@@ -25,9 +25,8 @@ def run(config: Config, args) -> int:
     if not (ckpt / COMPLETE).is_file() or not (ckpt / "drafter.safetensors").is_file():
         raise ConfigError(f"--checkpoint {ckpt} is not a complete training checkpoint (checkpoints/step_N)")
     target_config = target_model_config(config.target)
-    mask = config.drafter.mask_token_id
-    if mask is None:
-        mask = len(load_tokenizer(config.target, config.data.chat_template))
+    mask = None if config.drafter.mask_token_id is not None else first_spare_row(
+        load_tokenizer(config.target, config.data.chat_template))
     spec = drafter_spec(target_config, config.drafter, mask_token_id=mask)
     model = DFlashDrafter(spec, attention="sdpa")
     weights = load_file(str(ckpt / "drafter.safetensors"))

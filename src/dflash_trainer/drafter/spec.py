@@ -93,6 +93,11 @@ def default_tap_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     return choose_tap_layer_ids(num_target_layers, num_taps)
 
 
+def first_spare_row(tokenizer) -> int:
+    """The default mask token: the first embedding row past the tokenizer's vocabulary (Qwen3: 151669)."""
+    return len(tokenizer)
+
+
 def drafter_spec(
     target_config: Any, drafter: DrafterConfig, *, mask_token_id: Optional[int] = None
 ) -> DrafterSpec:

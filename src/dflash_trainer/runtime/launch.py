@@ -26,7 +26,7 @@ from dflash_trainer.data.plan import build_epoch_plan, plan_dir, read_epoch_plan
 from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer
 from dflash_trainer.data.types import Job
-from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec
+from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
 from dflash_trainer.eval.drafter_eval import warn_regen_mismatch
 from dflash_trainer.rundir import make_run_dir
 from dflash_trainer.runtime.control import ControlPlane
@@ -45,7 +45,7 @@ from dflash_trainer.target.head import head_from_model, load_target_head
 from dflash_trainer.target.load import load_target, target_model_config
 from dflash_trainer.target.sender import BatchSender
 from dflash_trainer.target.worker import Interval, forward_job, run_target_worker
-from dflash_trainer.train.checkpoint import load_checkpoint, resolve_resume
+from dflash_trainer.train.checkpoint import load_checkpoint, read_ledger, resolve_resume
 from dflash_trainer.train.trainer import DrafterTrainer, TrainResult, data_fingerprint, model_signature, planned_steps
 
 log = logging.getLogger(__name__)
@@ -131,8 +131,7 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
     resume_path = resolve_resume(run_dir, config.train.resume) if config.train.resume else None
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     target_config = target_model_config(config.target)
-    mask_token_id = config.drafter.mask_token_id if config.drafter.mask_token_id is not None else len(tokenizer)
-    spec = drafter_spec(target_config, config.drafter, mask_token_id=mask_token_id)
+    spec = drafter_spec(target_config, config.drafter, mask_token_id=first_spare_row(tokenizer))
 
     if env.rank == 0:
         prepared = prepare_data(config, run_dir, tokenizer=tokenizer)
@@ -145,7 +144,7 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
         prepared = prepare_data(config, run_dir, tokenizer=tokenizer, write_files=False)
         plans = [read_epoch_plan(run_dir, e) for e in range(config.train.num_epochs)]
 
-    ledger = _read_ledger(resume_path) if resume_path else {}
+    ledger = read_ledger(resume_path) if resume_path else {}
     remaining = tuple(
         tuple(j for j in plan.jobs if j.job_id not in set(ledger.get(plan.epoch, []))) for plan in plans
     )
@@ -170,11 +169,6 @@ def _epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: in
     )
     write_epoch_plan(run_dir, plan)
     return plan
-
-
-def _read_ledger(path: Path) -> dict[int, list[int]]:
-    state = json.loads((path / "state.json").read_text())
-    return {int(e): list(ids) for e, ids in state["ledger"].items()}
 
 
 # -- roles ------------------------------------------------------------------------------------------

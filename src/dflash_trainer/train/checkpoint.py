@@ -135,6 +135,12 @@ def resolve_resume(run_dir: Path, resume: str) -> Path:
     return path
 
 
+def read_ledger(path: Path) -> dict[int, list[int]]:
+    """The job ledger of a complete checkpoint alone (target ranks need nothing else to resume)."""
+    state = json.loads((Path(path) / "state.json").read_text())
+    return {int(e): list(ids) for e, ids in state["ledger"].items()}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadedCheckpoint:
     path: Path
@@ -165,7 +171,7 @@ def load_checkpoint(path: Path, *, model_signature: dict[str, Any], data_fingerp
     state = CheckpointState(
         step=payload["step"],
         epoch=payload["epoch"],
-        ledger={int(e): list(ids) for e, ids in payload["ledger"].items()},
+        ledger=read_ledger(path),
         model_signature=payload["model_signature"],
         data_fingerprint=payload["data_fingerprint"],
         scheduler=payload["scheduler"],
