@@ -33,7 +33,7 @@ from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv, choose_device, dist_env, init_distributed
 from dflash_trainer.runtime.failures import AbortWatchdog, exit_now, fail_rank, is_secondary, stop_after_peer_failure
 from dflash_trainer.runtime.jobs import STOP, StoreJobSource
-from dflash_trainer.runtime.pool import BufferedPool
+from dflash_trainer.runtime.pool import BufferedPool, PoolReport
 from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.runtime.split_eval import SplitEvalClient, SplitEvalServer, make_tau_tracker, split_eval_enabled
 from dflash_trainer.runtime.summary import TargetStats, print_summary, run_summary, write_failed_summary, write_summary_file
@@ -186,20 +186,15 @@ def _run_role(setup: RunSetup, control: ControlPlane) -> Optional[dict]:
     if not leader:
         if target_stats is not None:  # a colocated rank reports its target half too
             control.set_value(f"target_stats/{setup.env.rank}", json.dumps(dataclasses.asdict(target_stats)))
-        control.set_value(f"pool_stats/{setup.env.rank}", json.dumps(_pool_stats(pool)))
+        control.set_value(f"pool_stats/{setup.env.rank}", json.dumps(dataclasses.asdict(PoolReport.of(pool.stats))))
         return None
     all_target_stats = [target_stats] if target_stats is not None else []
     others = [r for r in setup.placement.target_ranks if r != setup.env.rank]
     all_target_stats += [TargetStats(**json.loads(control.wait_value(f"target_stats/{r}"))) for r in others]
-    pools = [_pool_stats(pool)] + [
-        json.loads(control.wait_value(f"pool_stats/{r}")) for r in setup.placement.drafter_ranks[1:]
+    pools = [PoolReport.of(pool.stats)] + [
+        PoolReport(**json.loads(control.wait_value(f"pool_stats/{r}"))) for r in setup.placement.drafter_ranks[1:]
     ]
     return run_summary(setup, result, all_target_stats, pools)
-
-
-def _pool_stats(pool: BufferedPool) -> dict:
-    s = pool.stats
-    return {"depth_max": s.depth_max, "depth_sum": s.depth_sum, "takes": s.takes, "occupied_max": s.occupied_max}
 
 
 def _load_checked_target(setup: RunSetup):

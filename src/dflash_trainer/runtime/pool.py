@@ -37,6 +37,24 @@ class PoolStats:
     bucket_counts: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolReport:
+    """A drafter's pool figures at the end of a run, sent to the leader (through the store) for the summary."""
+
+    takes: int
+    """Batches taken by the trainer."""
+    depth_sum: int
+    """Sum over takes of the ready slots seen (mean depth = depth_sum / takes)."""
+    depth_max: int
+    occupied_max: int
+    """Memory high-water mark in slots (never above the capacity)."""
+
+    @staticmethod
+    def of(stats: PoolStats) -> "PoolReport":
+        return PoolReport(takes=stats.takes, depth_sum=stats.depth_sum, depth_max=stats.depth_max,
+                          occupied_max=stats.occupied_max)
+
+
 class BufferedPool(Generic[T]):
     """Slots handed between one producer (the receiver) and one consumer (the trainer).
 

@@ -6,7 +6,7 @@ runs speculative decoding with its own target, then it posts the result and keep
 in `RUN_DIR/best/`. The leader logs results as they arrive and waits only for the final one. An explicit
 end request tells the server that no more will come.
 
-Store values: `eval_request/K` = {"step", "path"} or {"end": true}; `eval_result/K` = the summary entry.
+Store values: `eval_request/K` = an `EvalRequest`, `eval_result/K` = a `TauSummary`, both as JSON.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,8 +22,28 @@ import torch
 
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.target.head import TargetHead
+from dflash_trainer.train.tau_eval import TauSummary
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalRequest:
+    """From the leader drafter to the first target rank: evaluate the export at `path`, or stop serving."""
+
+    step: int = -1
+    """Optimizer step the drafter was exported at."""
+    path: str = ""
+    """Export directory on the run dir that every rank shares."""
+    end: bool = False
+    """No more requests will come."""
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def decode(raw: str) -> "EvalRequest":
+        return EvalRequest(**json.loads(raw))
 
 
 def split_eval_enabled(config: Any) -> bool:
@@ -56,14 +77,14 @@ class SplitEvalClient:
         self.posted = 0
         self.collected = 0
         self.steps: dict[int, int] = {}
-        self.last: Optional[dict] = None
+        self.last: Optional[TauSummary] = None
 
     def request(self, trainer, step: int, model) -> None:
         path = self.run_dir / ".eval" / f"step_{step}"
         trainer.export(path, model)
         self.posted += 1
         self.steps[self.posted] = step
-        self.control.set_value(f"eval_request/{self.posted}", json.dumps({"step": step, "path": str(path)}))
+        self.control.set_value(f"eval_request/{self.posted}", EvalRequest(step=step, path=str(path)).encode())
 
     def poll(self, sink) -> None:
         """Log the results that have arrived (no waiting)."""
@@ -72,17 +93,16 @@ class SplitEvalClient:
 
     def _collect(self, sink) -> None:
         self.collected += 1
-        self.last = json.loads(self.control.wait_value(f"eval_result/{self.collected}"))
-        step = self.steps[self.collected]
-        sink.log(step, {"eval_tau": self.last["tau"], "eval_greedy_match_rate": self.last.get("greedy_match_rate")})
+        self.last = TauSummary(**json.loads(self.control.wait_value(f"eval_result/{self.collected}")))
+        sink.log(self.last.step, {"eval_tau": self.last.tau, "eval_greedy_match_rate": self.last.greedy_match_rate})
 
-    def finish(self, trainer, step: int, model, *, at_end: bool, sink) -> Optional[dict]:
+    def finish(self, trainer, step: int, model, *, at_end: bool, sink) -> Optional[TauSummary]:
         """Evaluate the final drafter (when asked and not just done), wait for every result, end the server."""
         if at_end and step > 0 and (not self.steps or self.steps[self.posted] != step):
             self.request(trainer, step, model)
         while self.collected < self.posted:
             self._collect(sink)  # waits (bounded by pipeline.timeout_s) for the server
-        self.control.set_value(f"eval_request/{self.posted + 1}", json.dumps({"end": True}))
+        self.control.set_value(f"eval_request/{self.posted + 1}", EvalRequest(end=True).encode())
         shutil.rmtree(self.run_dir / ".eval", ignore_errors=True)
         return self.last
 
@@ -110,22 +130,22 @@ class SplitEvalServer:
 
     def serve_pending(self) -> None:
         while not self.ended and self.control.has_value(f"eval_request/{self.next}"):
-            self._serve(json.loads(self.control.wait_value(f"eval_request/{self.next}")))
+            self._serve(EvalRequest.decode(self.control.wait_value(f"eval_request/{self.next}")))
 
     def serve_until_end(self) -> None:
         """After the last job: serve until the leader's end request (each wait bounded by pipeline.timeout_s)."""
         while not self.ended:
-            self._serve(json.loads(self.control.wait_value(f"eval_request/{self.next}")))
+            self._serve(EvalRequest.decode(self.control.wait_value(f"eval_request/{self.next}")))
 
-    def _serve(self, request: dict) -> None:
+    def _serve(self, request: EvalRequest) -> None:
         from dflash_trainer.drafter.export import load_drafter
 
         index = self.next
         self.next += 1
-        if request.get("end"):
+        if request.end:
             self.ended = True
             return
-        path = Path(request["path"])
+        path = Path(request.path)
         drafter = load_drafter(path, attention="sdpa").to(self.device)
-        self.tracker.evaluate(drafter, request["step"], export=lambda out: shutil.copytree(path, out))
-        self.control.set_value(f"eval_result/{index}", json.dumps(self.tracker.summary(request["step"])))
+        self.tracker.evaluate(drafter, request.step, export=lambda out: shutil.copytree(path, out))
+        self.control.set_value(f"eval_result/{index}", json.dumps(asdict(self.tracker.summary(request.step))))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from dflash_trainer.runtime.pool import PoolReport
 from dflash_trainer.train.trainer import TrainResult
 
 if TYPE_CHECKING:
@@ -27,8 +28,8 @@ class TargetStats:
     """Time the forward waited for a free send slot (backpressure from the drafters)."""
 
 
-def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStats], pools: list[dict]) -> dict:
-    """`pools`: every drafter's pool stats (`_pool_stats`), the leader's first."""
+def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStats], pools: list[PoolReport]) -> dict:
+    """`pools`: every drafter's pool report, the leader's first."""
     planned = {e: len(jobs) for e, jobs in enumerate(setup.plans_jobs)}
     trained = {e: len(set(ids)) for e, ids in result.ledger.items()}
     duplicated = sum(len(ids) - len(set(ids)) for ids in result.ledger.values())
@@ -52,9 +53,9 @@ def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStat
         "throughput_tokens_per_s": result.state.tokens / drafter_wall if drafter_wall > 0 else None,
         "drafter_wait_frac": result.wait_time_s / drafter_wall if drafter_wall > 0 else None,
         "target_idle_frac": (1 - target_busy / target_wall) if target_wall > 0 and not setup.placement.colocated else None,
-        "pool_depth_max": max(p["depth_max"] for p in pools),
-        "pool_depth_mean": sum(p["depth_sum"] for p in pools) / max(1, sum(p["takes"] for p in pools)),
-        "pool_occupied_max": max(p["occupied_max"] for p in pools),
+        "pool_depth_max": max(p.depth_max for p in pools),
+        "pool_depth_mean": sum(p.depth_sum for p in pools) / max(1, sum(p.takes for p in pools)),
+        "pool_occupied_max": max(p.occupied_max for p in pools),
         "pool_capacity": setup.config.pipeline.pool_capacity,
         "target_batches": {str(t.rank): t.batches for t in targets},
         "target_slot_wait_s": sum(t.slot_wait_s for t in targets),
@@ -62,7 +63,7 @@ def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStat
         "final_loss": result.last_record.loss if result.last_record else None,
         "final_acc": result.last_record.accuracy if result.last_record else None,
         "final_sim_tau": result.last_record.sim_tau if result.last_record else None,
-        "eval": result.eval,
+        "eval": asdict(result.eval) if result.eval is not None else None,
         "checkpoints": result.checkpoints,
         "export_dir": result.export_dir,
     }

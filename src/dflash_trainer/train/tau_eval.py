@@ -22,6 +22,22 @@ from dflash_trainer.target.head import TargetHead
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TauSummary:
+    """The latest real-tau evaluation and the best so far (the run summary's `eval`; sent between ranks)."""
+
+    step: int
+    """Optimizer step of the latest evaluation."""
+    tau: float
+    greedy_match_rate: Optional[float]
+    """Prompts whose speculative output equals plain target decoding (temperature 0), else None."""
+    best_tau: float
+    best_step: int
+    best_dir: str
+    """`RUN_DIR/best`: the best drafter by tau, in the inference format."""
+    acceptance_histogram: list[int]
+
+
 @dataclass
 class TauRecord:
     step: int
@@ -62,17 +78,19 @@ class TauTracker:
             self._save_best(export, step, report)
         return report
 
-    def finish(self, model, step: int, *, export: Callable[[Path], object], sink=None) -> dict:
+    def finish(self, model, step: int, *, export: Callable[[Path], object], sink=None) -> TauSummary:
         """Evaluate the final drafter (unless just done), write `RUN_DIR/eval.json`, return the summary entry."""
         if not self.history or self.history[-1].step != step:
             self.evaluate(model, step, export=export, sink=sink)
         return self.summary(step)
 
-    def summary(self, step: int) -> dict:
+    def summary(self, step: int) -> TauSummary:
+        """The latest evaluation (also written to `RUN_DIR/eval.json`) and the best so far."""
         report = self.last_report
         (self.run_dir / "eval.json").write_text(json.dumps({"step": step, **report.to_json()}, indent=2))
-        return {"tau": report.tau, "greedy_match_rate": report.greedy_match_rate, "best_tau": self.best.tau, "best_step": self.best.step,
-                "best_dir": str(self.run_dir / "best"), "acceptance_histogram": report.acceptance_histogram}
+        return TauSummary(step=step, tau=report.tau, greedy_match_rate=report.greedy_match_rate, best_tau=self.best.tau,
+                          best_step=self.best.step, best_dir=str(self.run_dir / "best"),
+                          acceptance_histogram=list(report.acceptance_histogram))
 
     def _save_best(self, export: Callable[[Path], object], step: int, report: EvalReport) -> None:
         best = self.run_dir / "best"

@@ -33,6 +33,7 @@ from dflash_trainer.train.optim import build_optimizer
 from dflash_trainer.train.parallel import full_optimizer_state, full_weights, load_full_state, shard_drafter, want_sharding
 from dflash_trainer.train.schedule import build_scheduler
 from dflash_trainer.train.step_loop import LoopState, StepLoop, StepRecord
+from dflash_trainer.train.tau_eval import TauSummary
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class TrainResult:
     last_record: Optional[StepRecord]
     checkpoints: list[str] = field(default_factory=list)
     export_dir: Optional[str] = None
-    eval: Optional[dict] = None
-    """Real tau at the end (colocated runs): tau, best_tau, best_step, best_dir."""
+    eval: Optional[TauSummary] = None
+    """Real tau at the end, or None when not measured."""
 
 
 class DrafterTrainer:
