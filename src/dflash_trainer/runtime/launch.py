@@ -295,13 +295,17 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
         target_stats = TargetStats(rank=rank)
         jobs = StoreJobSource(control, setup.remaining)
 
+        pending: list[Interval] = []  # forward timers not read yet: reading one waits for its GPU work
+
         def forward(job: Job, wire):
             timer = Interval(device)
             batch, inputs = forward_job(capture, setup.prepared.train, job, wire)
             timer.stop()
+            pending.append(timer)
             target_stats.tokens += inputs.num_tokens
             target_stats.batches += 1
-            target_stats.busy_s += timer.seconds()  # colocated: the step that follows waits for it anyway
+            while pending and pending[0].done():  # no host sync: only timers whose events completed
+                target_stats.busy_s += pending.pop(0).seconds()
             return batch
 
         producer = LocalProducer(pool, buffers, next_job=jobs.next_job, forward=forward)
@@ -342,6 +346,7 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
     if receiver is not None:
         receiver.join(config.pipeline.timeout_s)
     if target_stats is not None:
+        target_stats.busy_s += sum(timer.seconds() for timer in pending)  # end of run: the last few timers
         target_stats.wall_s = time.perf_counter() - t0
     trainer.close()
     return result, target_stats, pool
