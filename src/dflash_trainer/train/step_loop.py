@@ -80,7 +80,9 @@ class LoopState:
     """(epoch, job_id) committed by this run, in commit order."""
 
 
-_STATS = ("batches", "loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite", "tokens")
+_STATS = ("loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite")
+"""Device-side sums per step; the host-side counts (`_COUNTS`) join them in the one all-reduce."""
+_COUNTS = ("batches", "tokens")
 
 
 class StepLoop(Generic[B]):
@@ -141,6 +143,7 @@ class StepLoop(Generic[B]):
         wait = 0.0
         stats = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
         slots = torch.zeros(2, self.slots, dtype=torch.float64, device=self.device)  # (2, B-1) correct, count
+        counts = [0, 0]  # batches, tokens (host values)
         releases: list[Callable[[], None]] = []
         keys: list[tuple[int, int]] = []
         self.optimizer.zero_grad(set_to_none=False)
@@ -164,27 +167,30 @@ class StepLoop(Generic[B]):
             releases.append(release)
             keys.append(self.job_key(batch))
             out = self.micro_step(batch)
+            counts[0] += 1
+            counts[1] += out.num_tokens
             finite = torch.isfinite(out.loss_sum).to(torch.float64)
             stats += torch.stack(
                 [
-                    torch.ones((), dtype=torch.float64, device=self.device),
                     torch.nan_to_num(out.loss_sum.detach().double(), nan=0.0, posinf=0.0, neginf=0.0),
                     out.weight_sum.detach().double(),
                     out.tau_sum.detach().double(),
                     out.num_blocks.detach().double(),
                     1.0 - finite,
-                    torch.tensor(float(out.num_tokens), dtype=torch.float64, device=self.device),
                 ]
             )
             slots += torch.stack([out.slot_correct.detach().double(), out.slot_count.detach().double()])
-        packed = torch.cat([stats, slots.reshape(-1)])
+        host_counts = torch.tensor(counts, dtype=torch.float64).to(self.device, non_blocking=True)  # one copy a step
+        packed = torch.cat([stats, slots.reshape(-1), host_counts])
         if self.group is not None and self.world > 1:
             dist.all_reduce(packed, group=self.group)
         # One host sync per step: every rank needs the same skip / stop decision and the log values.
         flat = packed.tolist()
-        values = dict(zip(_STATS, flat[: len(_STATS)]))
-        slot_correct = flat[len(_STATS) : len(_STATS) + self.slots]
-        slot_count = flat[len(_STATS) + self.slots :]
+        n = len(_STATS)
+        values = dict(zip(_STATS, flat[:n]))
+        slot_correct = flat[n : n + self.slots]
+        slot_count = flat[n + self.slots : n + 2 * self.slots]
+        values.update(zip(_COUNTS, flat[n + 2 * self.slots :]))
         job_ids = self._gather_jobs(keys)
         if values["batches"] == 0:
             for release in releases:
