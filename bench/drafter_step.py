@@ -1,164 +1,209 @@
-"""Drafter training step (forward + backward) at the Qwen3-8B shape: flex + torch.compile vs an eager SDPA baseline.
+"""The drafter's training step alone (no target), exactly as the trainer runs it, with A/B variants and a profile.
 
-Run on a CUDA machine:  python bench/drafter_step.py [--steps N]     (about 1-2 minutes)
-Smoke test anywhere:    python bench/drafter_step.py --smoke          (tiny shapes, CPU if no GPU)
+    python bench/drafter_step.py                                  # CUDA, 8B shape, ~2 min
+    python bench/drafter_step.py --variant "eager ce" --profile   # compare variants, print kernel profiles
+    python bench/drafter_step.py --smoke                          # tiny shapes on the CPU: code paths only
 
-Shape (default): H=4096, 32 heads / 8 kv heads, head_dim 128, intermediate 12288, 5 layers, K=5 taps,
-vocab 151936, B=16, T=3072 packed tokens (2 sequences), 512 blocks; bf16 weights; frozen random embedding
-and head. One step = sample blocks + build masks + drafter forward + chunked loss + backward (no optimizer).
+One step = the trainer's `StepLoop.step` on one packed batch: block sampling, mask building, the compiled
+drafter forward (flex attention), the chunked frozen-head loss, backward, gradient scaling and clipping,
+fused AdamW (`bench/run.py: drafter_loop`). The batch is the `mfu` workload of `bench/run.py` (4 x 3072
+tokens, 2048 blocks of 16; 10% of each sequence is prompt) with random taps in bf16; the frozen embedding
+and LM head are random (V x H, bf16). Each step gets a new job id, so new anchors.
 
-Model FLOPs per step (useful work only; activation-checkpoint recomputation and masked-out scores are not
-counted), with Q = N*B block tokens, T context tokens, P = visible (query, key) pairs:
-  fc          2*T*(K*H)*H               x2 (forward + weight grad; taps need no grad)
-  per layer   2*Q*H*(nh*hd) [q] + 2*2*(Q+T)*H*(nkv*hd) [k, v] + 2*Q*(nh*hd)*H [o] + 3*2*Q*H*I [mlp]
-              x3 (forward + input grad + weight grad)
-  attention   4*P*hd*nh (QK^T and PV)   x3
-  lm head     2*N*(B-1)*H*V             x2 (forward + input grad; the head is frozen)
-  P = sum over valid blocks of B*(anchor_pos + B)   (full attention: context before the anchor + own block)
-MFU = FLOPs / step time / 789 TFLOP/s. The last line printed is JSON.
+Variants (`--variant NAME`, repeatable; the first is the reference of the speedup column):
+  ours        the trainer's path as configured (the default)
+  eager ce    the head's CE kernel uncompiled (fp32 logits copy, separate passes)
+  sdpa eager  no torch.compile and dense-mask SDPA (the naive drafter; ~90 GB at the 8B shape)
+  chunk 4096  drafter.loss_chunk_rows=4096
+Model FLOPs: bench/flops.py (drafter_step_flops). The last line printed is JSON; `--out` also gets a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-from flops import PEAK_TFLOPS, drafter_step_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
+from flops import PEAK_TFLOPS, drafter_step_flops, mfu  # noqa: E402
+from kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402
+from run import bench_config, drafter_loop, git_commit, mfu_workload, peak_gb, reset_memory  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
+from dflash_trainer.drafter import loss as loss_module  # noqa: E402
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
-from dflash_trainer.drafter.loss import drafter_loss  # noqa: E402
-from dflash_trainer.drafter.model import DFlashDrafter  # noqa: E402
-from dflash_trainer.drafter.spec import DrafterSpec  # noqa: E402
+from dflash_trainer.drafter.spec import drafter_spec  # noqa: E402
+from dflash_trainer.target.batch import WireHeader, WireSpec, allocate, from_wire  # noqa: E402
+from dflash_trainer.target.capture import prepare_inputs  # noqa: E402
+from dflash_trainer.target.head import TargetHead  # noqa: E402
+from dflash_trainer.target.load import target_model_config  # noqa: E402
 
-SHAPES = {
-    "qwen3-8b": dict(H=4096, nh=32, nkv=8, hd=128, I=12288, L=5, K=5, V=151936, B=16, T=3072, N=512, seqs=(1800, 1272)),
-    "smoke": dict(H=64, nh=4, nkv=2, hd=16, I=128, L=2, K=2, V=1000, B=4, T=64, N=8, seqs=(40, 20)),
+VARIANTS = {  # name -> (config overrides, compile the drafter, patch applied while the variant runs)
+    "ours": ([], True, None),
+    "eager ce": ([], True, "eager_ce"),
+    "sdpa eager": (["drafter.attention=sdpa"], False, None),
+    "chunk 4096": (["drafter.loss_chunk_rows=4096"], True, None),
 }
 
 
-def build(shape: dict, device: torch.device, dtype: torch.dtype):
-    spec = DrafterSpec(
-        hidden_size=shape["H"], num_attention_heads=shape["nh"], num_key_value_heads=shape["nkv"],
-        head_dim=shape["hd"], intermediate_size=shape["I"], rms_norm_eps=1e-6,
-        rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, max_position_embeddings=40960,
-        num_layers=shape["L"], block_size=shape["B"], tap_layer_ids=tuple(range(1, 1 + 2 * shape["K"], 2)),
-        mask_token_id=shape["V"] - 1, num_target_layers=2 * shape["K"] + 2, vocab_size=shape["V"],
-        layer_types=("full_attention",) * shape["L"],
-    )
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def apply_patch(patch: str | None):
+    """Returns the undo function."""
+    if patch == "eager_ce":
+        saved = loss_module._ce_kernel
+        loss_module._ce_kernel = lambda device: loss_module._ce_and_logit_grad
+        return lambda: setattr(loss_module, "_ce_kernel", saved)
+    return lambda: None
+
+
+def make_batches(args, config, spec, device, count: int):
+    """`count` HiddenStateBatches over one shared wire buffer (same tokens, different job ids)."""
+    workload = mfu_workload(1, args.seqs, args.seq_len, spec.mask_token_id)
+    wire = allocate(WireSpec.from_config(config, hidden_size=spec.hidden_size, num_taps=spec.num_taps), device)
+    job = workload.jobs[0]
+    inputs = prepare_inputs([workload.dataset[i] for i in job.sequence_ids], wire)
+    wire.taps.normal_()
+    headers = [WireHeader(job_id=k, bucket_id=0, epoch=0, num_tokens=inputs.num_tokens, num_seqs=inputs.num_seqs,
+                          has_last_hidden=False, end_of_stream=False) for k in range(count)]
+    return [from_wire(wire, h) for h in headers]
+
+
+def run_variant(name: str, args, device: torch.device) -> dict:
+    overrides, compiled, patch = VARIANTS[name]
+    config = bench_config(args, device, tuple(overrides))
+    spec = drafter_spec(target_model_config(config.target), config.drafter)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
-        model = DFlashDrafter(spec).to(dtype)
-        embed = (torch.randn(shape["V"], shape["H"]) * 0.02).to(dtype)
-        head = (torch.randn(shape["V"], shape["H"]) * 0.02).to(dtype)
-        T, seqs = shape["T"], shape["seqs"]
-        max_seqs = T // (2 * shape["B"])
-        cu = torch.full((max_seqs + 1,), sum(seqs), dtype=torch.int32)
-        cu[: len(seqs) + 1] = torch.tensor([0, *torch.tensor(seqs).cumsum(0).tolist()], dtype=torch.int32)
-        input_ids = torch.randint(0, shape["V"] - 1, (T,))
-        loss_mask = torch.ones(T, dtype=torch.bool)
-        start = 0
-        for n in seqs:  # first 10% of each sequence is the (unsupervised) prompt
-            loss_mask[start : start + n // 10] = False
-            start += n
-        loss_mask[start:] = False
-        taps = torch.randn(T, shape["K"] * shape["H"]).to(dtype)
-    return model, embed, head, dict(taps=taps, input_ids=input_ids, loss_mask=loss_mask, cu_seqlens=cu)
-
-
-def run_variant(name, attention, compiled, shape, model, embed, head, batch, steps, warmup, device):
-    model.attention = attention
-    forward = torch.compile(model.forward_train, dynamic=False) if compiled else model.forward_train
+        head = TargetHead(embed_weight=(torch.randn(spec.vocab_size, spec.hidden_size) * 0.02).to(dtype),
+                          lm_head_weight=(torch.randn(spec.vocab_size, spec.hidden_size) * 0.02).to(dtype),
+                          final_norm=Qwen3RMSNorm(spec.hidden_size))
+    total = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
+    batches = make_batches(args, config, spec, device, total)
+    loop = drafter_loop(config, spec, head, device, compile_drafter=compiled and device.type == "cuda",
+                        total_steps=total)
+    undo = apply_patch(patch)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def one_step(job_id: int):
-        plan = plan_blocks(input_ids=batch["input_ids"], loss_mask=batch["loss_mask"], cu_seqlens=batch["cu_seqlens"],
-                           num_blocks=shape["N"], block_size=shape["B"], mask_token_id=shape["V"] - 1,
-                           seed=0, epoch=0, job_id=job_id)
-        masks = model.build_masks(plan, batch["cu_seqlens"], shape["T"])
-        hidden = forward(taps=batch["taps"], cu_seqlens=batch["cu_seqlens"], plan=plan, embed_weight=embed, masks=masks)
-        out = drafter_loss(hidden, plan, lm_head_weight=head, gamma=7.0 if shape["B"] == 16 else 2.0, chunk_rows=2048)
-        (out.loss_sum / out.weight_sum).backward()
-        for p in model.parameters():
-            p.grad = None
-        return plan, out
-
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(warmup):
-        plan, out = one_step(i)
-    sync()  # timing boundary
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(steps):
-        plan, out = one_step(warmup + i)
-    sync()  # timing boundary
-    step_s = (time.perf_counter() - t0) / steps
-    flops = drafter_step_flops(model.spec, anchor_pos=plan.anchor_pos[plan.block_valid], context_tokens=shape["T"])
-    return {
-        "variant": name,
-        "step_ms": step_s * 1e3,
-        "tflops": flops / step_s / 1e12,
-        "mfu": flops / step_s / 1e12 / PEAK_TFLOPS,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "warmup_s": compile_s,
-        "loss": float((out.loss_sum / out.weight_sum).detach()),  # host sync: reporting only
-        "step_tflop": flops / 1e12,
+    reset_memory(device)
+    try:
+        t0 = time.perf_counter()
+        for i in range(args.warmup):
+            record = loop.step(lambda i=i: (batches[i], lambda: None))
+            log(f"{name}: warmup step {i + 1}/{args.warmup} done at {time.perf_counter() - t0:.1f}s, loss {record.loss:.3f}")
+        sync()  # timing boundary
+        warmup_s = time.perf_counter() - t0
+        events = []
+        t0 = time.perf_counter()
+        for i in range(args.warmup, args.warmup + args.steps):
+            start = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+            start.record() if start else None
+            record = loop.step(lambda i=i: (batches[i], lambda: None))
+            if start:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                events.append((start, end))
+        sync()  # timing boundary
+        step_s = (time.perf_counter() - t0) / args.steps
+        gpu_s = sum(a.elapsed_time(b) for a, b in events) / 1e3 / args.steps if events else step_s
+        log(f"{name}: {args.steps} timed steps, {step_s * 1e3:.1f} ms each")
+        profile = None
+        if args.profile:
+            first = args.warmup + args.steps
+            profile = profile_steps(lambda i: loop.step(lambda: (batches[first + i], lambda: None)),
+                                    args.profile_steps, device)
+            print_profile(name, profile)
+    finally:
+        undo()
+    batch = batches[args.warmup]
+    plan = plan_blocks(input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
+                       num_blocks=config.num_blocks, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+                       seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id)
+    flops = drafter_step_flops(spec, anchor_pos=plan.anchor_pos[plan.block_valid], context_tokens=batch.num_tokens)
+    result = {
+        "variant": name, "overrides": overrides, "compiled": compiled, "patch": patch,
+        "step_ms": step_s * 1e3, "gpu_step_ms": gpu_s * 1e3, "step_tflop": flops / 1e12,
+        "tflops": flops / step_s / 1e12, "mfu": mfu(flops, step_s), "peak_gpu_mem_gb": peak_gb(device),
+        "warmup_s": warmup_s, "loss": record.loss, "profile": None if profile is None else profile_dict(profile),
     }
+    return result
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("qwen3-8b", "qwen3-1.7b", "tiny"), default="qwen3-8b")
+    p.add_argument("--variant", action="append", choices=sorted(VARIANTS),
+                   help="repeatable; default: ours. The first one is the reference")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seqs", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=3072)
+    p.add_argument("--blocks-per-seq", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="profile extra steps per variant and print kernel kinds")
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--stall-dump-s", type=float, default=240.0,
+                   help="print every thread's stack if the run is still going after this long (and every period after)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny preset, 2 x 128 tokens, 32 blocks, B=8")
+    args = p.parse_args(argv)
+    args.variant = args.variant or ["ours"]
+    if args.smoke:
+        args.model, args.seqs, args.seq_len, args.blocks_per_seq, args.block_size = "tiny", 2, 128, 16, 8
+        args.drafter_layers, args.steps, args.warmup, args.profile_steps = 2, 2, 1, 1
+    return args
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the eager SDPA baseline")
-    args = parser.parse_args(argv)
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type != "cuda" and not args.smoke:
-        print("no CUDA device: run with --smoke for the CPU smoke path", file=sys.stderr)
+    args = parse_args(argv)
+    faulthandler.dump_traceback_later(args.stall_dump_s, repeat=True)  # a stall shows where it is
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke for the CPU code-path check", file=sys.stderr)
         return 2
-    shape = SHAPES["smoke" if args.smoke else "qwen3-8b"]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    model, embed, head, batch = build(shape, device, dtype)
-    if device.type == "cuda":
-        variants = [("flex+compile", "flex", True)] + ([] if args.no_baseline else [("sdpa eager", "sdpa", False)])
-    else:  # flex_attention has no backward on CPU
-        variants = [("sdpa eager", "sdpa", False)]
     results = []
-    for name, attention, compiled in variants:
+    for name in args.variant:
+        log(f"variant {name}: start")
         try:
-            results.append(run_variant(name, attention, compiled, shape, model, embed, head, batch,
-                                       args.steps, args.warmup, device))
-        except torch.cuda.OutOfMemoryError as e:
+            results.append(run_variant(name, args, device))
+        except torch.OutOfMemoryError as e:
             results.append({"variant": name, "error": f"OOM: {str(e).splitlines()[0]}"})
-            torch.cuda.empty_cache()
-
-    print(f"\ndrafter step, shape={'smoke' if args.smoke else 'qwen3-8b'} device={device} dtype={dtype}")
-    print(f"{'variant':<14}{'step ms':>10}{'TFLOP/s':>10}{'MFU':>8}{'peak GB':>10}{'warmup s':>10}  loss")
+        torch._dynamo.reset()  # the next variant compiles its own model (and this one's memory is freed)
+        reset_memory(device)
+    faulthandler.cancel_dump_traceback_later()
+    ref = next((r for r in results if "error" not in r), None)
+    print(f"\ndrafter step ({args.model}, {args.seqs} x {args.seq_len} tokens, {args.seqs * args.blocks_per_seq} "
+          f"blocks of {args.block_size}, {args.drafter_layers} layers) on {device}; MFU against {PEAK_TFLOPS} TFLOP/s")
+    print(f"{'variant':<14}{'step ms':>10}{'GPU ms':>10}{'TFLOP':>8}{'MFU':>8}{'peak GB':>10}{'warmup s':>10}"
+          f"{'vs first':>10}  loss")
     for r in results:
         if "error" in r:
             print(f"{r['variant']:<14}  {r['error']}")
-        else:
-            print(f"{r['variant']:<14}{r['step_ms']:>10.1f}{r['tflops']:>10.1f}{r['mfu']:>8.1%}"
-                  f"{r['peak_mem_gb'] or 0:>10.1f}{r['warmup_s']:>10.1f}  {r['loss']:.3f}")
-    ok = [r for r in results if "error" not in r]
-    speedup = ok[1]["step_ms"] / ok[0]["step_ms"] if len(ok) == 2 else None
-    if speedup:
-        print(f"speedup {ok[0]['variant']} vs {ok[1]['variant']}: {speedup:.2f}x")
-    print(json.dumps({"bench": "drafter_step", "shape": shape, "device": str(device), "peak_tflops": PEAK_TFLOPS,
-                      "results": results, "speedup": speedup}))
-    return 0
+            continue
+        rel = ref["step_ms"] / r["step_ms"] if ref else float("nan")
+        print(f"{r['variant']:<14}{r['step_ms']:>10.1f}{r['gpu_step_ms']:>10.1f}{r['step_tflop']:>8.1f}{r['mfu']:>8.1%}"
+              f"{r['peak_gpu_mem_gb'] or 0:>10.1f}{r['warmup_s']:>10.1f}{rel:>9.2f}x  {r['loss']:.4f}")
+    summary = {"bench": "drafter_step", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "commit": git_commit(), "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "command": " ".join([sys.executable, *sys.argv]), "model": args.model,
+               "peak_tflops": PEAK_TFLOPS, "results": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{datetime.now():%Y-%m-%dT%H%M%S}-drafter_step-{args.model}.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary))
+    return 0 if results and all("error" not in r for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #   PART=2: end to end 8B (mfu workload), colocated training run with a 1.7B-shape target + eval
 #   PART=3: 8B with the target's layers compiled, 8B on the ShareGPT length mix, the drafter step alone
 #   PART=4: GPU tests and 8B with the target compiled, against the baseline
+#   PART=5: the drafter step alone (8B shape): variants side by side, with kernel profiles
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL=${OUT:-/tmp/out}
@@ -49,6 +50,10 @@ case "${1:-1}" in
   4)
     step gpu_tests 170 python3 -m pytest -q -x -m gpu tests/test_gpu.py
     step run_8b_mfu_ctarget_base 260 python3 bench/run.py --model qwen3-8b --workload mfu --compile-target
+    ;;
+  5)
+    step drafter_ab 540 python3 bench/drafter_step.py --variant ours --variant "eager ce" --variant "chunk 4096" --profile
+    cat "$OUT/drafter_ab.log" | grep -v '^{' | tail -n 120
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

@@ -65,7 +65,7 @@ from dflash_trainer.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec  # noqa: E402
 from dflash_trainer.target.batch import WireSpec, allocate  # noqa: E402
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402
-from dflash_trainer.target.head import head_from_model  # noqa: E402
+from dflash_trainer.target.head import TargetHead, head_from_model  # noqa: E402
 from dflash_trainer.target.load import find_decoder_layers, load_target  # noqa: E402
 from dflash_trainer.target.worker import forward_job  # noqa: E402
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step  # noqa: E402
@@ -228,6 +228,21 @@ def build_drafter(spec: DrafterSpec, attention: str, device: torch.device) -> DF
         return DFlashDrafter(spec, attention=attention)  # fp32 master weights
 
 
+def drafter_loop(config: Config, spec: DrafterSpec, head: TargetHead, device: torch.device, *,
+                 compile_drafter: bool, total_steps: int) -> StepLoop:
+    """The trainer's drafter side on one GPU: fp32 master weights, compiled forward, fused AdamW, clipping."""
+    model = build_drafter(spec, config.drafter.attention, device)
+    if compile_drafter:
+        compile_forward_train(model)
+    optimizer = build_optimizer(model, config.train)
+    scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_ratio=config.train.warmup_ratio,
+                                min_lr_ratio=config.train.min_lr_ratio)
+    micro_step = make_micro_step(config, model, head, device=device, progress=lambda: 0.0)
+    return StepLoop(model=model, optimizer=optimizer, scheduler=scheduler, micro_step=micro_step,
+                    job_key=lambda b: (b.epoch, b.job_id), grad_accum=1, block_size=spec.block_size,
+                    grad_clip=config.train.grad_clip, group=None, device=device)
+
+
 def run_timed(step: Callable[[Job, StepTimer], Optional[torch.Tensor]], warmup_jobs, timed_jobs,
               device: torch.device) -> PhaseResult:
     """Warm up, then time `timed_jobs`; `step` runs one job and marks the timer (new step, target done, done)."""
@@ -281,18 +296,8 @@ def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, 
     layers = find_decoder_layers(target)
     if compile_target:  # undone below, so the baseline runs the target eager
         compile_decoder_layers(target, upto=max(spec.tap_layer_ids), dynamic=False)
-    model = build_drafter(spec, config.drafter.attention, device)
-    if compile_drafter:
-        compile_forward_train(model)
-    head = head_from_model(target)
-    optimizer = build_optimizer(model, config.train)
-    total = len(warmup_jobs) + len(timed_jobs)
-    scheduler = build_scheduler(optimizer, total_steps=total, warmup_ratio=config.train.warmup_ratio,
-                                min_lr_ratio=config.train.min_lr_ratio)
-    micro_step = make_micro_step(config, model, head, device=device, progress=lambda: 0.0)
-    loop = StepLoop(model=model, optimizer=optimizer, scheduler=scheduler, micro_step=micro_step,
-                    job_key=lambda b: (b.epoch, b.job_id), grad_accum=1, block_size=spec.block_size,
-                    grad_clip=config.train.grad_clip, group=None, device=device)
+    loop = drafter_loop(config, spec, head_from_model(target), device, compile_drafter=compile_drafter,
+                        total_steps=len(warmup_jobs) + len(timed_jobs))
     capture = TapCapture(target, spec.tap_layer_ids)
     buffers = allocate(WireSpec.from_config(config, hidden_size=spec.hidden_size, num_taps=spec.num_taps), device)
 
@@ -449,7 +454,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def bench_config(args, device: torch.device) -> Config:
+def bench_config(args, device: torch.device, extra: tuple[str, ...] = ()) -> Config:
+    """The run's config from the command line's shape; `extra` overrides go last (they win)."""
     taps, mask_token = MODELS[args.model]
     overrides = [
         f"run.device={device.type}", f"target.random_init={args.model}", "target.dtype=bfloat16",
@@ -460,7 +466,7 @@ def bench_config(args, device: torch.device) -> Config:
     ]
     if taps is not None:
         overrides.append(f"drafter.tap_layer_ids=[{','.join(map(str, taps))}]")
-    return load_config(None, overrides)
+    return load_config(None, [*overrides, *extra])
 
 
 def print_table(summary: dict) -> None:

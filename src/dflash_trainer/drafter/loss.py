@@ -91,13 +91,38 @@ def _chunk_losses(
     return ce, kl, hit
 
 
+def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For logits (r, V) in the head dtype and labels (r,): CE (r,) fp32, argmax hit (r,) bool, and the CE's
+    gradient w.r.t. the logits, softmax - onehot (r, V) in the logits dtype. Softmax math in fp32."""
+    x = logits.float()  # (r, V)
+    lse = torch.logsumexp(x, dim=-1)  # (r,)
+    ce = lse - x.gather(1, labels[:, None])[:, 0]
+    hit = x.argmax(dim=-1) == labels
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]  # (r, V)
+    return ce, hit, (torch.exp(x - lse[:, None]) - onehot.to(x.dtype)).to(logits.dtype)
+
+
+_compiled_ce = None
+
+
+def _ce_kernel(device: torch.device) -> Callable:
+    """`_ce_and_logit_grad`, compiled on CUDA: one fused pass over the logits for the reductions and one for
+    the gradient, instead of an fp32 copy and ~8 separate passes (memory-bound: ~5% of the 8B-shape step)."""
+    global _compiled_ce
+    if device.type != "cuda":
+        return _ce_and_logit_grad
+    if _compiled_ce is None:
+        _compiled_ce = torch.compile(_ce_and_logit_grad, dynamic=False)
+    return _compiled_ce
+
+
 class _FrozenHeadCE(torch.autograd.Function):
     """Chunked CE through a frozen LM head whose gradient is computed in the forward pass.
 
     The head needs no gradient, so per chunk the forward computes the logits, the CE, and at once the
     CE's gradient w.r.t. the hidden rows, (softmax - onehot) @ head; backward only scales the stored
     gradient by the incoming one. Two vocab-sized matmuls per row instead of three (forward, the
-    checkpoint's recompute, backward), and only one chunk of fp32 logits alive at a time.
+    checkpoint's recompute, backward), and only one chunk of logits alive at a time.
     """
 
     @staticmethod
@@ -105,15 +130,12 @@ class _FrozenHeadCE(torch.autograd.Function):
         ce = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)  # (R,)
         hit = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)  # (R,)
         grad = torch.empty_like(rows)  # (R, H): dCE_r / d rows_r
+        kernel = _ce_kernel(rows.device)
         for start in range(0, rows.shape[0], chunk_rows):
             stop = min(start + chunk_rows, rows.shape[0])
-            logits = F.linear(rows[start:stop].to(head.dtype), head).float()  # (r, V) fp32
-            lab = labels[start:stop]
-            probs = torch.softmax(logits, dim=-1)  # (r, V)
-            ce[start:stop] = torch.logsumexp(logits, dim=-1) - logits.gather(1, lab[:, None])[:, 0]
-            hit[start:stop] = logits.argmax(dim=-1) == lab
-            probs.scatter_add_(1, lab[:, None], torch.full_like(probs[:, :1], -1.0))  # softmax - onehot
-            grad[start:stop] = (probs.to(head.dtype) @ head).to(rows.dtype)  # (r, H)
+            logits = F.linear(rows[start:stop].to(head.dtype), head)  # (r, V) head dtype
+            ce[start:stop], hit[start:stop], logit_grad = kernel(logits, labels[start:stop])
+            grad[start:stop] = (logit_grad @ head).to(rows.dtype)  # (r, H)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(hit)
         return ce, hit
