@@ -10,7 +10,8 @@ fused AdamW (`bench/run.py: drafter_loop`). The batch is the `mfu` workload of `
 tokens, 2048 blocks of 16; 10% of each sequence is prompt) with random taps in bf16; the frozen embedding
 and LM head are random (V x H, bf16). Each step gets a new job id, so new anchors.
 
-Variants (`--variant NAME`, repeatable; the first is the reference of the speedup column):
+Variants (`--variant NAME` or `--variant "NAME: key=value ..."` with config overrides, repeatable; the
+first is the reference of the speedup column):
   ours        the trainer's path as configured (the default)
   eager ce    the head's CE kernel uncompiled (fp32 logits copy, separate passes)
   sdpa eager  no torch.compile and dense-mask SDPA (the naive drafter; ~90 GB at the 8B shape)
@@ -26,6 +27,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -81,8 +83,18 @@ def make_batches(args, config, spec, device, count: int):
     return [from_wire(wire, h) for h in headers]
 
 
-def run_variant(name: str, args, device: torch.device) -> dict:
-    overrides, compiled, patch = VARIANTS[name]
+def variant(name: str) -> tuple[str, list[str], bool, str | None]:
+    """(name, overrides, compiled, patch) of a named variant or of "NAME: key=value key=value ..."."""
+    if name in VARIANTS:
+        return (name, *VARIANTS[name])
+    label, sep, rest = name.partition(":")
+    if not sep or not rest.split():
+        raise SystemExit(f"--variant {name!r}: not one of {sorted(VARIANTS)} and not 'NAME: key=value ...'")
+    return label.strip(), rest.split(), True, None
+
+
+def run_variant(spec_text: str, args, device: torch.device) -> dict:
+    name, overrides, compiled, patch = variant(spec_text)
     config = bench_config(args, device, tuple(overrides))
     spec = drafter_spec(target_model_config(config.target), config.drafter)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -143,8 +155,9 @@ def run_variant(name: str, args, device: torch.device) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("qwen3-8b", "qwen3-1.7b", "tiny"), default="qwen3-8b")
-    p.add_argument("--variant", action="append", choices=sorted(VARIANTS),
-                   help="repeatable; default: ours. The first one is the reference")
+    p.add_argument("--variant", action="append",
+                   help=f"repeatable; one of {sorted(VARIANTS)} or 'NAME: key=value ...' (config overrides on "
+                        "the trainer's path); default: ours. The first one is the reference")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seqs", type=int, default=4)
@@ -174,12 +187,15 @@ def main(argv=None) -> int:
         print("no CUDA device: run with --smoke for the CPU code-path check", file=sys.stderr)
         return 2
     results = []
-    for name in args.variant:
-        log(f"variant {name}: start")
+    for text in args.variant:
+        log(f"variant {text}: start")
         try:
-            results.append(run_variant(name, args, device))
+            results.append(run_variant(text, args, device))
         except torch.OutOfMemoryError as e:
-            results.append({"variant": name, "error": f"OOM: {str(e).splitlines()[0]}"})
+            results.append({"variant": variant(text)[0], "error": f"OOM: {str(e).splitlines()[0]}"})
+        except Exception as e:  # a variant's options can be rejected by the kernel: report, go on
+            traceback.print_exc()
+            results.append({"variant": variant(text)[0], "error": f"{type(e).__name__}: {str(e)[:300]}"})
         torch._dynamo.reset()  # the next variant compiles its own model (and this one's memory is freed)
         reset_memory(device)
     faulthandler.cancel_dump_traceback_later()

@@ -61,7 +61,8 @@ def profile_steps(step: Callable[[int], None], steps: int, device: torch.device,
     by_kind: dict[str, float] = {}
     kernels: list[tuple[str, float, int]] = []
     for event in prof.key_averages():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
+        if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False) \
+                or "#" in event.key:  # record_function ranges (Optimizer.step#AdamW.step) span kernels, are none
             continue
         ms = getattr(event, "self_device_time_total", 0.0) / 1e3 / steps  # profiler times are in us
         kernels.append((event.key, ms, event.count // steps))

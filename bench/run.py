@@ -222,16 +222,16 @@ def peak_gb(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
-def build_drafter(spec: DrafterSpec, attention: str, device: torch.device) -> DFlashDrafter:
+def build_drafter(spec: DrafterSpec, attention: str, device: torch.device, flex_kernel_options=None) -> DFlashDrafter:
     torch.manual_seed(0)
     with torch.device(device):
-        return DFlashDrafter(spec, attention=attention)  # fp32 master weights
+        return DFlashDrafter(spec, attention=attention, flex_kernel_options=flex_kernel_options)  # fp32 master weights
 
 
 def drafter_loop(config: Config, spec: DrafterSpec, head: TargetHead, device: torch.device, *,
                  compile_drafter: bool, total_steps: int) -> StepLoop:
     """The trainer's drafter side on one GPU: fp32 master weights, compiled forward, fused AdamW, clipping."""
-    model = build_drafter(spec, config.drafter.attention, device)
+    model = build_drafter(spec, config.drafter.attention, device, config.drafter.flex_kernel_options)
     if compile_drafter:
         compile_forward_train(model)
     optimizer = build_optimizer(model, config.train)

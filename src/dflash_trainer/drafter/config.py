@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from dflash_trainer.errors import ConfigError
 
@@ -32,6 +32,9 @@ class DrafterConfig:
     """MLP width; None: the target's."""
     attention: str = "auto"
     """auto (flex on GPU, sdpa on CPU) | flex | sdpa."""
+    flex_kernel_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to flex_attention as `kernel_options` (e.g. `fwd_BLOCK_M`, `bwd_num_warps`, `USE_TMA`); empty:
+    torch's defaults. A speed knob only: the attention computed is the same."""
     loss_chunk_rows: int = 2048
     """Rows per chunk of the vocab projection + CE (bounds fp32 logits memory)."""
     kd_weight: float = 0.0

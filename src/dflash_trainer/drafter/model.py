@@ -29,16 +29,18 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 _compiled_flex = None
 
 
-def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
-    """flex_attention, compiled on CUDA (uncompiled it materialises the scores); plain on CPU."""
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, options: dict) -> torch.Tensor:
+    """flex_attention, compiled on CUDA (uncompiled it materialises the scores); plain on CPU. `options`:
+    flex's kernel_options (tile sizes, warps, ...), empty for torch's defaults."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
+    kwargs = dict(block_mask=block_mask, enable_gqa=True, kernel_options=dict(options) or None)
     if q.device.type != "cuda" or torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return flex_attention(q, k, v, **kwargs)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return _compiled_flex(q, k, v, **kwargs)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -160,10 +162,11 @@ class BlockResult:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, spec: DrafterSpec, *, attention: str = "auto"):
+    def __init__(self, spec: DrafterSpec, *, attention: str = "auto", flex_kernel_options: Optional[dict] = None):
         super().__init__()
         self.spec = spec
         self.attention = attention
+        self.flex_kernel_options = dict(flex_kernel_options or {})
         self.layers = nn.ModuleList(DrafterLayer(spec) for _ in range(spec.num_layers))
         self.fc = nn.Linear(spec.num_taps * spec.hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
@@ -226,7 +229,7 @@ class DFlashDrafter(nn.Module):
             if masks.kind == "sdpa":
                 attend = lambda q, k, v, m=mask: _sdpa(q, k, v, m)
             else:
-                attend = lambda q, k, v, m=mask: _flex_attention(q, k, v, m)
+                attend = lambda q, k, v, m=mask: _flex_attention(q, k, v, m, self.flex_kernel_options)
             ctx_k, ctx_v = layer.self_attn.kv(ctx, rope_ctx)  # (T, nkv, hd)
             h = layer(h, ctx_k, ctx_v, rope_blk, attend)
         return self.norm(h).view(n, b, -1)  # (N, B, H)

@@ -13,6 +13,7 @@ A job is committed (enters the ledger) when the optimizer step that used it comp
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Optional, Sequence, TypeVar
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_trainer.runtime.faults import maybe_fault
-from dflash_trainer.train.optim import clip_gradients, scale_and_sync_gradients
+from dflash_trainer.train.optim import sync_scale_and_clip
 from dflash_trainer.train.parallel import set_gradient_sync
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ class StepLoop(Generic[B]):
         counts = [0, 0]  # batches, tokens (host values)
         releases: list[Callable[[], None]] = []
         keys: list[tuple[int, int]] = []
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad(set_to_none=True)  # the first backward writes the gradients (no add, no fill)
         dry = False
         for micro in range(self.grad_accum):
             set_gradient_sync(self.model, micro == self.grad_accum - 1)
@@ -184,31 +185,29 @@ class StepLoop(Generic[B]):
         packed = torch.cat([stats, slots.reshape(-1), host_counts])
         if self.group is not None and self.world > 1:
             dist.all_reduce(packed, group=self.group)
-        # One host sync per step: every rank needs the same skip / stop decision and the log values.
-        flat = packed.tolist()
+        gathered = self._gather_jobs(keys)  # (world * grad_accum, 2)
+        grad_norm_t = sync_scale_and_clip(self.params, packed[_STATS.index("weight_sum")], max_norm=self.grad_clip,
+                                          group=self.group, sharded=self.dummy_batch is not None)
+        # One host sync per step: every rank needs the same skip / stop decision, the ledger and the log values.
+        flat = torch.cat([packed, grad_norm_t.double().reshape(1), gathered.double().reshape(-1)]).tolist()
         n = len(_STATS)
         values = dict(zip(_STATS, flat[:n]))
         slot_correct = flat[n : n + self.slots]
         slot_count = flat[n + self.slots : n + 2 * self.slots]
-        values.update(zip(_COUNTS, flat[n + 2 * self.slots :]))
-        job_ids = self._gather_jobs(keys)
+        values.update(zip(_COUNTS, flat[n + 2 * self.slots : n + 2 * self.slots + len(_COUNTS)]))
+        grad_norm = flat[n + 2 * self.slots + len(_COUNTS)]
+        rows = flat[n + 2 * self.slots + len(_COUNTS) + 1 :]
+        job_ids = [(int(e), int(j)) for e, j in zip(rows[0::2], rows[1::2]) if j >= 0]
         if values["batches"] == 0:
             for release in releases:
                 release()
             return None
         weight_sum = max(values["weight_sum"], 1e-12)
-        skipped = values["nonfinite"] > 0
-        grad_norm = float("nan")
-        if not skipped:
-            scale = torch.tensor(1.0 / weight_sum, device=self.device)
-            scale_and_sync_gradients(self.params, scale, self.group, sharded=self.dummy_batch is not None)
-            norm = clip_gradients(self.params, self.grad_clip)
-            grad_norm = float(norm)  # host sync: a non-finite gradient skips the step on every rank alike
-            skipped = not torch.isfinite(torch.tensor(grad_norm)).item()
+        skipped = values["nonfinite"] > 0 or not math.isfinite(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         if skipped:
             self.state.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=False)
+            self.optimizer.zero_grad(set_to_none=True)
             log.warning("non-finite loss or gradient: step skipped on all ranks (%d so far)", self.state.skipped_steps)
             if self.state.skipped_steps > self.max_nonfinite_steps:
                 raise FloatingPointError(
@@ -242,16 +241,16 @@ class StepLoop(Generic[B]):
             wait_time_s=wait,
         )
 
-    def _gather_jobs(self, keys: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """(epoch, job_id) of this step's batches on all ranks: a fixed-size all-gather, -1 padded."""
-        local = torch.full((self.grad_accum, 2), -1, dtype=torch.int64, device=self.device)
+    def _gather_jobs(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """(world * grad_accum, 2) int64 device tensor: (epoch, job_id) of this step's batches on all ranks,
+        -1 padded (a fixed-size all-gather; read on the host with the step's other values)."""
+        local = torch.full((self.grad_accum, 2), -1, dtype=torch.int64)
         if keys:
             local[: len(keys)] = torch.tensor(keys, dtype=torch.int64)
+        local = local.to(self.device, non_blocking=True)
         if self.group is None or self.world == 1:
-            gathered = local
-        else:
-            gathered = torch.empty(self.world * self.grad_accum, 2, dtype=torch.int64, device=self.device)
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-            gather(gathered, local, group=self.group)
-        rows = gathered.tolist()  # host sync: the ledger lives on the host (once per step)
-        return [(e, j) for e, j in rows if j >= 0]
+            return local
+        gathered = torch.empty(self.world * self.grad_accum, 2, dtype=torch.int64, device=self.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(gathered, local, group=self.group)
+        return gathered

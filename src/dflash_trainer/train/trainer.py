@@ -99,7 +99,9 @@ class DrafterTrainer:
         self.signature = model_signature(spec)
         self.fingerprint = data_fingerprint(config, data_key)
         torch.manual_seed(config.run.seed)
-        self.model = DFlashDrafter(spec, attention=config.drafter.attention).to(device)
+        self.model = DFlashDrafter(
+            spec, attention=config.drafter.attention, flex_kernel_options=config.drafter.flex_kernel_options
+        ).to(device)
         with torch.no_grad():
             self.model.init_weights()
         if config.drafter.init_from:
