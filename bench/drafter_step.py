@@ -114,6 +114,8 @@ def run_variant(spec_text: str, args, device: torch.device) -> dict:
         for i in range(args.warmup):
             record = loop.step(lambda i=i: (batches[i], lambda: None))
             log(f"{name}: warmup step {i + 1}/{args.warmup} done at {time.perf_counter() - t0:.1f}s, loss {record.loss:.3f}")
+            if record.skipped:
+                raise FloatingPointError(f"{name}: non-finite loss or gradient at warmup step {i + 1}")
         sync()  # timing boundary
         warmup_s = time.perf_counter() - t0
         events = []
