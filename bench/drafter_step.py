@@ -16,6 +16,8 @@ first is the reference of the speedup column):
   eager ce    the head's CE kernel uncompiled (fp32 logits copy, separate passes)
   sdpa eager  no torch.compile and dense-mask SDPA (the naive drafter; ~90 GB at the 8B shape)
   chunk 4096  drafter.loss_chunk_rows=4096
+  create_block_mask  full-attention BlockMasks from create_block_mask (every pair evaluated) instead of
+              from the key intervals
 Model FLOPs: bench/flops.py (drafter_step_flops). The last line printed is JSON; `--out` also gets a file.
 """
 
@@ -44,6 +46,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
 from dflash_trainer.drafter import loss as loss_module  # noqa: E402
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
+from dflash_trainer.drafter.attention_mask import FlexMaskBuilder  # noqa: E402
 from dflash_trainer.drafter.spec import drafter_spec  # noqa: E402
 from dflash_trainer.target.batch import WireHeader, WireSpec, allocate, from_wire  # noqa: E402
 from dflash_trainer.target.capture import prepare_inputs  # noqa: E402
@@ -55,6 +58,7 @@ VARIANTS = {  # name -> (config overrides, compile the drafter, patch applied wh
     "eager ce": ([], True, "eager_ce"),
     "sdpa eager": (["drafter.attention=sdpa"], False, None),
     "chunk 4096": (["drafter.loss_chunk_rows=4096"], True, None),
+    "create_block_mask": ([], True, "create_block_mask"),
 }
 
 
@@ -68,6 +72,9 @@ def apply_patch(patch: str | None):
         saved = loss_module._ce_kernel
         loss_module._ce_kernel = lambda device: loss_module._ce_and_logit_grad
         return lambda: setattr(loss_module, "_ce_kernel", saved)
+    if patch == "create_block_mask":
+        FlexMaskBuilder.from_intervals = False
+        return lambda: setattr(FlexMaskBuilder, "from_intervals", True)
     return lambda: None
 
 
@@ -96,6 +103,7 @@ def variant(name: str) -> tuple[str, list[str], bool, str | None]:
 def run_variant(spec_text: str, args, device: torch.device) -> dict:
     name, overrides, compiled, patch = variant(spec_text)
     config = bench_config(args, device, tuple(overrides))
+    torch.manual_seed(0)  # the same head and taps for every variant
     spec = drafter_spec(target_model_config(config.target), config.drafter)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):

@@ -7,6 +7,7 @@
 #   PART=4: GPU tests and 8B with the target compiled, against the baseline
 #   PART=5: the drafter step alone (8B shape): variants side by side, with kernel profiles
 #   PART=6: the drafter step: flex kernel options side by side
+#   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FINAL=${OUT:-/tmp/out}
@@ -67,6 +68,13 @@ case "${1:-1}" in
       --variant "bwd_s2: $K.bwd_BLOCK_M1=64 $K.bwd_BLOCK_N1=128 $K.bwd_BLOCK_M2=128 $K.bwd_BLOCK_N2=64 $K.bwd_num_warps=8 $K.bwd_num_stages=2" \
       --variant "fwd128: $K.fwd_BLOCK_M=128 $K.fwd_BLOCK_N=128 $K.fwd_num_warps=8 $K.fwd_num_stages=2"
     grep -v '^{' "$OUT/drafter_flex.log" | grep -A12 "^drafter step" | tail -n 40
+    ;;
+  7)
+    step gpu_parity 100 python3 -m pytest -q -x -m gpu tests/test_gpu.py -k flex_matches
+    step drafter_masks 170 python3 bench/drafter_step.py --steps 8 --warmup 2 --variant ours --variant create_block_mask \
+      --profile --profile-steps 3
+    grep -v '^{' "$OUT/drafter_masks.log" | grep -B2 -A12 "kind  \|longest idle\|^drafter step" | tail -n 80
+    step run_8b_mfu_ctarget_base 290 python3 bench/run.py --model qwen3-8b --workload mfu --compile-target
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

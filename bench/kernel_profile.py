@@ -36,6 +36,8 @@ class KernelProfile:
     """Kind -> GPU kernel ms per step."""
     top: list[tuple[str, float, int]]
     """(kernel name, ms per step, calls per step), the largest first."""
+    gaps: list[tuple[float, str, str]]
+    """The longest stretches with no kernel running: (ms, kernel before, kernel after), longest first."""
 
 
 def kind_of(name: str) -> str:
@@ -68,7 +70,22 @@ def profile_steps(step: Callable[[int], None], steps: int, device: torch.device,
         kernels.append((event.key, ms, event.count // steps))
         by_kind[kind_of(event.key)] = by_kind.get(kind_of(event.key), 0.0) + ms
     kernels.sort(key=lambda k: -k[1])
-    return KernelProfile(steps=steps, wall_ms=wall * 1e3 / steps, by_kind=by_kind, top=kernels[:top])
+    return KernelProfile(steps=steps, wall_ms=wall * 1e3 / steps, by_kind=by_kind, top=kernels[:top],
+                         gaps=idle_gaps(prof.events(), top))
+
+
+def idle_gaps(events, count: int) -> list[tuple[float, str, str]]:
+    """The `count` longest gaps between GPU kernels (one stream assumed: gaps are measured past the latest end)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.name)
+    gaps = []
+    latest_end, latest_name = None, ""
+    for start, end, name in spans:
+        if latest_end is not None and start > latest_end:
+            gaps.append(((start - latest_end) / 1e3, latest_name, name))
+        if latest_end is None or end > latest_end:
+            latest_end, latest_name = end, name
+    return sorted(gaps, key=lambda g: -g[0])[:count]
 
 
 def print_profile(title: str, p: KernelProfile) -> None:
@@ -81,8 +98,12 @@ def print_profile(title: str, p: KernelProfile) -> None:
     print(f"top kernels:\n{'ms/step':>9}{'calls':>7}  name")
     for name, ms, calls in p.top:
         print(f"{ms:>9.2f}{calls:>7}  {name[:110]}")
+    print(f"longest idle gaps ({p.steps} steps):\n{'ms':>9}  kernel before -> kernel after")
+    for ms, before, after in p.gaps[:10]:
+        print(f"{ms:>9.2f}  {before[:60]} -> {after[:60]}")
 
 
 def profile_dict(p: KernelProfile) -> dict:
     return {"steps": p.steps, "wall_ms": p.wall_ms, "by_kind_ms": p.by_kind,
-            "top": [{"name": n, "ms": ms, "calls": c} for n, ms, c in p.top]}
+            "top": [{"name": n, "ms": ms, "calls": c} for n, ms, c in p.top],
+            "gaps": [{"ms": ms, "before": b, "after": a} for ms, b, a in p.gaps]}

@@ -174,3 +174,34 @@ def test_flex_builder_keeps_one_mask_mod_and_tracks_new_batches():
         masks.append(block_mask)
         assert torch.equal(block_mask.mask_mod(torch.tensor(0), torch.tensor(0), q, kv), dense_mask(index))
     assert masks[0].mask_mod is masks[1].mask_mod  # a compiled forward does not recompile per batch
+
+
+@pytest.mark.parametrize("tile", [8, 16, 128])
+@pytest.mark.parametrize("job_id", [1, 2, 3])
+def test_tile_level_block_mask_equals_create_block_mask(tile, job_id):
+    """The BlockMask built from the key intervals has exactly create_block_mask's partial and full tiles, in
+    both directions (the backward reads the query-side ones), with invalid blocks, several packed sequences,
+    padding slots and lengths that are not multiples of the tile."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    drafter, _ = tiny_drafter()
+    batch = packed_batch(drafter, num_blocks=28, job_id=job_id)
+    assert not batch.plan.block_valid.all()
+    index = mask_index(batch.plan, batch.cu_seqlens, batch.taps.shape[0])
+    builder = FlexMaskBuilder()
+    builder.tile = tile
+    ours = builder.build(index)
+    ref = create_block_mask(builder._mask_mod(None), B=None, H=None, Q_LEN=index.q_block.shape[0],
+                            KV_LEN=index.k_block.shape[0], device="cpu", BLOCK_SIZE=tile, _compile=False)
+    assert ours.shape == ref.shape
+    for count, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                           ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        a_n, b_n = getattr(ours, count), getattr(ref, count)
+        assert torch.equal(a_n, b_n), count
+        a_i, b_i = getattr(ours, indices), getattr(ref, indices)
+        for row in range(a_n.shape[-1]):
+            n = int(a_n[0, 0, row])
+            assert torch.equal(a_i[0, 0, row, :n], b_i[0, 0, row, :n]), (indices, row)
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    if tile == 8:  # small tiles exercise full tiles too
+        assert int(ours.full_kv_num_blocks.sum()) > 0

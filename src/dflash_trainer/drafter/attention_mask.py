@@ -40,6 +40,15 @@ class MaskIndex:
     """(T + N*B,) sequence of each context key; -1 for padding slots and for block keys."""
     k_pos: torch.Tensor
     """(T + N*B,) absolute position of each key (within its sequence)."""
+    q_ctx_lo: torch.Tensor
+    """(N*B,) first context key (packed slot) a query may see: its sequence's start; 0 for invalid blocks."""
+    q_ctx_hi: torch.Tensor
+    """(N*B,) one past the last context key a query may see: its anchor (packed slot); 0 for invalid blocks.
+    Full-attention layers: the query sees exactly keys [q_ctx_lo, q_ctx_hi) and [q_own_lo, q_own_hi)."""
+    q_own_lo: torch.Tensor
+    """(N*B,) first key of the query's own block: T + block * B."""
+    q_own_hi: torch.Tensor
+    """(N*B,) one past the last key of the query's own block: T + (block + 1) * B."""
 
 
 def mask_index(plan: BlockPlan, cu_seqlens: torch.Tensor, num_slots: int) -> MaskIndex:
@@ -51,6 +60,8 @@ def mask_index(plan: BlockPlan, cu_seqlens: torch.Tensor, num_slots: int) -> Mas
     seq = token_seq_ids(cu_seqlens, num_slots)  # (T,)
     starts = cu_seqlens.to(torch.int64)[seq.clamp(min=0)]  # (T,)
     ctx_pos = torch.arange(num_slots, device=device) - starts  # (T,)
+    seq_start = torch.where(plan.block_valid, cu_seqlens.to(torch.int64)[plan.seq_id.clamp(min=0)], 0)  # (N,)
+    anchor = torch.where(plan.block_valid, plan.anchors, 0)  # (N,) packed slot of the anchor
     return MaskIndex(
         q_block=q_block,
         q_seq=q_seq,
@@ -59,6 +70,10 @@ def mask_index(plan: BlockPlan, cu_seqlens: torch.Tensor, num_slots: int) -> Mas
         k_block=torch.cat([torch.full((num_slots,), -1, device=device, dtype=torch.int64), q_block]),
         k_seq=torch.cat([seq, torch.full((n * b,), -1, device=device, dtype=torch.int64)]),
         k_pos=torch.cat([ctx_pos, plan.positions.reshape(-1)]),
+        q_ctx_lo=seq_start[q_block],
+        q_ctx_hi=anchor[q_block],
+        q_own_lo=num_slots + q_block * b,
+        q_own_hi=num_slots + (q_block + 1) * b,
     )
 
 
@@ -83,6 +98,39 @@ def dense_mask(index: MaskIndex, sliding_window: Optional[int] = None) -> torch.
     return visible(index, q_idx, kv_idx, sliding_window)
 
 
+def tile_blocks(index: MaskIndex, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full), each (Q tiles, KV tiles) bool: which `tile` x `tile` tiles of the full-attention mask
+    have some visible pair, and which have only visible pairs (tiles past the end are padded with masked
+    pairs, as `create_block_mask` does). From the per-query key intervals, at row granularity: ~1/tile of
+    the work of evaluating every (query, key) pair, which is what `create_block_mask` does."""
+    q_len, kv_len = index.q_block.shape[0], index.k_block.shape[0]
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    pad = q_tiles * tile - q_len  # padded query rows see nothing: [0, 0) intervals
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, pad))[:, None]  # (Q tiles * tile, 1)
+
+    start = torch.arange(kv_tiles, device=index.q_block.device, dtype=torch.int64)[None, :] * tile  # (1, KV tiles)
+    stop = (start + tile).clamp(max=kv_len)
+    seen = torch.zeros(q_tiles * tile, kv_tiles, dtype=torch.bool, device=start.device)
+    whole = torch.zeros_like(seen)
+    for lo, hi in ((index.q_ctx_lo, index.q_ctx_hi), (index.q_own_lo, index.q_own_hi)):
+        lo, hi = rows(lo), rows(hi)
+        seen |= torch.maximum(lo, start) < torch.minimum(hi, stop)  # the interval meets the tile
+        whole |= (lo <= start) & (start + tile <= hi)  # the interval covers the whole (unpadded) tile
+    seen = seen.view(q_tiles, tile, kv_tiles).any(dim=1)  # (Q tiles, KV tiles)
+    full = whole.view(q_tiles, tile, kv_tiles).all(dim=1)
+    return seen & ~full, full
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count (1, 1, Q tiles), indices (1, 1, Q tiles, KV tiles)) int32: per query tile, the set tiles first,
+    ascending (BlockMask's kv_num_blocks / kv_indices layout)."""
+    count = blocks.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return count[None, None], order[None, None]
+
+
 def flex_block_mask(index: MaskIndex, sliding_window: Optional[int] = None):
     """A flex_attention BlockMask with the same rule (built compiled on CUDA: no dense materialisation)."""
     return FlexMaskBuilder().build(index, sliding_window)
@@ -96,6 +144,11 @@ class FlexMaskBuilder:
     batch's `MaskIndex` into them (fixed shapes). A BlockMask is valid until the next `build` (steps run
     in order on one stream, so the copy lands after the previous step's kernels).
     """
+
+    tile = 128
+    """BlockMask tile size (flex's default sparse block size)."""
+    from_intervals = True
+    """Full-attention masks from the key intervals (`tile_blocks`); False: `create_block_mask` (the reference)."""
 
     def __init__(self) -> None:
         self._buffers: Optional[MaskIndex] = None
@@ -112,7 +165,7 @@ class FlexMaskBuilder:
         return self._mods[sliding_window]
 
     def build(self, index: MaskIndex, sliding_window: Optional[int] = None):
-        from torch.nn.attention.flex_attention import create_block_mask
+        from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
         fields = MaskIndex.__slots__
         if self._buffers is None or any(
@@ -126,6 +179,12 @@ class FlexMaskBuilder:
             for f in fields:
                 getattr(self._buffers, f).copy_(getattr(index, f))
         device = index.q_block.device
+        if sliding_window is None and self.from_intervals:  # tiles from the key intervals (create_block_mask: ~4 ms at 8B)
+            partial, full = tile_blocks(index, self.tile)
+            return BlockMask.from_kv_blocks(
+                *_ordered(partial), *_ordered(full), BLOCK_SIZE=self.tile, mask_mod=self._mask_mod(None),
+                seq_lengths=(index.q_block.shape[0], index.k_block.shape[0]),
+            )
         return create_block_mask(
             self._mask_mod(sliding_window),
             B=None,
