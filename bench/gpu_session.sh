@@ -7,6 +7,7 @@
 #   PART=4: GPU tests and 8B with the target compiled, against the baseline
 #   PART=5: the drafter step alone (8B shape): variants side by side, with kernel profiles
 #   PART=6: the drafter step: flex kernel options side by side
+#   PART=8: the GPU training test, end to end 1.7B (mfu) and 8B (ShareGPT mix)
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -75,6 +76,11 @@ case "${1:-1}" in
       --profile --profile-steps 3
     grep -v '^{' "$OUT/drafter_masks.log" | grep -B2 -A12 "kind  \|longest idle\|^drafter step" | tail -n 80
     step run_8b_mfu_ctarget_base 290 python3 bench/run.py --model qwen3-8b --workload mfu --compile-target
+    ;;
+  8)
+    step gpu_train 110 python3 -m pytest -q -x -m gpu tests/test_gpu.py -k colocated
+    step run_1p7b_mfu 130 python3 bench/run.py --model qwen3-1.7b --workload mfu
+    step run_8b_sharegpt 230 python3 bench/run.py --model qwen3-8b --workload sharegpt
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null
