@@ -400,6 +400,9 @@ def step_work(config, target, spec, jobs, workload, device) -> StepWork:
 
 
 def git_commit() -> str:
+    """$BENCH_COMMIT when set (the device machine's copy of the tree may carry a stale .git), else git's HEAD."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
