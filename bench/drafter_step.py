@@ -16,6 +16,7 @@ first is the reference of the speedup column):
   eager ce    the head's CE kernel uncompiled (fp32 logits copy, separate passes)
   sdpa eager  no torch.compile and dense-mask SDPA (the naive drafter; ~90 GB at the 8B shape)
   chunk 4096  drafter.loss_chunk_rows=4096
+  cuda graphs the compiled forward (and its backward) in torch.compile's mode="reduce-overhead"
   create_block_mask  full-attention BlockMasks from create_block_mask (every pair evaluated) instead of
               from the key intervals
 Model FLOPs: bench/flops.py (drafter_step_flops). The last line printed is JSON; `--out` also gets a file.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import json
 import os
 import sys
@@ -41,6 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 from flops import PEAK_TFLOPS, drafter_step_flops, mfu  # noqa: E402
 from kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402
+import run as run_module  # noqa: E402
 from run import bench_config, drafter_loop, git_commit, mfu_workload, peak_gb, reset_memory  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
@@ -52,6 +55,7 @@ from dflash_trainer.target.batch import WireHeader, WireSpec, allocate, from_wir
 from dflash_trainer.target.capture import prepare_inputs  # noqa: E402
 from dflash_trainer.target.head import TargetHead  # noqa: E402
 from dflash_trainer.target.load import target_model_config  # noqa: E402
+from dflash_trainer.train.micro_step import compile_forward_train  # noqa: E402
 
 VARIANTS = {  # name -> (config overrides, compile the drafter, patch applied while the variant runs)
     "ours": ([], True, None),
@@ -59,6 +63,7 @@ VARIANTS = {  # name -> (config overrides, compile the drafter, patch applied wh
     "sdpa eager": (["drafter.attention=sdpa"], False, None),
     "chunk 4096": (["drafter.loss_chunk_rows=4096"], True, None),
     "create_block_mask": ([], True, "create_block_mask"),
+    "cuda graphs": ([], True, "cuda_graphs"),
 }
 
 
@@ -72,6 +77,9 @@ def apply_patch(patch: str | None):
         saved = loss_module._ce_kernel
         loss_module._ce_kernel = lambda device: loss_module._ce_and_logit_grad
         return lambda: setattr(loss_module, "_ce_kernel", saved)
+    if patch == "cuda_graphs":
+        run_module.compile_forward_train = functools.partial(compile_forward_train, mode="reduce-overhead")
+        return lambda: setattr(run_module, "compile_forward_train", compile_forward_train)
     if patch == "create_block_mask":
         FlexMaskBuilder.from_intervals = False
         return lambda: setattr(FlexMaskBuilder, "from_intervals", True)

@@ -8,6 +8,7 @@
 #   PART=5: the drafter step alone (8B shape): variants side by side, with kernel profiles
 #   PART=6: the drafter step: flex kernel options side by side
 #   PART=8: the GPU training test, end to end 1.7B (mfu) and 8B (ShareGPT mix)
+#   PART=9: the drafter step with CUDA graphs (torch.compile reduce-overhead) against without
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +82,11 @@ case "${1:-1}" in
     step gpu_train 110 python3 -m pytest -q -x -m gpu tests/test_gpu.py -k colocated
     step run_1p7b_mfu 130 python3 bench/run.py --model qwen3-1.7b --workload mfu
     step run_8b_sharegpt 230 python3 bench/run.py --model qwen3-8b --workload sharegpt
+    ;;
+  9)
+    step drafter_graphs 250 python3 bench/drafter_step.py --steps 8 --warmup 3 --variant ours --variant "cuda graphs" \
+      --profile --profile-steps 2
+    grep -v '^{' "$OUT/drafter_graphs.log" | grep -B2 -A10 "kind  \|^drafter step\|Error\|error" | tail -n 60
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -19,10 +19,11 @@ from dflash_trainer.train.step_loop import MicroResult
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def compile_forward_train(model: DFlashDrafter) -> None:
-    """torch.compile the drafter's `forward_train` (fixed shapes: dynamic=False). The attention masks are
-    built eagerly outside the graph and passed in, so create_block_mask stays out of the traced region."""
-    compiled = torch.compile(model.forward_train, dynamic=False)
+def compile_forward_train(model: DFlashDrafter, mode: Optional[str] = None) -> None:
+    """torch.compile the drafter's `forward_train` (fixed shapes: dynamic=False; `mode` is torch.compile's).
+    The attention masks are built eagerly outside the graph and passed in, so mask building stays out of
+    the traced region."""
+    compiled = torch.compile(model.forward_train, dynamic=False, mode=mode)
 
     def forward_train(*, taps, cu_seqlens, plan, embed_weight, masks=None):
         if masks is None:
