@@ -9,6 +9,7 @@
 #   PART=6: the drafter step: flex kernel options side by side
 #   PART=8: the GPU training test, end to end 1.7B (mfu) and 8B (ShareGPT mix)
 #   PART=9: the drafter step with CUDA graphs (torch.compile reduce-overhead) against without
+#   PART=10: 8B on the ShareGPT mix, profiled (target forward alone, whole step)
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +88,10 @@ case "${1:-1}" in
     step drafter_graphs 250 python3 bench/drafter_step.py --steps 8 --warmup 3 --variant ours --variant "cuda graphs" \
       --profile --profile-steps 2
     grep -v '^{' "$OUT/drafter_graphs.log" | grep -B2 -A10 "kind  \|^drafter step\|Error\|error" | tail -n 60
+    ;;
+  10)
+    step run_8b_sharegpt_profile 200 python3 bench/run.py --model qwen3-8b --workload sharegpt --no-baseline --profile 2
+    grep -v '^{' "$OUT/run_8b_sharegpt_profile.log" | grep -A30 "kernel profile" | cut -c1-150 | tail -n 75
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

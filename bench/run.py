@@ -56,6 +56,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flops import PEAK_TFLOPS, drafter_step_flops, mfu, target_forward_flops  # noqa: E402
+from kernel_profile import print_profile  # noqa: E402
+from kernel_profile import profile_steps as profile_steps_of  # noqa: E402
 
 from dflash_trainer.config import Config, load_config  # noqa: E402
 from dflash_trainer.data.types import Job, TokenizedSequence  # noqa: E402
@@ -291,7 +293,7 @@ def guarded(name: str, device: torch.device, fn: Callable[[], PhaseResult]) -> P
 
 
 def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, *, compile_drafter: bool,
-               compile_target: bool) -> PhaseResult:
+               compile_target: bool, profile_steps: int = 0) -> PhaseResult:
     """Ours: TapCapture into wire buffers -> make_micro_step -> StepLoop (fused AdamW, clipping)."""
     layers = find_decoder_layers(target)
     if compile_target:  # undone below, so the baseline runs the target eager
@@ -313,7 +315,14 @@ def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, 
         return torch.tensor(record.loss)
 
     try:
-        return run_timed(step, warmup_jobs, timed_jobs, device)
+        result = run_timed(step, warmup_jobs, timed_jobs, device)
+        if profile_steps:  # after timing: the target forward alone, then whole steps, on the first timed jobs
+            jobs = [timed_jobs[i % len(timed_jobs)] for i in range(profile_steps)]
+            print_profile("target forward (TapCapture)", profile_steps_of(
+                lambda i: forward_job(capture, workload.dataset, jobs[i], buffers), profile_steps, device))
+            print_profile("whole step (target + drafter + optimizer)", profile_steps_of(
+                lambda i: step(jobs[i], StepTimer(device)), profile_steps, device))
+        return result
     finally:
         for layer in layers:
             layer.__dict__.pop("forward", None)  # back to the class's eager forward
@@ -445,6 +454,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="fast path without torch.compile of the drafter")
     p.add_argument("--compile-target", action="store_true",
                    help="also torch.compile the target's decoder layers (off: compile time; see target_forward.py)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N target forwards and N whole steps (GPU time by kernel kind)")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny preset, 2 x 128 tokens, 32 blocks, B=8, 2 drafter layers, SDPA, no compile: "
@@ -509,7 +520,8 @@ def main(argv=None) -> int:
 
     ours = guarded("ours", device, lambda: fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs,
                                                      device, compile_drafter=not args.no_compile,
-                                                     compile_target=args.compile_target))
+                                                     compile_target=args.compile_target,
+                                                     profile_steps=args.profile))
     baseline = None
     if not args.no_baseline:
         b_warm, b_timed = workload.jobs[: args.baseline_warmup], timed_jobs[: args.baseline_steps]
