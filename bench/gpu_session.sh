@@ -10,6 +10,7 @@
 #   PART=8: the GPU training test, end to end 1.7B (mfu) and 8B (ShareGPT mix)
 #   PART=9: the drafter step with CUDA graphs (torch.compile reduce-overhead) against without
 #   PART=10: 8B on the ShareGPT mix, profiled (target forward alone, whole step)
+#   PART=11: the target forward on one padded mixed-length batch: idle time under a few settings
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +93,10 @@ case "${1:-1}" in
   10)
     step run_8b_sharegpt_profile 200 python3 bench/run.py --model qwen3-8b --workload sharegpt --no-baseline --profile 2
     grep -v '^{' "$OUT/run_8b_sharegpt_profile.log" | grep -A30 "kernel profile" | cut -c1-150 | tail -n 75
+    ;;
+  11)
+    step target_padded 150 python3 bench/target_padded.py
+    grep -v '^{' "$OUT/target_padded.log" | grep -A9 "kind  \|^variant" | cut -c1-150 | tail -n 50
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

@@ -1,0 +1,86 @@
+"""Why the target forward idles on mixed-length batches: one padded batch, profiled, under a few settings.
+
+    python bench/target_padded.py            # CUDA: Qwen3-8B shape, random bf16 weights, ~1 min
+    python bench/target_padded.py --smoke    # tiny target on the CPU (checks the script runs)
+
+The batch mimics a ShareGPT job (sequences of mixed lengths right-padded to the longest, as the target
+worker does). Each variant runs TapCapture.run (early exit, tap gather) under torch.profiler and reports
+wall time, GPU kernel time and idle time per forward:
+  padded        the batch as the worker builds it (attention mask for the padding)
+  no cudnn sdpa the same with the cuDNN SDPA backend disabled (flash / memory-efficient instead)
+  equal         as many tokens in equal-length sequences (no padding, no attention mask)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402
+
+from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
+from dflash_trainer.target.batch import WireSpec, allocate  # noqa: E402
+from dflash_trainer.target.capture import TapCapture, prepare_inputs  # noqa: E402
+from dflash_trainer.target.config import TargetConfig  # noqa: E402
+from dflash_trainer.target.load import load_target  # noqa: E402
+
+LENGTHS = {"qwen3-8b": [3072, 2210, 1705, 1490, 1180, 930, 705, 540, 410, 300, 210, 150],
+           "tiny": [64, 40, 33, 20]}
+
+
+def sequences(lengths: list[int], vocab: int) -> list[TokenizedSequence]:
+    g = torch.Generator().manual_seed(0)
+    return [TokenizedSequence(input_ids=torch.randint(0, vocab, (n,), generator=g),
+                              loss_mask=torch.ones(n, dtype=torch.bool)) for n in lengths]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    preset = "tiny" if args.smoke else "qwen3-8b"
+    dtype = "float32" if args.smoke else "bfloat16"
+    model = load_target(TargetConfig(random_init=preset, dtype=dtype), device)
+    taps = [1, 3] if args.smoke else [1, 9, 17, 25, 33]
+    capture = TapCapture(model, taps)
+    lengths = LENGTHS[preset]
+    total = sum(lengths)
+    equal = [total // len(lengths)] * len(lengths)
+    vocab = model.config.vocab_size - 1000
+    results = {}
+    for name, lens in (("padded", lengths), ("no cudnn sdpa", lengths), ("equal", equal)):
+        spec = WireSpec(token_budget=total, max_seqs=len(lens), num_taps=len(taps), hidden=model.config.hidden_size,
+                        dtype=model.dtype, has_last_hidden=False)
+        out = allocate(spec, device)
+        batch = sequences(lens, vocab)
+        cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(name != "no cudnn sdpa")
+        try:
+            run = lambda i: capture.run(prepare_inputs(batch, out), out)  # noqa: E731
+            for i in range(2):  # warmup (kernel selection, caches)
+                run(i)
+            prof = profile_steps(run, args.steps, device)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        print_profile(f"{name}: {len(lens)} sequences, {sum(lens)} tokens, padded to {max(lens)}", prof)
+        results[name] = profile_dict(prof)
+    print(f"\n{'variant':<16}{'wall ms':>10}{'kernel ms':>11}{'idle ms':>10}")
+    for name, r in results.items():
+        busy = sum(r["by_kind_ms"].values())
+        print(f"{name:<16}{r['wall_ms']:>10.1f}{busy:>11.1f}{max(r['wall_ms'] - busy, 0):>10.1f}")
+    print(json.dumps({"bench": "target_padded", "model": preset, "lengths": lengths, "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
