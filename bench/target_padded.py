@@ -3,8 +3,9 @@
     python bench/target_padded.py            # CUDA: Qwen3-8B shape, random bf16 weights, ~1 min
     python bench/target_padded.py --smoke    # tiny target on the CPU (checks the script runs)
 
-The batch mimics a ShareGPT job (sequences of mixed lengths right-padded to the longest, as the target
-worker does). Each variant runs TapCapture.run (early exit, tap gather) under torch.profiler and reports
+The batch holds 12 sequences of mixed lengths (150 to 3072 tokens) right-padded to the longest, as the
+target worker does: a worst case for padding (2.9x the real tokens; the epoch plan's length buckets keep
+real jobs near 10%). Each variant runs TapCapture.run (early exit, tap gather) under torch.profiler and reports
 wall time, GPU kernel time and idle time per forward:
   padded        the batch as the worker builds it (attention mask for the padding)
   no cudnn sdpa the same with the cuDNN SDPA backend disabled (flash / memory-efficient instead)
