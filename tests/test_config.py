@@ -25,6 +25,7 @@ def test_demo_recipe_loads_and_overrides_apply():
         ("drafter.mask_token_id=-3", "drafter.mask_token_id"),
         ("data.max_length=2", "data.max_length"),
         ("run.device=tpu", "run.device"),
+        ("drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE=true", "drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE"),
     ],
 )
 def test_bad_config_names_the_key(override, key_in_message):

@@ -99,3 +99,33 @@ def test_nonfinite_step_is_skipped_and_counted():
     assert sorted(j for _, j in state.committed) == [0, 1, 2, 9]
     ref, _, _ = _run([b[1], b[2]], None, grad_accum=2)
     torch.testing.assert_close(weight, ref)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 100.0])
+def test_sync_scale_and_clip_equals_divide_then_clip_grad_norm(max_norm):
+    """One multiply (1 / weight sum, times the clip coefficient) gives what dividing the gradients and then
+    torch's clip_grad_norm_ gives; the returned norm is that of the divided gradients, before clipping. A
+    parameter that got no gradient joins with zeros."""
+    from dflash_trainer.train.optim import sync_scale_and_clip
+
+    torch.manual_seed(1)
+    ours, ref = torch.nn.Linear(6, 5), torch.nn.Linear(6, 5)
+    extra = torch.nn.Parameter(torch.ones(3))  # never reached by a backward
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(9, 6)
+    for model in (ours, ref):
+        (model(x) ** 2).sum().backward()
+    weight_sum = torch.tensor(7.0, dtype=torch.float64)
+    norm = sync_scale_and_clip([*ours.parameters(), extra], weight_sum, max_norm=max_norm, group=None)
+    for p in ref.parameters():
+        p.grad /= 7.0
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    if max_norm > 0:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    torch.testing.assert_close(norm, ref_norm)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert torch.equal(extra.grad, torch.zeros(3))
+    if max_norm == 0.5:  # the clip did act
+        assert float(ref_norm) > 0.5
+        assert float(torch.nn.utils.get_total_norm([p.grad for p in ours.parameters()])) == pytest.approx(0.5, rel=1e-4)

@@ -90,6 +90,11 @@ class DrafterConfig:
             raise ConfigError(f"drafter.sliding_window must be >= 1 or null, got {self.sliding_window}")
         if self.sliding_layers and not self.sliding_window:
             raise ConfigError("drafter.sliding_layers needs drafter.sliding_window > 0")
+        if self.flex_kernel_options.get("ROWS_GUARANTEED_SAFE"):
+            raise ConfigError(
+                "drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE=true gives NaN here: a 128-row query tile can span "
+                "two packed sequences, so some rows see no key in a tile; remove the option"
+            )
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise ConfigError(f"drafter.sliding_layers must be in [0, {self.num_layers}), got {self.sliding_layers}")
 
