@@ -120,12 +120,12 @@ def run_variant(spec_text: str, args, device: torch.device) -> dict:
                           final_norm=Qwen3RMSNorm(spec.hidden_size))
     total = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     batches = make_batches(args, config, spec, device, total)
-    loop = drafter_loop(config, spec, head, device, compile_drafter=compiled and device.type == "cuda",
-                        total_steps=total)
-    undo = apply_patch(patch)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    reset_memory(device)
+    undo = apply_patch(patch)  # before the loop is built: some patches change how it compiles
     try:
+        loop = drafter_loop(config, spec, head, device, compile_drafter=compiled and device.type == "cuda",
+                            total_steps=total)
+        reset_memory(device)
         t0 = time.perf_counter()
         for i in range(args.warmup):
             record = loop.step(lambda i=i: (batches[i], lambda: None))
