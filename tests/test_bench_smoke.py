@@ -42,6 +42,27 @@ def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
     assert "ours" in proc.stdout and "baseline" in proc.stdout
 
 
+def test_smoke_drafter_step_compares_variants_with_the_same_loss(tmp_path):
+    """Named and free-form variants run the trainer's step on the same batch and head: a speed-only knob
+    (chunk rows) leaves the loss unchanged; a bad variant is refused by name."""
+    cmd = [sys.executable, str(ROOT / "bench" / "drafter_step.py"), "--smoke", "--out", str(tmp_path),
+           "--variant", "ours", "--variant", "chunk 4096", "--variant", "tiny chunks: drafter.loss_chunk_rows=5",
+           "--profile"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = {r["variant"]: r for r in last["results"]}
+    assert list(results) == ["ours", "chunk 4096", "tiny chunks"]
+    assert results["tiny chunks"]["overrides"] == ["drafter.loss_chunk_rows=5"]
+    losses = [r["loss"] for r in results.values()]
+    assert all(abs(x - losses[0]) < 1e-4 for x in losses), losses
+    assert all(r["step_ms"] > 0 and r["step_tflop"] > 0 and r["profile"]["steps"] == 1 for r in results.values())
+    assert len(list(tmp_path.glob("*-drafter_step-tiny.json"))) == 1
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "drafter_step.py"), "--smoke", "--variant", "nosuch"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "nosuch" in bad.stderr
+
+
 def _plan(lengths, budget, num_blocks, block_size, seed=0):
     g = torch.Generator().manual_seed(seed)
     cu = torch.full((len(lengths) + 2,), sum(lengths), dtype=torch.int32)
