@@ -11,6 +11,8 @@
 #   PART=9: the drafter step with CUDA graphs (torch.compile reduce-overhead) against without
 #   PART=10: 8B on the ShareGPT mix, profiled (target forward alone, whole step)
 #   PART=11: the target forward on one padded mixed-length batch: idle time under a few settings
+#   PART=12 (prepared for the next session): CUDA graphs for the drafter step, measured for real; the
+#           ShareGPT mix with the target's layers compiled (shape-generic after one recompile)
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +99,12 @@ case "${1:-1}" in
   11)
     step target_padded 150 python3 bench/target_padded.py
     grep -v '^{' "$OUT/target_padded.log" | grep -A9 "kind  \|^variant" | cut -c1-150 | tail -n 50
+    ;;
+  12)
+    step drafter_graphs 250 python3 bench/drafter_step.py --steps 8 --warmup 3 --variant ours --variant "cuda graphs"
+    step run_8b_sharegpt_ctarget 300 python3 bench/run.py --model qwen3-8b --workload sharegpt --compile-target \
+      --warmup 6 --profile 2
+    grep -v '^{' "$OUT/run_8b_sharegpt_ctarget.log" | grep -A9 "kernel profile\|^variant" | cut -c1-150 | tail -n 40
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

@@ -297,7 +297,9 @@ def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, 
     """Ours: TapCapture into wire buffers -> make_micro_step -> StepLoop (fused AdamW, clipping)."""
     layers = find_decoder_layers(target)
     if compile_target:  # undone below, so the baseline runs the target eager
-        compile_decoder_layers(target, upto=max(spec.tap_layer_ids), dynamic=False)
+        # As the trainer does (runtime/launch.py): automatic dynamic shapes, so a new padded shape recompiles
+        # once into a shape-generic graph (the fixed-shape mfu workload compiles once, statically).
+        compile_decoder_layers(target, upto=max(spec.tap_layer_ids), dynamic=None)
     loop = drafter_loop(config, spec, head_from_model(target), device, compile_drafter=compile_drafter,
                         total_steps=len(warmup_jobs) + len(timed_jobs))
     capture = TapCapture(target, spec.tap_layer_ids)
