@@ -120,3 +120,25 @@ def test_sharegpt_workload_packs_approximate_lengths_into_the_budget():
             assert 2 * config.drafter.block_size <= n <= args.seq_len
             assert not s.loss_mask[: n // 10].any() and s.loss_mask[n // 10 :].all()
             assert int(s.input_ids.max()) < 1024
+
+
+def test_kernel_profile_kinds_and_idle_gaps():
+    """Kernel names map to their kind; gaps are measured past the latest end (overlaps are not idle)."""
+    from types import SimpleNamespace
+
+    from kernel_profile import idle_gaps, kind_of
+
+    assert kind_of("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN") == "gemm"
+    assert kind_of("triton_tem_fused_flex_attention_backward_6") == "flex attention"
+    assert kind_of("triton_red_fused__to_copy_argmax_0") == "inductor fused"
+    assert kind_of("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert kind_of("Memcpy DtoH (Device -> Pageable)") == "copy / fill"
+    assert kind_of("something_else") == "other"
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("a", 0, 100), event("b", 50, 300), event("c", 1300, 1400), event("host", 300, 1300, cpu),
+              event("Optimizer.step#AdamW.step", 300, 1300), event("d", 1900, 2000)]
+    assert idle_gaps(events, 5) == [(1.0, "b", "c"), (0.5, "c", "d")]  # us -> ms; "a" ends inside "b"
