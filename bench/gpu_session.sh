@@ -13,6 +13,7 @@
 #   PART=11: the target forward on one padded mixed-length batch: idle time under a few settings
 #   PART=12 (prepared for the next session): CUDA graphs for the drafter step, measured for real; the
 #           ShareGPT mix with the target's layers compiled (shape-generic after one recompile)
+#   PART=13 (needs kind nvidia-h200-x8; ask `status` first): N-GPU scaling, real training runs
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,6 +106,9 @@ case "${1:-1}" in
     step run_8b_sharegpt_ctarget 300 python3 bench/run.py --model qwen3-8b --workload sharegpt --compile-target \
       --warmup 6 --profile 2
     grep -v '^{' "$OUT/run_8b_sharegpt_ctarget.log" | grep -A9 "kernel profile\|^variant" | cut -c1-150 | tail -n 40
+    ;;
+  13)
+    step scaling_8 580 python3 bench/scaling.py --gpus 8 --splits 3 --steps 30 --timeout-s 280
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

@@ -1,8 +1,10 @@
-"""bench/run.py end to end on the CPU (--smoke), and the exactness of bench/flops.py's attention count."""
+"""The bench scripts end to end on the CPU (--smoke), the exactness of bench/flops.py's attention count, and
+bench/kernel_profile.py's grouping."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +144,19 @@ def test_kernel_profile_kinds_and_idle_gaps():
     events = [event("a", 0, 100), event("b", 50, 300), event("c", 1300, 1400), event("host", 300, 1300, cpu),
               event("Optimizer.step#AdamW.step", 300, 1300), event("d", 1900, 2000)]
     assert idle_gaps(events, 5) == [(1.0, "b", "c"), (0.5, "c", "d")]  # us -> ms; "a" ends inside "b"
+
+
+def test_smoke_scaling_runs_colocated_and_split_training(tmp_path):
+    """bench/scaling.py drives real training runs (one process, then torchrun with 3 gloo ranks split 1:2)
+    and reports steady-state tokens/s and the efficiency against N x the one-rank run."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scaling.py"), "--smoke", "--out", str(tmp_path),
+                           "--work-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    single, split = last["results"]
+    assert single["roles"] == ["colocated"] and split["roles"] == ["target", "drafter", "drafter"]
+    assert single["status"] == split["status"] == "ok" and single["efficiency"] == pytest.approx(1.0)
+    assert split["steady_tokens_per_s"] > 0 and split["efficiency"] == pytest.approx(
+        split["steady_tokens_per_s"] / (3 * single["steady_tokens_per_s"]))
+    assert len(list(tmp_path.glob("*-scaling-3.json"))) == 1
