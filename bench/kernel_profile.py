@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 KINDS = (  # (kind, substrings of the kernel name; the first kind that matches wins)
-    ("flex attention", ("flex", "triton_tem_fused")),
+    ("flex attention", ("flex",)),
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "sm80_")),
     ("inductor fused", ("triton_",)),
     ("optimizer", ("multi_tensor_apply", "fused_adam", "FusedAdam")),

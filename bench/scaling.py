@@ -4,7 +4,7 @@
     python bench/scaling.py --gpus 2 --splits 1 --colocated-n
     python bench/scaling.py --smoke                     # CPU + gloo, tiny target: 1 colocated, 1:2 split
 
-Each run is the real `dflash-train train` (one process for one GPU, `torchrun --standalone` for N), on the
+Each run is the real `dflash-train train` (one process for one GPU, `torchrun` on one host for N), on the
 bundled ShareGPT data, with a random-weight target of the chosen preset, the DFlash 8B drafter shape and
 the target's layers compiled. Throughput is steady state: the tokens of the last half of the optimizer
 steps in `metrics.jsonl` over the wall time they took (compilation and the first steps excluded); the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -55,12 +56,20 @@ def launch(ranks: int, overrides: list[str], run_dir: Path, timeout_s: float) ->
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
-        return proc.returncode, (proc.stdout + proc.stderr)[-3000:], time.perf_counter() - t0
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return 124, out[-3000:], time.perf_counter() - t0
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out[-3000:], time.perf_counter() - t0
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: torchrun stops its workers (they run in sessions of their own), then the group goes.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=30)
+        return 124, (out or "")[-3000:], time.perf_counter() - t0
 
 
 def steady_tokens_per_s(run_dir: Path) -> tuple[float | None, int]:

@@ -232,7 +232,7 @@ class StepLoop(Generic[B]):
             accuracy=sum(slot_correct) / max(sum(slot_count), 1.0),
             slot_accuracy=tuple(c / max(n, 1.0) for c, n in zip(slot_correct, slot_count)),
             sim_tau=values["tau_sum"] / blocks,
-            grad_norm=grad_norm,
+            grad_norm=float("nan") if values["nonfinite"] > 0 else grad_norm,  # a NaN loss: no real gradient
             lr=lr,
             batches=int(values["batches"]),
             tokens=int(values["tokens"]),
@@ -245,6 +245,8 @@ class StepLoop(Generic[B]):
         """(world * grad_accum, 2) int64 device tensor: (epoch, job_id) of this step's batches on all ranks,
         -1 padded (a fixed-size all-gather; read on the host with the step's other values)."""
         local = torch.full((self.grad_accum, 2), -1, dtype=torch.int64)
+        if any(not 0 <= k < 2**53 for key in keys for k in key):  # the host reads them through float64
+            raise ValueError(f"epoch and job ids must be in [0, 2**53), got {keys}")
         if keys:
             local[: len(keys)] = torch.tensor(keys, dtype=torch.int64)
         local = local.to(self.device, non_blocking=True)
