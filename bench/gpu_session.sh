@@ -14,6 +14,8 @@
 #   PART=12 (prepared for the next session): CUDA graphs for the drafter step, measured for real; the
 #           ShareGPT mix with the target's layers compiled (shape-generic after one recompile)
 #   PART=13 (needs kind nvidia-h200-x8; ask `status` first): N-GPU scaling, real training runs
+#   PART=14: padded target batches without an attention mask: GPU tests (target compiled by default), the
+#            padded-batch profile with and without the mask, 8B ShareGPT mix and 8B mfu (target compiled)
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -109,6 +111,13 @@ case "${1:-1}" in
     ;;
   13)
     step scaling_8 580 python3 bench/scaling.py --gpus 8 --splits 3 --steps 30 --timeout-s 280
+    ;;
+  14)
+    step gpu_tests 200 python3 -m pytest -q -x -m gpu tests/test_gpu.py
+    step target_padded 120 python3 bench/target_padded.py
+    grep -v '^{' "$OUT/target_padded.log" | grep -A6 "^taps\|^variant" | cut -c1-150 | tail -n 14
+    step run_8b_sharegpt_ctarget 200 python3 bench/run.py --model qwen3-8b --workload sharegpt --compile-target --warmup 6
+    step run_8b_mfu_ctarget 200 python3 bench/run.py --model qwen3-8b --workload mfu --compile-target
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

@@ -19,8 +19,9 @@ epoch plan (`data/plan.py: build_epoch_plan`, first-fit-decreasing over length b
 Fast path (ours): per step, the target runs with TapCapture (stops after the last tap) into preallocated
 wire buffers (`forward_job`), then the trainer's own `StepLoop` runs `make_micro_step` (block sampling,
 flex attention, drafter forward compiled with torch.compile, chunked loss, backward) and the fused AdamW
-step with clipping. Naive baseline: full target forward with output_hidden_states=True (LM head included),
-torch.cat of the taps, eager drafter with dense-mask SDPA, one unchunked bf16 logits tensor + CE,
+step with clipping; padded target batches run without an attention mask (target/capture.py says why).
+Naive baseline: full target forward with output_hidden_states=True (LM head included) and the textbook
+padding mask, torch.cat of the taps, eager drafter with dense-mask SDPA, one unchunked bf16 logits tensor + CE,
 default (foreach) AdamW, no compile. Both see the same batches; an OOM is reported as `oom`, never retried smaller.
 
 Reported: tokens/s and sequences/s (real tokens; wall clock over the timed steps, host syncs included),
@@ -340,6 +341,15 @@ def naive_loss(hidden: torch.Tensor, plan, lm_head: torch.Tensor, gamma: float) 
     return (weights * ce.float()).sum() / weights.sum().clamp(min=1e-12)
 
 
+def padding_mask(sequences, device: torch.device):
+    """The textbook (B, S) padding mask (1 = real token), or None when no sequence is padded."""
+    lengths = torch.tensor([s.num_tokens for s in sequences])  # (B,)
+    seq_len = int(lengths.max())
+    if int(lengths.min()) == seq_len:
+        return None
+    return (torch.arange(seq_len)[None, :] < lengths[:, None]).to(device=device, dtype=torch.int64)  # (B, S)
+
+
 def baseline_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device) -> PhaseResult:
     """Naive: full target forward with all hidden states, torch.cat of the taps, eager SDPA drafter,
     unchunked bf16 head + CE, default AdamW, no compile."""
@@ -352,9 +362,10 @@ def baseline_phase(config, target, spec, workload, warmup_jobs, timed_jobs, devi
 
     def step(job: Job, timer: StepTimer):
         timer.mark(new_step=True)
-        inputs = prepare_inputs([workload.dataset[i] for i in job.sequence_ids], wire)
+        sequences = [workload.dataset[i] for i in job.sequence_ids]
+        inputs = prepare_inputs(sequences, wire)
         with torch.no_grad():
-            out = target(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+            out = target(input_ids=inputs.input_ids, attention_mask=padding_mask(sequences, device),
                          output_hidden_states=True, use_cache=False)
         taps = torch.cat([out.hidden_states[l + 1].reshape(-1, h)[inputs.real_index]
                           for l in spec.tap_layer_ids], dim=-1)  # (n, K*H)

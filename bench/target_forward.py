@@ -98,7 +98,7 @@ def main() -> int:
         handle = decoder.layers[stop_layer].register_forward_hook(stop)
         try:
             with torch.no_grad():
-                decoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
+                decoder(input_ids=inputs.input_ids, use_cache=False)
         except _Stop:
             pass
         finally:
@@ -106,7 +106,7 @@ def main() -> int:
 
     def full(inputs) -> None:
         with torch.no_grad():
-            model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
+            model(input_ids=inputs.input_ids, use_cache=False)
 
     rows = []
     variants = [False] if args.no_compile else [False, True]

@@ -7,9 +7,11 @@ The batch holds 12 sequences of mixed lengths (150 to 3072 tokens) right-padded 
 target worker does: a worst case for padding (2.9x the real tokens; the epoch plan's length buckets keep
 real jobs near 10%). Each variant runs TapCapture.run (early exit, tap gather) under torch.profiler and reports
 wall time, GPU kernel time and idle time per forward:
-  padded        the batch as the worker builds it (attention mask for the padding)
-  no cudnn sdpa the same with the cuDNN SDPA backend disabled (flash / memory-efficient instead)
-  equal         as many tokens in equal-length sequences (no padding, no attention mask)
+  padded        the batch as the worker builds it (right-padded, no attention mask: causal fast path)
+  padding mask  the same batch with the textbook (B, S) padding mask passed to the decoder (the worker's
+                way before commit "target: padded batches run without an attention mask")
+  no cudnn sdpa the padding-mask variant with the cuDNN SDPA backend disabled (memory-efficient instead)
+  equal         as many tokens in equal-length sequences (no padding)
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def sequences(lengths: list[int], vocab: int) -> list[TokenizedSequence]:
                               loss_mask=torch.ones(n, dtype=torch.bool)) for n in lengths]
 
 
+def run_capture(capture: TapCapture, inputs, out, mask) -> None:
+    """TapCapture.run, with `mask` handed to the decoder as its attention_mask when one is given."""
+    if mask is None:
+        return capture.run(inputs, out)
+    forward = capture.decoder.forward
+    capture.decoder.forward = lambda **kw: forward(attention_mask=mask, **kw)
+    try:
+        capture.run(inputs, out)
+    finally:
+        del capture.decoder.forward  # back to the class's forward
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true")
@@ -58,16 +72,20 @@ def main(argv=None) -> int:
     total = sum(lengths)
     equal = [total // len(lengths)] * len(lengths)
     vocab = model.config.vocab_size - 1000
-    results = {}
-    for name, lens in (("padded", lengths), ("no cudnn sdpa", lengths), ("equal", equal)):
+    results, taps_of = {}, {}
+    variants = (("padded", lengths), ("padding mask", lengths), ("no cudnn sdpa", lengths), ("equal", equal))
+    for name, lens in variants:
         spec = WireSpec(token_budget=total, max_seqs=len(lens), num_taps=len(taps), hidden=model.config.hidden_size,
                         dtype=model.dtype, has_last_hidden=False)
         out = allocate(spec, device)
         batch = sequences(lens, vocab)
         cudnn = torch.backends.cuda.cudnn_sdp_enabled()
         torch.backends.cuda.enable_cudnn_sdp(name != "no cudnn sdpa")
+        mask = None
+        if name in ("padding mask", "no cudnn sdpa"):
+            mask = (torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]).to(device)  # (B, S)
         try:
-            run = lambda i: capture.run(prepare_inputs(batch, out), out)  # noqa: E731
+            run = lambda i: run_capture(capture, prepare_inputs(batch, out), out, mask)  # noqa: E731
             for i in range(2):  # warmup (kernel selection, caches)
                 run(i)
             prof = profile_steps(run, args.steps, device)
@@ -75,11 +93,19 @@ def main(argv=None) -> int:
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
         print_profile(f"{name}: {len(lens)} sequences, {sum(lens)} tokens, padded to {max(lens)}", prof)
         results[name] = profile_dict(prof)
+        if lens is lengths:
+            taps_of[name] = out.taps[: sum(lens)].float().clone()  # (n, K*H)
+    # The mask changes no real token's taps: any difference is kernel rounding.
+    diff = (taps_of["padded"] - taps_of["padding mask"]).abs()
+    scale = taps_of["padding mask"].abs().mean()
+    print(f"\ntaps, padded vs padding mask: max |diff| {diff.max().item():.3g}, mean |diff| "
+          f"{diff.mean().item():.3g} (mean |tap| {scale.item():.3g})")
     print(f"\n{'variant':<16}{'wall ms':>10}{'kernel ms':>11}{'idle ms':>10}")
     for name, r in results.items():
         busy = sum(r["by_kind_ms"].values())
         print(f"{name:<16}{r['wall_ms']:>10.1f}{busy:>11.1f}{max(r['wall_ms'] - busy, 0):>10.1f}")
-    print(json.dumps({"bench": "target_padded", "model": preset, "lengths": lengths, "results": results}))
+    print(json.dumps({"bench": "target_padded", "model": preset, "lengths": lengths, "results": results,
+                      "taps_max_abs_diff_vs_padding_mask": diff.max().item()}))
     return 0
 
 

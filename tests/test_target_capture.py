@@ -44,11 +44,14 @@ def alone_hidden_states(model, seq):
         return model(seq.input_ids[None], output_hidden_states=True).hidden_states
 
 
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("taps", [[0], [1, 3], [0, 2, 4], [4, 1, 2]])
-def test_taps_equal_hf_hidden_states_of_each_sequence_alone(tiny_target, taps):
+def test_taps_equal_hf_hidden_states_of_each_sequence_alone(tiny_target, taps, attn_implementation):
+    # The padded batch runs without an attention mask: right padding never reaches a real token.
+    tiny_target.set_attn_implementation(attn_implementation)
     sequences = make_sequences(LENGTHS)
     inputs, out = capture(tiny_target, sequences, taps)
-    assert inputs.attention_mask is not None and inputs.padded_tokens == 4 * 17
+    assert inputs.padded_tokens == 4 * 17 and inputs.input_ids.shape == (4, 17)
     start = 0
     for seq in sequences:
         hs = alone_hidden_states(tiny_target, seq)
@@ -90,13 +93,13 @@ def test_packing_writes_ids_mask_and_cu_seqlens_and_unpacks(tiny_target):
         assert torch.equal(out.input_ids[cu[i] : cu[i + 1]], seq.input_ids)
 
 
-def test_equal_lengths_need_no_mask_and_rerun_overwrites_the_buffer(tiny_target):
+def test_equal_lengths_are_not_padded_and_rerun_overwrites_the_buffer(tiny_target):
     sequences = make_sequences((8, 8))
     spec = WireSpec(token_budget=32, max_seqs=4, num_taps=1, hidden=H, dtype=torch.float32, has_last_hidden=False)
     out = allocate(spec, "cpu")
     cap = TapCapture(tiny_target, [2])
     inputs = prepare_inputs(sequences, out)
-    assert inputs.attention_mask is None
+    assert inputs.padded_tokens == inputs.num_tokens == 16
     cap.run(inputs, out)
     first = out.taps[:16].clone()
     cap.run(prepare_inputs(make_sequences((16,), seed=7), out), out)
