@@ -26,8 +26,9 @@ default (foreach) AdamW, no compile. Both see the same batches; an OOM is report
 
 Reported: tokens/s and sequences/s (real tokens; wall clock over the timed steps, host syncs included),
 MFU (target + drafter model FLOPs, bench/flops.py, over 789 TFLOP/s), target_ms / drafter_ms per step
-(CUDA events: target forward | micro step + optimizer), their own MFUs, peak GPU memory per phase,
-host RSS (drift = after the timed steps - after warmup, fast path), speedup = tokens/s ours / baseline.
+(CUDA events: target forward | micro step + optimizer), their own MFUs, drafter wait and target idle
+(fractions of the step wall time outside the drafter step and outside the target forward: on one GPU
+the two halves take turns), peak GPU memory per phase, host RSS (drift = after the timed steps - after warmup, fast path), speedup = tokens/s ours / baseline.
 The last line printed is JSON, also written to `<out>/<date>-<model>-<workload>.json`.
 """
 
@@ -444,6 +445,10 @@ def phase_summary(r: PhaseResult, work: StepWork, peak: float) -> dict:
         drafter_step_mfu=mfu(flops_drafter, r.drafter_s, peak) if ok else None,
         step_ms=r.step_s * 1e3 if ok else None, target_ms=r.target_s * 1e3 if ok else None,
         drafter_ms=r.drafter_s * 1e3 if ok else None, warmup_s=r.warmup_s if ok else None,
+        # One GPU, one loop: the drafter waits while the target runs and the target idles while the drafter
+        # steps (host time between counts for both). Split runs measure them in the runtime (scaling.py).
+        drafter_wait_frac=1 - r.drafter_s / r.step_s if ok else None,
+        target_idle_frac=1 - r.target_s / r.step_s if ok else None,
         peak_gpu_mem_gb=r.peak_gpu_mem_gb, loss=r.loss,
     )
 
@@ -502,6 +507,7 @@ def print_table(summary: dict) -> None:
             ("step ms", "step_ms", "{:.1f}"),
             ("target ms", "target_ms", "{:.1f}"), ("drafter ms", "drafter_ms", "{:.1f}"), ("MFU", "mfu", "{:.1%}"),
             ("tgt MFU", "target_mfu", "{:.1%}"), ("dft MFU", "drafter_step_mfu", "{:.1%}"),
+            ("dft wait", "drafter_wait_frac", "{:.1%}"), ("tgt idle", "target_idle_frac", "{:.1%}"),
             ("peak GB", "peak_gpu_mem_gb", "{:.1f}"), ("warmup s", "warmup_s", "{:.1f}")]
     print(f"{'variant':<10}" + "".join(f"{name:>12}" for name, _, _ in cols))
     for label, r in rows:

@@ -22,7 +22,7 @@ from dflash_trainer.drafter.attention_mask import dense_mask, mask_index  # noqa
 
 REQUIRED = ("date", "commit", "gpu", "workload", "tokens_per_s", "samples_per_s", "mfu", "baseline_tokens_per_s",
             "drafter_step_mfu", "target_mfu", "peak_gpu_mem_gb", "host_rss_drift_gb", "command", "target_ms",
-            "drafter_ms", "speedup")
+            "drafter_ms", "speedup", "drafter_wait_frac", "target_idle_frac")
 
 
 def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
@@ -40,6 +40,10 @@ def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
     assert last["tokens_per_s"] > 0 and last["baseline_tokens_per_s"] > 0 and last["speedup"] > 0
     assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * 128)  # 2 sequences of 128 tokens
     assert 0 < last["mfu"] < 1 and last["target_ms"] > 0 and last["drafter_ms"] > 0
+    # One GPU takes turns: the drafter's wait is the step minus its own time, the target's idle likewise.
+    assert last["drafter_wait_frac"] == pytest.approx(1 - last["drafter_ms"] / last["step_ms"])
+    assert last["target_idle_frac"] == pytest.approx(1 - last["target_ms"] / last["step_ms"])
+    assert 0 < last["drafter_wait_frac"] < 1 and 0 < last["target_idle_frac"] < 1
     assert last["loss"] == pytest.approx(last["baseline"]["loss"], rel=0.05)  # same objective, random init
     assert "ours" in proc.stdout and "baseline" in proc.stdout
 
