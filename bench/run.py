@@ -568,6 +568,7 @@ def main(argv=None) -> int:
         tokens_per_s=s_ours["tokens_per_s"], samples_per_s=s_ours["samples_per_s"], mfu=s_ours["mfu"],
         target_mfu=s_ours["target_mfu"], drafter_step_mfu=s_ours["drafter_step_mfu"],
         step_ms=s_ours["step_ms"], target_ms=s_ours["target_ms"], drafter_ms=s_ours["drafter_ms"],
+        drafter_wait_frac=s_ours["drafter_wait_frac"], target_idle_frac=s_ours["target_idle_frac"],
         warmup_s=s_ours["warmup_s"], peak_gpu_mem_gb=s_ours["peak_gpu_mem_gb"], loss=s_ours["loss"],
         target_tflop_per_step=work.target_flops / 1e12, drafter_tflop_per_step=work.drafter_flops / 1e12,
         tokens_per_step=ours.tokens_per_step, target_padded_tokens_per_step=work.padded_tokens,
