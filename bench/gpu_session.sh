@@ -14,6 +14,7 @@
 #   PART=12 (prepared for the next session): CUDA graphs for the drafter step, measured for real; the
 #           ShareGPT mix with the target's layers compiled (shape-generic after one recompile)
 #   PART=13 (needs kind nvidia-h200-x8; ask `status` first): N-GPU scaling, real training runs
+#   PART=15: the padded-batch accuracy check (taps vs fp32 alone, per tap), 1.7B mfu with the target compiled
 #   PART=14: padded target batches without an attention mask: GPU tests (target compiled by default), the
 #            padded-batch profile with and without the mask, 8B ShareGPT mix and 8B mfu (target compiled)
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
@@ -118,6 +119,11 @@ case "${1:-1}" in
     grep -v '^{' "$OUT/target_padded.log" | grep -A6 "^taps\|^variant" | cut -c1-150 | tail -n 14
     step run_8b_sharegpt_ctarget 200 python3 bench/run.py --model qwen3-8b --workload sharegpt --compile-target --warmup 6
     step run_8b_mfu_ctarget 200 python3 bench/run.py --model qwen3-8b --workload mfu --compile-target
+    ;;
+  15)
+    step target_padded 150 python3 bench/target_padded.py
+    grep -v '^{' "$OUT/target_padded.log" | grep -A6 "^taps\|^variant" | cut -c1-150 | tail -n 14
+    step run_1p7b_mfu_ctarget 150 python3 bench/run.py --model qwen3-1.7b --workload mfu --compile-target
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null
