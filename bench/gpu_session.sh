@@ -17,6 +17,7 @@
 #   PART=15: the padded-batch accuracy check (taps vs fp32 alone, per tap), 1.7B mfu with the target compiled
 #   PART=16: real training runs (1.7B shape, ShareGPT, 120 steps): the target compiled (the default, recompiles
 #            logged) against eager, steady-state tokens/s from metrics.jsonl
+#   PART=17: part 16's compiled run alone, after the fix that decodes eager (evaluation recompiled every layer)
 #   PART=14: padded target batches without an attention mask: GPU tests (target compiled by default), the
 #            padded-batch profile with and without the mask, 8B ShareGPT mix and 8B mfu (target compiled)
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
@@ -36,6 +37,12 @@ step() {  # step NAME TIMEOUT_S CMD...
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0))s"; tail -n 25 "$OUT/$name.log"
 }
+# A real training run for parts 16 and 17: 1.7B-shape target, ShareGPT (tiny tokenizer), 120 steps, eval at the end
+TRAIN=(python3 -m dflash_trainer train --config demo run.device=cuda target.random_init=qwen3-1.7b
+  target.dtype=bfloat16 train.dtype=bfloat16 drafter.attention=flex drafter.num_layers=5 drafter.block_size=16
+  drafter.tap_layer_ids=null pipeline.token_budget=12288 data.max_length=3072 data.max_conversations=3000
+  train.num_epochs=1 train.max_steps=120 train.log_interval=1 train.checkpoint_interval=100000
+  logging.progress=false eval.num_prompts=4 eval.max_new_tokens=64)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 case "${1:-1}" in
   1)
@@ -128,17 +135,19 @@ case "${1:-1}" in
     step run_1p7b_mfu_ctarget 150 python3 bench/run.py --model qwen3-1.7b --workload mfu --compile-target
     ;;
   16)
-    TRAIN=(python3 -m dflash_trainer train --config demo run.device=cuda target.random_init=qwen3-1.7b
-      target.dtype=bfloat16 train.dtype=bfloat16 drafter.attention=flex drafter.num_layers=5 drafter.block_size=16
-      drafter.tap_layer_ids=null pipeline.token_budget=12288 data.max_length=3072 data.max_conversations=3000
-      train.num_epochs=1 train.max_steps=120 train.log_interval=1 train.checkpoint_interval=100000
-      logging.progress=false eval.num_prompts=4 eval.max_new_tokens=64)
     TORCH_LOGS=recompiles step train_compiled 280 "${TRAIN[@]}" run.dir=/tmp/run_c
     echo "recompiles logged: $(grep -c 'Recompiling' "$OUT/train_compiled.log")"
     step train_eager 240 "${TRAIN[@]}" run.dir=/tmp/run_e target.compile=false
     step train_steady 30 python3 bench/train_steady.py /tmp/run_c /tmp/run_e --skip 40
     cp /tmp/run_c/summary.json "$OUT/train_compiled_summary.json" 2>/dev/null
     cp /tmp/run_e/summary.json "$OUT/train_eager_summary.json" 2>/dev/null
+    ;;
+  17)
+    TORCH_LOGS=recompiles step train_compiled 280 "${TRAIN[@]}" run.dir=/tmp/run_c
+    echo "recompiles logged: $(grep -c 'Recompiling' "$OUT/train_compiled.log")"
+    grep "tau_eval\|elapsed_s\|checkpoint" "$OUT/train_compiled.log" | tail -n 5
+    step train_steady 30 python3 bench/train_steady.py /tmp/run_c --skip 40
+    cp /tmp/run_c/summary.json "$OUT/train_compiled_summary.json" 2>/dev/null
     ;;
 esac
 cp bench/results/*.json "$OUT/" 2>/dev/null

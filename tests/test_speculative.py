@@ -66,3 +66,30 @@ def test_stop_token_ends_generation_and_counts_cut_step(tiny_target):
     assert out.output_ids == ref.output_ids[: first_stop + 1]
     assert out.stop_reason == "eos"
     assert sum(out.acceptance_lengths) == len(out.output_ids) - 1
+
+
+def test_decoding_runs_compiled_target_layers_eager(tiny_target):
+    """Tap capture compiles the target's layers (target.compile); decoding must never compile them."""
+    from dflash_trainer.target.capture import compile_decoder_layers
+
+    ref = target_generate(tiny_target, _prompt(), max_new_tokens=12, stop_token_ids=[])
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compile_decoder_layers(tiny_target, backend=counting_backend)
+    try:
+        tiny_target.model.layers[0](torch.randn(1, 5, tiny_target.config.hidden_size),
+                                    position_embeddings=tiny_target.model.rotary_emb(
+                                        torch.randn(1, 5, 1), torch.arange(5)[None]))
+        assert graphs, "the check is void: a direct call of a compiled layer compiled nothing"
+        compiled_before = len(graphs)
+        out = target_generate(tiny_target, _prompt(), max_new_tokens=12, stop_token_ids=[])
+        assert out.output_ids == ref.output_ids
+        assert len(graphs) == compiled_before  # no graph was compiled while decoding
+    finally:
+        for layer in tiny_target.model.layers:
+            layer.__dict__.pop("forward", None)
+        torch._dynamo.reset()

@@ -68,9 +68,15 @@ def _crop(cache: DynamicCache, keep: int) -> None:
 
 
 def _forward(target, input_ids: torch.Tensor, cache: DynamicCache, **kwargs):
-    """Target forward with a KV cache (the keyword is `cache` in newer transformers, `past_key_values` before)."""
+    """Target forward with a KV cache (the keyword is `cache` in newer transformers, `past_key_values` before).
+
+    Always eager, also when the trainer compiled the target's layers for tap capture (`target.compile`):
+    a compiled layer would recompile for every layer's cache state and every new length (on the GPU a
+    4-prompt evaluation of a 28-layer target hit 91 recompiles and did not finish in 3 minutes).
+    """
     key = "cache" if _takes_cache_kwarg(type(target)) else "past_key_values"
-    return target(input_ids, use_cache=True, **{key: cache}, **kwargs)
+    with torch.compiler.set_stance("force_eager"):
+        return target(input_ids, use_cache=True, **{key: cache}, **kwargs)
 
 
 _CACHE_KWARG: dict[type, bool] = {}
