@@ -18,6 +18,7 @@
 #   PART=16: real training runs (1.7B shape, ShareGPT, 120 steps): the target compiled (the default, recompiles
 #            logged) against eager, steady-state tokens/s from metrics.jsonl
 #   PART=17: part 16's compiled run alone, after the fix that decodes eager (evaluation recompiled every layer)
+#   PART=18 (needs kind nvidia-h200-x2): part 16's run split 1:1 over two GPUs (NCCL), then 2 colocated ranks
 #   PART=14: padded target batches without an attention mask: GPU tests (target compiled by default), the
 #            padded-batch profile with and without the mask, 8B ShareGPT mix and 8B mfu (target compiled)
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
@@ -141,6 +142,18 @@ case "${1:-1}" in
     step train_steady 30 python3 bench/train_steady.py /tmp/run_c /tmp/run_e --skip 40
     cp /tmp/run_c/summary.json "$OUT/train_compiled_summary.json" 2>/dev/null
     cp /tmp/run_e/summary.json "$OUT/train_eager_summary.json" 2>/dev/null
+    ;;
+  18)
+    export NCCL_NVLS_ENABLE=0  # no NVLink multicast (device KINDS.md)
+    DIST=(python3 -m torch.distributed.run --standalone --nproc_per_node 2)
+    step train_split 130 "${DIST[@]}" "${TRAIN[@]:1}" run.dir=/tmp/run_s pipeline.colocated=false \
+      pipeline.num_targets=1 eval.at_end=false train.max_steps=80
+    grep "Error\|error\|drafter_wait\|target_idle\|bytes_moved" "$OUT/train_split.log" | tail -n 8
+    step train_coloc2 110 "${DIST[@]}" "${TRAIN[@]:1}" run.dir=/tmp/run_c2 pipeline.colocated=true \
+      eval.at_end=false train.max_steps=80
+    step train_steady 30 python3 bench/train_steady.py /tmp/run_s /tmp/run_c2 --skip 30
+    cp /tmp/run_s/summary.json "$OUT/train_split_summary.json" 2>/dev/null
+    cp /tmp/run_c2/summary.json "$OUT/train_coloc2_summary.json" 2>/dev/null
     ;;
   17)
     TORCH_LOGS=recompiles step train_compiled 280 "${TRAIN[@]}" run.dir=/tmp/run_c
