@@ -19,6 +19,7 @@
 #            logged) against eager, steady-state tokens/s from metrics.jsonl
 #   PART=17: part 16's compiled run alone, after the fix that decodes eager (evaluation recompiled every layer)
 #   PART=18 (needs kind nvidia-h200-x2): part 16's run split 1:1 over two GPUs (NCCL), then 2 colocated ranks
+#   PART=19: tokenizing on a cache miss, one process against 2-16 worker processes (the device's 16 CPUs)
 #   PART=14: padded target batches without an attention mask: GPU tests (target compiled by default), the
 #            padded-batch profile with and without the mask, 8B ShareGPT mix and 8B mfu (target compiled)
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
@@ -154,6 +155,9 @@ case "${1:-1}" in
     step train_steady 30 python3 bench/train_steady.py /tmp/run_s /tmp/run_c2 --skip 30
     cp /tmp/run_s/summary.json "$OUT/train_split_summary.json" 2>/dev/null
     cp /tmp/run_c2/summary.json "$OUT/train_coloc2_summary.json" 2>/dev/null
+    ;;
+  19)
+    step data_prep 400 python3 bench/data_prep.py --conversations 6000 --workers 1,4,8,16
     ;;
   17)
     TORCH_LOGS=recompiles step train_compiled 280 "${TRAIN[@]}" run.dir=/tmp/run_c

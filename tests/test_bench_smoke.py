@@ -164,3 +164,13 @@ def test_smoke_scaling_runs_colocated_and_split_training(tmp_path):
     assert split["steady_tokens_per_s"] > 0 and split["efficiency"] == pytest.approx(
         split["steady_tokens_per_s"] / (3 * single["steady_tokens_per_s"]))
     assert len(list(tmp_path.glob("*-scaling-3.json"))) == 1
+
+
+def test_smoke_data_prep_times_one_process_against_workers_with_equal_results():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "data_prep.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["conversations"] == 300 and [r["workers"] for r in last["rows"]] == [1, 2]
+    assert all(r["same_as_one_process"] and r["seconds"] > 0 for r in last["rows"])
+    assert last["rows"][0]["speedup"] == 1.0

@@ -51,6 +51,9 @@ class DataConfig:
     """Where tokenized data is cached (default: `~/.cache/dflash_trainer/tokenized`)."""
     num_buckets: int = 8
     """Length buckets for batching (sequences of similar length share a batch)."""
+    num_workers: Optional[int] = None
+    """Processes that tokenize on a cache miss of 2000+ conversations (None: one per CPU, at most 16;
+    1: in the main process). The result is the same for any value, so it is not part of the cache key."""
 
     def __post_init__(self) -> None:
         if self.max_length < 8:
@@ -61,6 +64,8 @@ class DataConfig:
             raise ConfigError(f"data.max_conversations must be > 0 or null, got {self.max_conversations}")
         if self.num_buckets < 1:
             raise ConfigError(f"data.num_buckets must be >= 1, got {self.num_buckets}")
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ConfigError(f"data.num_workers must be >= 1 or null (one per CPU), got {self.num_workers}")
         if self.path is not None and self.sources:
             raise ConfigError("set either data.path or data.sources, not both")
 

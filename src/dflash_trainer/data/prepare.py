@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.data.plan import EpochPlan, check_lengths_fit, split_eval, write_eval_conversations
 from dflash_trainer.data.sources import load_conversations
+from dflash_trainer.data.tokenize_pool import default_num_workers
 from dflash_trainer.data.tokenized import (
     TokenizedDataset,
     cache_key,
@@ -65,7 +66,8 @@ def _build(config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset
     loaded = load_conversations(data, seed=config.run.seed)
     train, held = split_eval(loaded.conversations, data.num_eval_conversations, seed=config.run.seed)
     outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
-                           min_supervised=2 * config.drafter.block_size)
+                           min_supervised=2 * config.drafter.block_size,
+                           num_workers=data.num_workers or default_num_workers())
     meta = {
         "conversations_total": loaded.report.records_read,
         "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)),

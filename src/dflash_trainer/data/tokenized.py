@@ -16,14 +16,15 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
-from dflash_trainer.data.masks import Unmaskable, end_of_turn_marker, tokenize_conversation
+from dflash_trainer.data.masks import end_of_turn_marker
 from dflash_trainer.data.sources import source_fingerprint
+from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers, tokenize_one
 from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
 
 log = logging.getLogger(__name__)
@@ -95,18 +96,24 @@ class TokenizeOutcome:
     """Conversations not turned into sequences, by reason."""
 
 
-def tokenize_all(conversations: Iterable[Conversation], tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
-                 max_length: int, min_supervised: int) -> TokenizeOutcome:
-    """Tokenize every conversation (one process: the fast tokenizer is Rust, rendering is the Python part)."""
-    eot = end_of_turn_marker(tokenizer, thinking=thinking)
-    kept: list[tuple[Conversation, TokenizedSequence]] = []
-    dropped: Counter[str] = Counter()
-    for c in conversations:
-        try:
-            kept.append((c, tokenize_conversation(c, tokenizer, thinking=thinking, end_of_turn=eot,
-                                                  max_length=max_length, min_supervised=min_supervised)))
-        except Unmaskable as e:
-            dropped[e.reason] += 1
+PARALLEL_MIN_CONVERSATIONS = 2000
+"""Below this, worker processes cost more to start (each imports torch) than they save."""
+
+
+def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
+                 max_length: int, min_supervised: int, num_workers: int = 1,
+                 parallel_min: int = PARALLEL_MIN_CONVERSATIONS) -> TokenizeOutcome:
+    """Tokenize every conversation: in this process, or in `num_workers` processes when there are at least
+    `parallel_min` conversations (`tokenize_pool.py`; the same result either way)."""
+    settings = TokenizeSettings(thinking=thinking, end_of_turn=end_of_turn_marker(tokenizer, thinking=thinking),
+                                max_length=max_length, min_supervised=min_supervised)
+    if num_workers > 1 and len(conversations) >= parallel_min:
+        log.info("tokenizing %d conversations in %d worker processes", len(conversations), num_workers)
+        results = tokenize_in_workers(conversations, tokenizer, settings, num_workers=num_workers)
+    else:
+        results = [tokenize_one(c, tokenizer, settings) for c in conversations]
+    kept = [(c, r) for c, r in zip(conversations, results) if not isinstance(r, str)]
+    dropped = Counter(r for r in results if isinstance(r, str))
     return TokenizeOutcome(dataset=TokenizedDataset.from_sequences(kept), dropped=dict(dropped))
 
 

@@ -1,0 +1,67 @@
+"""Tokenizing a dataset on a cache miss: one process against worker processes, same conversations, same run.
+
+    python bench/data_prep.py                          # bundled ShareGPT, 3000 conversations, tiny tokenizer
+    python bench/data_prep.py --conversations 20000 --workers 1,4,16
+    python bench/data_prep.py --smoke                  # 300 conversations, workers 1 and 2 (checks the script)
+
+Loads the conversations once (`data/sources.py`, the demo recipe's source), then times `tokenize_all` for each
+worker count (workers 1 = in this process, the baseline), checks every result equals the baseline's, and
+prints conversations/s and the speedup. CPU work: run it on the machine that will train. Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from dflash_trainer.config import load_config  # noqa: E402
+from dflash_trainer.data.sources import load_conversations  # noqa: E402
+from dflash_trainer.data.tokenizer import load_tokenizer  # noqa: E402
+from dflash_trainer.data.tokenized import tokenize_all  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--conversations", type=int, default=3000)
+    p.add_argument("--workers", default="1,2,4,8,16", help="comma-separated worker counts; 1 is the baseline")
+    p.add_argument("--max-length", type=int, default=3072)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.conversations, args.workers = 300, "1,2"
+    counts = sorted({int(w) for w in args.workers.split(",")} | {1})
+    config = load_config("demo", [f"data.max_conversations={args.conversations}", f"data.max_length={args.max_length}"])
+    tokenizer = load_tokenizer(config.target, config.data.chat_template)
+    chats = load_conversations(config.data, seed=0).conversations
+    rows, base = [], None
+    for workers in counts:
+        t0 = time.perf_counter()
+        out = tokenize_all(chats, tokenizer, thinking=False, max_length=args.max_length, min_supervised=32,
+                           num_workers=workers, parallel_min=1)
+        seconds = time.perf_counter() - t0
+        if base is None:
+            base = out
+        same = (out.dropped == base.dropped and torch.equal(out.dataset.input_ids, base.dataset.input_ids)
+                and torch.equal(out.dataset.loss_mask, base.dataset.loss_mask))
+        rows.append({"workers": workers, "seconds": seconds, "conversations_per_s": len(chats) / seconds,
+                     "speedup": rows[0]["seconds"] / seconds if rows else 1.0, "same_as_one_process": same})
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"tokenizing {len(chats)} conversations (tiny tokenizer, max_length {args.max_length}) on {cpus} CPUs")
+    print(f"{'workers':>8}{'seconds':>10}{'conv/s':>10}{'speedup':>9}  same as 1")
+    for r in rows:
+        print(f"{r['workers']:>8}{r['seconds']:>10.1f}{r['conversations_per_s']:>10.0f}{r['speedup']:>8.2f}x  "
+              f"{r['same_as_one_process']}")
+    print(json.dumps({"bench": "data_prep", "conversations": len(chats), "cpus": cpus, "rows": rows}))
+    return 0 if all(r["same_as_one_process"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

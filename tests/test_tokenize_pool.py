@@ -1,0 +1,72 @@
+"""Tokenizing in worker processes gives exactly what one process gives; failures are raised, never hung."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_trainer.config import load_config
+from dflash_trainer.data import tokenize_pool
+from dflash_trainer.data.masks import end_of_turn_marker
+from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers
+from dflash_trainer.data.tokenized import tokenize_all
+from dflash_trainer.data.types import Conversation, Message
+from dflash_trainer.errors import ConfigError, DataError
+
+
+def conversations(n: int) -> list[Conversation]:
+    """Random multi-turn chats; every 7th has a one-word reply (dropped: too few supervised tokens)."""
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "token", "draft", "block", "model", "train", "speed"]
+    out = []
+    for i in range(n):
+        turns = []
+        for _ in range(rng.randint(1, 3)):
+            turns.append(Message(role="user", content=" ".join(rng.choices(words, k=rng.randint(3, 20)))))
+            reply = "ok" if i % 7 == 0 else " ".join(rng.choices(words, k=rng.randint(10, 60)))
+            turns.append(Message(role="assistant", content=reply))
+        out.append(Conversation(messages=tuple(turns), source="synthetic", source_index=i))
+    return out
+
+
+def test_workers_give_the_same_dataset_and_drop_counts_as_one_process(tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenize_pool, "CHUNK_SIZE", 16)  # several chunks per worker: order must hold
+    chats = conversations(150)
+    kwargs = dict(thinking=False, max_length=96, min_supervised=8)
+    one = tokenize_all(chats, tiny_tokenizer, **kwargs)
+    many = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min=1, **kwargs)
+    assert one.dropped == many.dropped and one.dropped.get("too_few_supervised_tokens", 0) > 0
+    assert len(one.dataset) == len(many.dataset) > 100
+    for name in ("input_ids", "loss_mask", "offsets", "source_index", "source_id"):
+        assert torch.equal(getattr(one.dataset, name), getattr(many.dataset, name)), name
+    assert one.dataset.input_ids.numel() > 150 * 20  # real content, truncation at 96 included
+
+
+def test_a_worker_exception_is_raised_in_the_caller(tiny_tokenizer):
+    settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tiny_tokenizer, thinking=False),
+                                max_length=64, min_supervised=1)
+    bad = conversations(3) + [None]  # not a Conversation: the worker raises AttributeError
+    with pytest.raises(AttributeError):
+        tokenize_in_workers(bad, tiny_tokenizer, settings, num_workers=2)
+
+
+def test_a_stuck_worker_becomes_a_data_error_naming_the_setting(tiny_tokenizer):
+    settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tiny_tokenizer, thinking=False),
+                                max_length=64, min_supervised=1)
+    with pytest.raises(DataError, match="data.num_workers"):
+        tokenize_in_workers(conversations(40), tiny_tokenizer, settings, num_workers=1, chunk_timeout_s=0.01)
+
+
+def test_num_workers_is_validated_and_not_part_of_the_cache_key():
+    from dflash_trainer.data.tokenized import key_parts
+
+    with pytest.raises(ConfigError, match="data.num_workers"):
+        load_config("demo", ["data.num_workers=0"])
+    a, b = load_config("demo", ["data.num_workers=1"]), load_config("demo", ["data.num_workers=8"])
+    from dflash_trainer.data.tiny_tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer("qwen3")
+    assert key_parts(a.data, seed=0, block_size=8, tokenizer=tok) == key_parts(b.data, seed=0, block_size=8,
+                                                                               tokenizer=tok)
