@@ -1,8 +1,8 @@
 """Tokenize conversations in worker processes on a cache miss.
 
-Rendering the chat template is Python and runs in one thread (about 15 ms a conversation with the tiny
-tokenizer on the CPU; tens of minutes for all of ShareGPT), so a large dataset is split into chunks that
-spawned processes tokenize. The result is identical to one process: chunks are consumed in their order.
+Rendering the chat template is Python and runs in one thread (about 9 ms a conversation with the tiny
+tokenizer: ~14 minutes for 90K conversations, bench/RESULTS.md), so a large dataset is split into chunks
+that spawned processes tokenize. The result is identical to one process: chunks are consumed in their order.
 
 Pool invariant: at most `num_workers` processes; at most `2 * num_workers` chunks submitted and not yet
 consumed (bounded memory); every wait for a chunk is bounded by `chunk_timeout_s`; a worker's exception is
@@ -15,8 +15,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections import deque
-from multiprocessing.pool import AsyncResult
 from dataclasses import dataclass
+from multiprocessing.pool import AsyncResult
 from typing import Optional, Sequence, Union
 
 import numpy as np
