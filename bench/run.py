@@ -28,7 +28,8 @@ Reported: tokens/s and sequences/s (real tokens; wall clock over the timed steps
 MFU (target + drafter model FLOPs, bench/flops.py, over 789 TFLOP/s), target_ms / drafter_ms per step
 (CUDA events: target forward | micro step + optimizer), their own MFUs, drafter wait and target idle
 (fractions of the step wall time outside the drafter step and outside the target forward: on one GPU
-the two halves take turns), peak GPU memory per phase, host RSS (drift = after the timed steps - after warmup, fast path), speedup = tokens/s ours / baseline.
+the two halves take turns), peak GPU memory per phase, host RSS (drift = after the timed steps - after
+warmup, fast path), speedup = tokens/s ours / baseline.
 The last line printed is JSON, also written to `<out>/<date>-<model>-<workload>.json`.
 """
 

@@ -174,3 +174,15 @@ def test_smoke_data_prep_times_one_process_against_workers_with_equal_results():
     assert last["conversations"] == 300 and [r["workers"] for r in last["rows"]] == [1, 2]
     assert all(r["same_as_one_process"] and r["seconds"] > 0 for r in last["rows"])
     assert last["rows"][0]["speedup"] == 1.0
+
+
+def test_smoke_target_padded_taps_match_each_sequence_alone_with_and_without_mask():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "target_padded.py"), "--smoke", "--steps", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = last["tap_relative_error_vs_fp32_alone"]
+    assert set(errors) == {"padded", "padding mask", "no cudnn sdpa"}
+    for name, per_tap in errors.items():  # fp32 on the CPU: the padded batch equals each sequence alone
+        assert len(per_tap) == 2 and max(per_tap) < 1e-5, (name, per_tap)
+    assert set(last["results"]) == {"padded", "padding mask", "no cudnn sdpa", "equal"}
