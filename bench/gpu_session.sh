@@ -20,6 +20,7 @@
 #   PART=17: part 16's compiled run alone, after the fix that decodes eager (evaluation recompiled every layer)
 #   PART=18 (needs kind nvidia-h200-x2): part 16's run split 1:1 over two GPUs (NCCL), then 2 colocated ranks
 #   PART=19: tokenizing on a cache miss, one process against 2-16 worker processes (the device's 16 CPUs)
+#   PART=20 (needs kind nvidia-h200-x2): N-GPU scaling at N=2 in one call (1 GPU, split 1:1, 2 colocated)
 #   PART=14: padded target batches without an attention mask: GPU tests (target compiled by default), the
 #            padded-batch profile with and without the mask, 8B ShareGPT mix and 8B mfu (target compiled)
 #   PART=7: GPU parity test, the drafter step (masks from key intervals vs create_block_mask, profiled), 8B end to end
@@ -122,6 +123,7 @@ case "${1:-1}" in
     grep -v '^{' "$OUT/run_8b_sharegpt_ctarget.log" | grep -A9 "kernel profile\|^variant" | cut -c1-150 | tail -n 40
     ;;
   13)
+    export NCCL_NVLS_ENABLE=0  # no NVLink multicast (device KINDS.md)
     step scaling_8 580 python3 bench/scaling.py --gpus 8 --splits 3 --steps 30 --timeout-s 280
     ;;
   14)
@@ -155,6 +157,10 @@ case "${1:-1}" in
     step train_steady 30 python3 bench/train_steady.py /tmp/run_s /tmp/run_c2 --skip 30
     cp /tmp/run_s/summary.json "$OUT/train_split_summary.json" 2>/dev/null
     cp /tmp/run_c2/summary.json "$OUT/train_coloc2_summary.json" 2>/dev/null
+    ;;
+  20)
+    export NCCL_NVLS_ENABLE=0  # no NVLink multicast (device KINDS.md)
+    step scaling_2 580 python3 bench/scaling.py --gpus 2 --splits 1 --colocated-n --steps 30 --timeout-s 180
     ;;
   19)
     step data_prep 400 python3 bench/data_prep.py --conversations 6000 --workers 1,4,8,16
