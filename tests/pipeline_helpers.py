@@ -168,7 +168,7 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
     losses: list[float] = []
     trainer = DrafterTrainer(
         config, spec=spec, head=head_from_model(target), device=device, group=None, is_leader=False,
-        run_dir=run_dir, data_key=Path(prepared.summary.cache_path).name,
+        run_dir=run_dir, data_digest=prepared.summary.content_sha256,
         total_steps=planned_steps(config, len(plan.jobs), 1, 0), target_config=target_config,
         on_step=lambda record: losses.append(record.loss),
     )

@@ -100,3 +100,19 @@ def test_deterministic_resume_continues_the_uninterrupted_loss_curve(tmp_path):
     # run 1's steps before the kill were on the same curve too
     before = torch.tensor([r["loss"] for r in run1])
     assert torch.allclose(before, torch.tensor(uninterrupted[:rows_before]), rtol=1e-5, atol=1e-6)
+
+
+def test_resume_follows_the_data_content_not_the_code_that_tokenized_it(tmp_path, monkeypatch, capsys):
+    """New tokenizing code (another cache key) that yields the same sequences resumes; other sequences
+    (another data.max_length) are refused with an error that names the data."""
+    from dflash_trainer.data import tokenized
+
+    run_dir, cache = tmp_path / "run", f"data.cache_dir={tmp_path / 'cache'}"
+    assert train_in_process(run_dir, cache, "train.checkpoint_interval=2", "train.max_steps=2") == 0
+    monkeypatch.setattr(tokenized, "CODE_VERSION", tokenized.CODE_VERSION + 1000)  # a new cache key
+    assert train_in_process(run_dir, cache, "train.checkpoint_interval=2", "train.max_steps=4", resume=True) == 0
+    assert len(list((tmp_path / "cache").iterdir())) == 2  # the data was tokenized again, under the new key
+    assert [r["step"] for r in metrics(run_dir) if "jobs" in r] == [1, 2, 3, 4]
+    capsys.readouterr()
+    rc = train_in_process(run_dir, cache, "data.max_length=200", "train.max_steps=6", resume=True)
+    assert rc == 2 and "trained on other data" in capsys.readouterr().err

@@ -50,6 +50,8 @@ class DataSummary:
     sources: tuple[str, ...]
     cache_path: str
     cache_hit: bool
+    content_sha256: str
+    """`TokenizedDataset.content_sha256` of the training set (resume checks it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +71,7 @@ def _build(config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset
                            min_supervised=2 * config.drafter.block_size,
                            num_workers=data.num_workers or default_num_workers())
     meta = {
+        "content_sha256": outcome.dataset.content_sha256(),
         "conversations_total": loaded.report.records_read,
         "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)),
         "eval": [conversation_to_json(c) for c in held],
@@ -111,7 +114,7 @@ def prepare_data(config, run_dir: str | os.PathLike, *,
         conversations_total=meta["conversations_total"], conversations_kept=len(dataset),
         eval_conversations=len(held), dropped=dict(meta["dropped"]), tokens=dataset.num_tokens,
         supervised_tokens=dataset.num_supervised, sources=tuple(sources), cache_path=str(path),
-        cache_hit=cached is not None,
+        cache_hit=cached is not None, content_sha256=meta.get("content_sha256") or dataset.content_sha256(),
     )
     return PreparedData(train=dataset, eval_conversations=held, summary=summary)
 

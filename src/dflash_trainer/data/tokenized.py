@@ -61,6 +61,14 @@ class TokenizedDataset:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return TokenizedSequence(input_ids=self.input_ids[a:b].long(), loss_mask=self.loss_mask[a:b].clone())
 
+    def content_sha256(self) -> str:
+        """Digest of the training content (ids, loss masks, sequence boundaries): equal data, equal digest,
+        whatever code produced it. A checkpoint resumes only on data with its digest."""
+        h = hashlib.sha256()
+        for t in (self.offsets, self.input_ids, self.loss_mask.to(torch.uint8)):
+            h.update(t.contiguous().numpy().tobytes())
+        return h.hexdigest()
+
     @property
     def lengths(self) -> list[int]:
         return (self.offsets[1:] - self.offsets[:-1]).tolist()

@@ -260,7 +260,7 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
     if setup.resume_path is not None:
         resume = load_checkpoint(
             setup.resume_path, model_signature=model_signature(setup.spec),
-            data_fingerprint=data_fingerprint(config, Path(setup.prepared.summary.cache_path).name),
+            data_fingerprint=data_fingerprint(config, setup.prepared.summary.content_sha256),
         )
     remaining_jobs = sum(len(r) for r in setup.remaining)
     empty = WireHeader(job_id=-1, bucket_id=-1, epoch=0, num_tokens=0, num_seqs=0,
@@ -268,7 +268,7 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
     trainer = DrafterTrainer(
         config, spec=setup.spec, head=head, device=device, group=setup.drafter_group,
         is_leader=rank == placement.drafter_ranks[0], run_dir=setup.run_dir,
-        data_key=Path(setup.prepared.summary.cache_path).name,
+        data_digest=setup.prepared.summary.content_sha256,
         total_steps=planned_steps(config, remaining_jobs, len(placement.drafter_ranks), resume.state.step if resume else 0),
         resume=resume, target_config=target_model_config(config.target),
         dummy_batch=from_wire(allocate(_wire_spec(setup), device), empty),  # zeros: no token, no loss

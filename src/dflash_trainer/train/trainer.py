@@ -46,8 +46,10 @@ def model_signature(spec: DrafterSpec) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "rope_parameters"}
 
 
-def data_fingerprint(config: Config, cache_key: str) -> str:
-    parts = [cache_key, config.pipeline.token_budget, config.max_seqs, config.data.num_buckets, config.run.seed]
+def data_fingerprint(config: Config, data_digest: str) -> str:
+    """The training data's content digest plus the settings the epoch plans derive from: a checkpoint resumes
+    on the same data and plans, even if the code that tokenized the data changed meanwhile."""
+    parts = [data_digest, config.pipeline.token_budget, config.max_seqs, config.data.num_buckets, config.run.seed]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
@@ -78,7 +80,7 @@ class DrafterTrainer:
         group: Optional[dist.ProcessGroup],
         is_leader: bool,
         run_dir: Path,
-        data_key: str,
+        data_digest: str,
         total_steps: int,
         resume: Optional[LoadedCheckpoint] = None,
         target_config=None,
@@ -97,7 +99,7 @@ class DrafterTrainer:
         self.total_steps = max(1, total_steps)
         self.on_step_extra = on_step
         self.signature = model_signature(spec)
-        self.fingerprint = data_fingerprint(config, data_key)
+        self.fingerprint = data_fingerprint(config, data_digest)
         torch.manual_seed(config.run.seed)
         self.model = DFlashDrafter(
             spec, attention=config.drafter.attention, flex_kernel_options=config.drafter.flex_kernel_options
