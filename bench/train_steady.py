@@ -19,13 +19,16 @@ def steady(run_dir: Path, skip: int) -> dict:
     records = [r for r in records if "tokens" in r and "time" in r]
     if len(records) < skip + 2:
         raise SystemExit(f"{run_dir}: {len(records)} step records, need more than --skip {skip} + 1 "
-                         "(set train.log_interval=1 and enough train.max_steps)")
+                         "(train longer: raise train.max_steps)")
     window = records[skip:]
     seconds = window[-1]["time"] - window[0]["time"]
+    if seconds <= 0:
+        raise SystemExit(f"{run_dir}: the steady window has no duration (timestamps {window[0]['time']} .. "
+                         f"{window[-1]['time']}); lower --skip or train longer")
     tokens = sum(r["tokens"] for r in window[1:])  # tokens trained between the first and last timestamps
     return {
         "run": str(run_dir), "steps": len(records), "steady_steps": len(window) - 1,
-        "steady_tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "steady_tokens_per_s": tokens / seconds,
         "mean_step_s": seconds / (len(window) - 1),
         "mean_wait_s": sum(r.get("wait_time_s", 0.0) for r in window[1:]) / (len(window) - 1),
         "first_steps_s": window[0]["time"] - records[0]["time"],

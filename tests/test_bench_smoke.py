@@ -186,3 +186,18 @@ def test_smoke_target_padded_taps_match_each_sequence_alone_with_and_without_mas
     for name, per_tap in errors.items():  # fp32 on the CPU: the padded batch equals each sequence alone
         assert len(per_tap) == 2 and max(per_tap) < 1e-5, (name, per_tap)
     assert set(last["results"]) == {"padded", "padding mask", "no cudnn sdpa", "equal"}
+
+
+def test_train_steady_counts_tokens_after_the_skipped_records(tmp_path):
+    import train_steady
+
+    # One record per step, stamped when it ends: step 1 (compilation) ends at 110 s, then one every 2 s.
+    rows = [{"step": i + 1, "time": 110.0 + 2.0 * i, "tokens": 1000 + i, "wait_time_s": 0.5} for i in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = train_steady.steady(tmp_path, skip=1)
+    # window: records 2..6 (times 112..120); the tokens of steps 3..6 over those 8 s
+    assert r["steady_steps"] == 4 and r["steady_tokens_per_s"] == pytest.approx((1002 + 1003 + 1004 + 1005) / 8)
+    assert r["mean_step_s"] == pytest.approx(2.0) and r["mean_wait_s"] == pytest.approx(0.5)
+    assert r["first_steps_s"] == pytest.approx(2.0)
+    with pytest.raises(SystemExit, match="train longer"):
+        train_steady.steady(tmp_path, skip=5)

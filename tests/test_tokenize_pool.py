@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -52,11 +53,32 @@ def test_a_worker_exception_is_raised_in_the_caller(tiny_tokenizer):
         tokenize_in_workers(bad, tiny_tokenizer, settings, num_workers=2)
 
 
-def test_a_stuck_worker_becomes_a_data_error_naming_the_setting(tiny_tokenizer):
+def test_no_result_in_time_becomes_a_data_error_naming_the_setting(tiny_tokenizer):
     settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tiny_tokenizer, thinking=False),
                                 max_length=64, min_supervised=1)
-    with pytest.raises(DataError, match="data.num_workers"):
+    # A spawned worker needs seconds to import torch, so no chunk can be done within 10 ms.
+    with pytest.raises(DataError, match=r"no result from a tokenizer worker in 0.01 s.*data.num_workers=1"):
         tokenize_in_workers(conversations(40), tiny_tokenizer, settings, num_workers=1, chunk_timeout_s=0.01)
+
+
+def _refuse_to_rebuild():
+    raise RuntimeError("this tokenizer cannot be rebuilt here")
+
+
+class UnrebuildableTokenizer:
+    """Pickles fine, fails to unpickle: a remote-code tokenizer whose module a worker cannot import."""
+
+    def __reduce__(self):
+        return (_refuse_to_rebuild, ())
+
+
+def test_a_tokenizer_the_workers_cannot_rebuild_fails_at_once():
+    settings = TokenizeSettings(thinking=False, end_of_turn="<|im_end|>", max_length=64, min_supervised=1)
+    start = time.monotonic()
+    with pytest.raises(DataError, match="could not rebuild the tokenizer.*cannot be rebuilt here"):
+        tokenize_in_workers(conversations(40), UnrebuildableTokenizer(), settings, num_workers=2,
+                            chunk_timeout_s=100)
+    assert time.monotonic() - start < 60  # the first chunk reports it, long before the timeout
 
 
 def test_num_workers_is_validated_and_not_part_of_the_cache_key():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.pool import AsyncResult
@@ -29,6 +30,9 @@ from dflash_trainer.errors import DataError
 
 CHUNK_SIZE = 128
 """Conversations per task: big enough to amortise the pickling, small enough to balance the workers."""
+CHUNK_TIMEOUT_S = 120.0
+"""Bound on the wait for one chunk (~1 s of work, plus a worker's start, ~3 s): long enough for slow
+templates and disks, short enough that a dead worker (the pool never finishes its task) fails soon."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,13 +80,21 @@ def default_num_workers() -> int:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer: PreTrainedTokenizerFast, settings: TokenizeSettings) -> None:
+def _init_worker(tokenizer_pickle: bytes, settings: TokenizeSettings) -> None:
+    """Rebuild the tokenizer here, not in the pool's bootstrap: a failure is kept and raised by the first
+    chunk (an initializer that raises makes `multiprocessing.Pool` restart the worker forever)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     torch.set_num_threads(1)
-    _worker.update(tokenizer=tokenizer, settings=settings)
+    try:
+        _worker.update(tokenizer=pickle.loads(tokenizer_pickle), settings=settings, error=None)
+    except Exception as e:  # e.g. a remote-code tokenizer whose module this process cannot import
+        _worker.update(error=e)
 
 
 def _tokenize_chunk(chunk: list[Conversation]) -> list[TokenizedRow]:
+    if _worker["error"] is not None:
+        raise DataError(f"a tokenizer worker could not rebuild the tokenizer ({_worker['error']!r}); "
+                        "set data.num_workers=1 to tokenize in the main process")
     rows = []
     for conversation in chunk:
         result = tokenize_one(conversation, _worker["tokenizer"], _worker["settings"])
@@ -101,13 +113,14 @@ def _from_row(row: TokenizedRow) -> Result:
 
 
 def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast,
-                        settings: TokenizeSettings, *, num_workers: int, chunk_timeout_s: float = 600.0) -> list[Result]:
+                        settings: TokenizeSettings, *, num_workers: int,
+                        chunk_timeout_s: float = CHUNK_TIMEOUT_S) -> list[Result]:
     """`tokenize_one` of every conversation, in order, computed by `num_workers` spawned processes."""
     chunks = [list(conversations[i : i + CHUNK_SIZE]) for i in range(0, len(conversations), CHUNK_SIZE)]
     results: list[Result] = []
     # spawn, not fork: the parent may hold CUDA, torch's thread pools or the tokenizer's own threads.
     pool = multiprocessing.get_context("spawn").Pool(num_workers, initializer=_init_worker,
-                                                     initargs=(tokenizer, settings))
+                                                     initargs=(pickle.dumps(tokenizer), settings))
     pending: deque[AsyncResult] = deque()
     next_chunk = 0
     try:
@@ -119,8 +132,9 @@ def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTra
                 rows = pending.popleft().get(timeout=chunk_timeout_s)  # a worker's exception is raised here
             except multiprocessing.TimeoutError:
                 # multiprocessing.Pool replaces a dead worker but never finishes its task: this catches both.
-                raise DataError(f"a tokenizer worker died or took over {chunk_timeout_s:.0f} s for {CHUNK_SIZE} "
-                                "conversations; set data.num_workers=1 to tokenize in the main process") from None
+                raise DataError(f"no result from a tokenizer worker in {chunk_timeout_s:g} s ({CHUNK_SIZE} "
+                                "conversations): it died (out of memory?) or hangs; set data.num_workers=1 "
+                                "to tokenize in the main process") from None
             results.extend(_from_row(row) for row in rows)
         pool.close()
     except BaseException:

@@ -138,10 +138,10 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
 def _code_fingerprint() -> str:
     """Hash of the modules that decide the cached content, so an edited loader or masker never reads a stale
     cache (CODE_VERSION covers changes elsewhere)."""
-    from dflash_trainer.data import masks, sources
+    from dflash_trainer.data import masks, sources, tokenize_pool
 
     h = hashlib.sha256()
-    for module_file in (masks.__file__, sources.__file__, __file__):
+    for module_file in (masks.__file__, sources.__file__, tokenize_pool.__file__, __file__):
         h.update(Path(module_file).read_bytes())
     return h.hexdigest()
 

@@ -73,6 +73,8 @@ def _forward(target, input_ids: torch.Tensor, cache: DynamicCache, **kwargs):
     Always eager, also when the trainer compiled the target's layers for tap capture (`target.compile`):
     a compiled layer would recompile for every layer's cache state and every new length (on the GPU a
     4-prompt evaluation of a 28-layer target hit 91 recompiles and did not finish in 3 minutes).
+    The stance is process-wide: this relies on evaluation running on the thread that trains (it does, in
+    every role), never beside a compiled training step.
     """
     key = "cache" if _takes_cache_kwarg(type(target)) else "past_key_values"
     with torch.compiler.set_stance("force_eager"):
