@@ -25,7 +25,7 @@ class TargetConfig:
     compile: bool = True
     """torch.compile each decoder layer of the target up to the last tap, with automatic dynamic shapes
     (CUDA only; ignored on the CPU; evaluation's decoding runs the layers eager). On an H200 it pays for
-    ~30 s of compile time: 8B-shape forward MFU 80% vs 61% eager on fixed 3072-token rows, +16% tokens/s in
+    ~30 s of compile time: 8B-shape forward MFU 80% vs 61% eager on fixed 3072-token rows, +13% tokens/s in
     a real 1.7B-shape training run on ShareGPT (bench/RESULTS.md). Turn it off for a model that
     torch.compile cannot trace."""
 
