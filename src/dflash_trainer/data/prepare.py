@@ -70,7 +70,7 @@ def _build(config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset
     outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
                            min_supervised=2 * config.drafter.block_size,
                            num_workers=data.num_workers or default_num_workers())
-    meta = {
+    meta = {  # every cache this code can read has it: the cache key hashes this package's data code
         "content_sha256": outcome.dataset.content_sha256(),
         "conversations_total": loaded.report.records_read,
         "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)),
@@ -114,7 +114,7 @@ def prepare_data(config, run_dir: str | os.PathLike, *,
         conversations_total=meta["conversations_total"], conversations_kept=len(dataset),
         eval_conversations=len(held), dropped=dict(meta["dropped"]), tokens=dataset.num_tokens,
         supervised_tokens=dataset.num_supervised, sources=tuple(sources), cache_path=str(path),
-        cache_hit=cached is not None, content_sha256=meta.get("content_sha256") or dataset.content_sha256(),
+        cache_hit=cached is not None, content_sha256=meta["content_sha256"],
     )
     return PreparedData(train=dataset, eval_conversations=held, summary=summary)
 
