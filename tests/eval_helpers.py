@@ -16,14 +16,21 @@ import torch
 from dflash_trainer.drafter.anchors import plan_blocks
 from dflash_trainer.drafter.loss import drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.eval.proposers import DFlashBatchProposer
 from dflash_trainer.eval.speculative import DFlashProposer, target_generate
 from dflash_trainer.target.presets import preset_config
 from tests.drafter_helpers import tiny_drafter
 
 
 def proposer_for(drafter: DFlashDrafter, target) -> DFlashProposer:
+    """The single-sequence proposer of the reference loop (`speculative_generate`)."""
     return DFlashProposer(drafter, target.get_input_embeddings().weight, target.lm_head.weight,
                           drafter.spec.mask_token_id)
+
+
+def batch_proposer_for(drafter: DFlashDrafter, target) -> DFlashBatchProposer:
+    """The batched proposer (`decode_batch`)."""
+    return DFlashBatchProposer(drafter, target.get_input_embeddings().weight, target.lm_head.weight)
 
 
 @torch.no_grad()

@@ -42,3 +42,8 @@ def test_demo_loss_falls_and_tau_beats_untrained(tmp_path):
     trained = summary["eval"]["tau"]
     assert trained > baseline.tau + 0.1, f"trained tau {trained:.3f} vs untrained {baseline.tau:.3f}"
     assert (run / "export" / "model.safetensors").is_file() and (run / "best" / "config.json").is_file()
+    # the held-out validation ran on the replies of the prompts real tau decoded, and was logged
+    val = summary["eval"]["val"]
+    assert val["replies"] == config.eval.num_prompts and val["anchors"] > val["walk_steps"] > 0
+    last_eval = [r for r in rows if "val_walk_tau" in r][-1]
+    assert last_eval["val_walk_tau"] == val["walk_tau"] and last_eval["eval_prompt_lookup_tau"] >= 1.0

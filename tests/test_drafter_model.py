@@ -94,7 +94,7 @@ def test_block_forward_cache_is_incremental():
         second = drafter.forward_block(block_embeds=block, block_positions=positions, context_taps=taps[7:],
                                        context_positions=torch.arange(7, 11), cache=first.cache)
     torch.testing.assert_close(second.hidden, whole.hidden, atol=1e-6, rtol=1e-6)
-    assert second.cache.positions.tolist() == list(range(11))
+    assert second.cache.positions.tolist() == [list(range(11))]
 
 
 def test_rotary_stays_fp32_in_bf16_model():

@@ -21,7 +21,7 @@ from dflash_trainer.eval.evaluate import evaluate_tau
 from dflash_trainer.eval.speculative import speculative_generate, target_generate
 from dflash_trainer.target.presets import preset_config
 from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
-from tests.eval_helpers import fitted, proposer_for
+from tests.eval_helpers import batch_proposer_for, fitted, proposer_for
 
 MESSAGES = [
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -67,10 +67,12 @@ def test_speculative_stops_at_stop_token_like_plain_decoding():
 
 def test_evaluate_tau_histogram_and_formula():
     setup = fitted()
+    taps = setup.drafter.spec.tap_layer_ids
+    make = lambda: batch_proposer_for(setup.drafter, setup.target)  # noqa: E731
+    report = evaluate_tau(setup.target, make, setup.prompts, block_size=4, tap_layer_ids=taps, max_new_tokens=20,
+                          stop_token_ids=[], batch_size=3)  # two batches
     proposer = proposer_for(setup.drafter, setup.target)
-    report = evaluate_tau(setup.target, proposer, setup.prompts, block_size=4, tap_layer_ids=setup.drafter.spec.tap_layer_ids,
-                          max_new_tokens=20, stop_token_ids=[])
-    per_prompt = [speculative_generate(setup.target, proposer, p, block_size=4, tap_layer_ids=setup.drafter.spec.tap_layer_ids,
+    per_prompt = [speculative_generate(setup.target, proposer, p, block_size=4, tap_layer_ids=taps,
                                        max_new_tokens=20, stop_token_ids=[]).acceptance_lengths for p in setup.prompts]
     all_lengths = [n for lengths in per_prompt for n in lengths]
     assert report.acceptance_histogram == [all_lengths.count(k) for k in range(1, 5)]
@@ -80,9 +82,11 @@ def test_evaluate_tau_histogram_and_formula():
     assert 1.2 < report.tau <= 4  # the fitted drafter is accepted beyond the bonus token
     assert report.tokens_generated == 4 * 20 == committed + report.prompts  # + the prefill's token per prompt
     assert report.greedy_match_rate == 1.0 and report.target_tokens_per_s > 0 and report.speculative_tokens_per_s > 0
-    sampled = evaluate_tau(setup.target, proposer, setup.prompts[:2], block_size=4, max_new_tokens=10,
-                           tap_layer_ids=setup.drafter.spec.tap_layer_ids, stop_token_ids=[], temperature=0.8)
-    assert sampled.greedy_match_rate is None and sampled.tokens_generated == 20
+    lookup = sum(k * c for k, c in enumerate(report.prompt_lookup_histogram, 1))
+    assert lookup == committed and report.prompt_lookup_tau == pytest.approx(lookup / sum(report.prompt_lookup_histogram))
+    sampled = evaluate_tau(setup.target, make, setup.prompts[:2], block_size=4, max_new_tokens=10,
+                           tap_layer_ids=taps, stop_token_ids=[], temperature=0.8, with_prompt_lookup=False)
+    assert sampled.greedy_match_rate is None and sampled.tokens_generated == 20 and sampled.prompt_lookup_tau is None
     assert sum(k * c for k, c in enumerate(sampled.acceptance_histogram, 1)) == 20 - 2
 
 

@@ -16,6 +16,9 @@ def test_split_run_measures_tau_on_the_target_rank(tmp_path):
     steps = summary["steps"]
     assert [r["step"] for r in evals] == sorted({*range(4, steps + 1, 4), steps}), evals
     assert all(r["eval_tau"] >= 1.0 for r in evals)
+    # beside real tau: prompt lookup on the same prompts, and the held-out validation on their replies
+    assert all(r["eval_prompt_lookup_tau"] >= 1.0 and r["val_walk_tau"] >= 1.0 and r["val_loss"] > 0 for r in evals)
+    assert summary["eval"]["val"]["walk_tau"] == evals[-1]["val_walk_tau"]
     assert sorted(committed_jobs([r for r in rows if "jobs" in r])) == sorted(planned_jobs(run_dir))
     assert summary["eval"]["tau"] == evals[-1]["eval_tau"]
     best = json.loads((run_dir / "best" / "eval.json").read_text())

@@ -54,7 +54,8 @@ def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
     drafter = drafter.to(device=device, dtype=target.get_input_embeddings().weight.dtype).eval()
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
 
-    report = evaluate_drafter(config, target, tokenizer, drafter, messages, head=head_from_model(target))
+    report = evaluate_drafter(config, target, tokenizer, drafter, messages, head=head_from_model(target),
+                              progress=config.logging.progress)
     print(format_report(report))
     result = report.to_json() | {
         "drafter": str(drafter_dir),

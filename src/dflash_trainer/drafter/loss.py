@@ -47,6 +47,8 @@ class LossOutput:
     prefix, plus its bonus token; a block near its sequence end is capped by its valid labels)."""
     block_count: torch.Tensor
     """() valid blocks (simulated tau = accept_sum / block_count)."""
+    block_accept: torch.Tensor
+    """(N,) simulated acceptance of each block (0 for invalid blocks); `accept_sum` is its sum."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -194,13 +196,15 @@ def drafter_loss(
     per_row = ce if kd_weight == 0 else (1.0 - kd_weight) * ce + kd_weight * kl
     accepted = torch.cumprod(hit.to(torch.float32), dim=1).sum(1) + 1.0  # (N,)
     block_valid = plan.block_valid.to(torch.float32)
+    block_accept = accepted * block_valid  # (N,)
     return LossOutput(
         loss_sum=(weights * per_row).sum(),
         weight_sum=weights.sum().detach(),
         ce_sum=(weights * ce).sum().detach(),
         slot_correct=hit.to(torch.float32).sum(0),
         slot_count=valid.to(torch.float32).sum(0),
-        accept_sum=(accepted * block_valid).sum(),
+        accept_sum=block_accept.sum(),
         block_count=block_valid.sum(),
+        block_accept=block_accept,
     )
 

@@ -6,7 +6,8 @@ from block tokens; keys/values are `concat(context, block)` through the same k_p
 on both; RoPE at absolute positions. Two forwards share the layer code:
 
 - `forward_train`: all N blocks of a packed batch at once, masked (see `attention_mask.py`).
-- `forward_block`: one block of one sequence for speculative decoding, with a context K/V cache.
+- `forward_blocks`: one block per row of a decoding batch, over a context K/V cache (`DraftContext`) that
+  `extend_context` grows; `forward_block` is the same for one sequence.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, m
 from dflash_trainer.drafter.spec import DrafterSpec
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""attend(q (1, nh, Lq, hd), k (1, nkv, Lk, hd), v (1, nkv, Lk, hd)) -> (1, nh, Lq, hd)."""
+"""attend(q (R, nh, Lq, hd), k (R, nkv, Lk, hd), v (R, nkv, Lk, hd)) -> (R, nh, Lq, hd); R = 1 in training."""
 
 _compiled_flex = None
 
@@ -68,15 +69,15 @@ class RotaryTable(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (L, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (L, hd)
+        freqs = positions.float()[..., None] * self.inv_freq  # (..., L, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (..., L, hd)
         cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
-        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)  # (L, 1, hd)
+        return cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)  # (..., L, 1, hd)
 
 
 def _rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    cos, sin = cos_sin  # (L, 1, hd)
-    return x * cos + rotate_half(x) * sin  # (L, heads, hd)
+    cos, sin = cos_sin  # (..., L, 1, hd)
+    return x * cos + rotate_half(x) * sin  # (..., L, heads, hd)
 
 
 class DrafterAttention(nn.Module):
@@ -92,7 +93,7 @@ class DrafterAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(hd, eps=spec.rms_norm_eps)
 
     def kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (k_norm + RoPE) and values of tokens x (L, H) -> (L, nkv, hd) each."""
+        """Keys (k_norm + RoPE) and values of tokens x (..., L, H) -> (..., L, nkv, hd) each."""
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         return _rope(k, rope), v
@@ -105,13 +106,19 @@ class DrafterAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attend: Attend,
     ) -> torch.Tensor:
-        q = _rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))), rope)  # (Lq, nh, hd)
-        k_blk, v_blk = self.kv(x, rope)  # (Lq, nkv, hd)
-        k = torch.cat([ctx_k, k_blk], dim=0)  # (Lc + Lq, nkv, hd)
-        v = torch.cat([ctx_v, v_blk], dim=0)
+        """x (..., Lq, H) block tokens, ctx_k/ctx_v (..., Lc, nkv, hd); the leading dim, when present, is a
+        batch of rows (decoding). Returns (..., Lq, H)."""
+        q = _rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))), rope)  # (..., Lq, nh, hd)
+        k_blk, v_blk = self.kv(x, rope)  # (..., Lq, nkv, hd)
+        k = torch.cat([ctx_k, k_blk], dim=-3)  # (..., Lc + Lq, nkv, hd)
+        v = torch.cat([ctx_v, v_blk], dim=-3)
         dtype = v.dtype  # under autocast the norms return fp32; attention runs in the value dtype
-        out = attend(*(t.to(dtype).transpose(0, 1)[None] for t in (q, k, v)))  # (1, nh, Lq, hd)
-        return self.o_proj(out[0].transpose(0, 1).flatten(-2))  # (Lq, H)
+        q, k, v = (t.to(dtype).transpose(-3, -2) for t in (q, k, v))  # (..., heads, L, hd)
+        if x.dim() == 2:
+            q, k, v = q[None], k[None], v[None]
+        out = attend(q, k, v)  # (R or 1, nh, Lq, hd)
+        out = out.transpose(-3, -2).flatten(-2)  # (R or 1, Lq, nh*hd)
+        return self.o_proj(out if x.dim() == 3 else out[0])  # (..., Lq, H)
 
 
 class DrafterLayer(nn.Module):
@@ -138,27 +145,38 @@ class TrainMasks:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ContextCache:
-    """Context keys/values of one sequence for `forward_block` (block keys are never cached)."""
+class DraftContext:
+    """Context keys/values of a batch of decoding rows (block keys are never cached).
+
+    Every `extend_context` call appends the same number of slots to every row; slots that do not hold a
+    committed token (rejected drafts, prompt padding) stay, with `valid` False, and no block sees them.
+    """
 
     keys: tuple[torch.Tensor, ...]
-    """Per drafter layer, (S, nkv, hd): k_norm + RoPE applied."""
+    """Per drafter layer, (R, S, nkv, hd): k_norm + RoPE applied."""
     values: tuple[torch.Tensor, ...]
-    """Per drafter layer, (S, nkv, hd)."""
+    """Per drafter layer, (R, S, nkv, hd)."""
     positions: torch.Tensor
-    """(S,) int64 absolute positions of the cached context tokens."""
+    """(R, S) int64 absolute position of each slot."""
+    valid: torch.Tensor
+    """(R, S) bool: the slot holds a committed context token."""
 
     @property
     def length(self) -> int:
-        return self.positions.shape[0]
+        return self.positions.shape[1]
+
+    def select(self, rows: torch.Tensor) -> "DraftContext":
+        """The context of `rows` (R',) int64 only, in that order."""
+        return DraftContext(keys=tuple(k[rows] for k in self.keys), values=tuple(v[rows] for v in self.values),
+                            positions=self.positions[rows], valid=self.valid[rows])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockResult:
     hidden: torch.Tensor
     """(B', H) final hidden states of the block (after the final norm); slot k predicts position p0 + k."""
-    cache: ContextCache
-    """The context cache including the context passed to this call."""
+    cache: DraftContext
+    """The context (one row) including the context passed to this call."""
 
 
 class DFlashDrafter(nn.Module):
@@ -234,13 +252,64 @@ class DFlashDrafter(nn.Module):
             h = layer(h, ctx_k, ctx_v, rope_blk, attend)
         return self.norm(h).view(n, b, -1)  # (N, B, H)
 
-    def empty_cache(self, device: torch.device, dtype: torch.dtype) -> ContextCache:
-        empty = torch.zeros(0, self.spec.num_key_value_heads, self.spec.head_dim, device=device, dtype=dtype)
-        return ContextCache(
+    def empty_context(self, rows: int, device: torch.device, dtype: torch.dtype) -> DraftContext:
+        empty = torch.zeros(rows, 0, self.spec.num_key_value_heads, self.spec.head_dim, device=device, dtype=dtype)
+        return DraftContext(
             keys=(empty,) * self.spec.num_layers,
             values=(empty,) * self.spec.num_layers,
-            positions=torch.zeros(0, dtype=torch.int64, device=device),
+            positions=torch.zeros(rows, 0, dtype=torch.int64, device=device),
+            valid=torch.zeros(rows, 0, dtype=torch.bool, device=device),
         )
+
+    def extend_context(
+        self, cache: DraftContext, taps: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
+    ) -> DraftContext:
+        """`cache` plus n slots per row: taps (R, n, K*H) at positions (R, n) int64, valid (R, n) bool."""
+        ctx = self.context(taps.to(cache.keys[0].dtype))  # (R, n, H)
+        rope = self.rotary(positions, ctx.dtype)  # (R, n, 1, hd)
+        keys, values = [], []
+        for layer, k_old, v_old in zip(self.layers, cache.keys, cache.values):
+            k_new, v_new = layer.self_attn.kv(ctx, rope)  # (R, n, nkv, hd)
+            keys.append(torch.cat([k_old, k_new.to(k_old.dtype)], dim=1))
+            values.append(torch.cat([v_old, v_new.to(v_old.dtype)], dim=1))
+        return DraftContext(keys=tuple(keys), values=tuple(values), positions=torch.cat([cache.positions, positions], 1),
+                            valid=torch.cat([cache.valid, valid.bool()], 1))
+
+    def forward_blocks(
+        self,
+        *,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        cache: DraftContext,
+        block_lengths: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """One block per row, no training mask: each block sees its row's valid context and itself.
+
+        block_embeds (R, B, H): target embeddings of [last committed token, MASK x (B-1)]; block_positions
+        (R, B) int64: p0 .. p0+B-1 per row; cache: the rows' context, whose valid slots the caller keeps
+        strictly before p0; block_lengths (R,) int64: a row's block is its first block_lengths[r] tokens
+        (the later ones are invisible to it, as if the block were that short; None: all B). Sliding layers
+        apply their causal window in absolute positions. Returns (R, B, H) after the final norm.
+        """
+        rows, b = block_positions.shape
+        device = block_positions.device
+        rope_blk = self.rotary(block_positions, block_embeds.dtype)  # (R, B, 1, hd)
+        own = torch.ones(rows, b, dtype=torch.bool, device=device)  # (R, B) block keys
+        if block_lengths is not None:
+            own = torch.arange(b, device=device) < block_lengths[:, None]
+        k_valid = torch.cat([cache.valid, own], 1)  # (R, S + B)
+        full = k_valid[:, None, None, :]  # (R, 1, 1, S + B)
+        masks: dict = {None: full}
+        k_pos = torch.cat([cache.positions, block_positions], 1)[:, None, :]  # (R, 1, S + B)
+        q_pos = block_positions[:, :, None]  # (R, B, 1)
+        h = block_embeds  # (R, B, H)
+        for i, layer in enumerate(self.layers):
+            window = self.spec.layer_window(i)
+            if window not in masks:
+                masks[window] = (full[:, 0] & (k_pos <= q_pos) & (q_pos - k_pos < window))[:, None]  # (R, 1, B, S+B)
+            attend = lambda q, k, v, m=masks[window]: _sdpa(q, k, v, m)
+            h = layer(h, cache.keys[i], cache.values[i], rope_blk, attend)
+        return self.norm(h)  # (R, B, H)
 
     def forward_block(
         self,
@@ -249,38 +318,15 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         context_taps: Optional[torch.Tensor] = None,
         context_positions: Optional[torch.Tensor] = None,
-        cache: Optional[ContextCache] = None,
+        cache: Optional[DraftContext] = None,
     ) -> BlockResult:
-        """One block of one sequence, no training mask: the block sees all given context and itself.
-
-        block_embeds (B', H): target embeddings of [last committed token, MASK x (B'-1)];
-        block_positions (B',) int64: p0 .. p0+B'-1; context_taps (C, K*H) with context_positions (C,):
-        taps of context tokens not yet in `cache` (None: none); cache: the context so far (None: empty).
-        The caller keeps the context strictly before p0 (taps of tokens 0 .. p0-1). Sliding layers apply
-        their causal window in absolute positions. Returns the block's hidden states and the new cache.
-        """
+        """`forward_blocks` for one sequence: block_embeds (B', H), block_positions (B',); context_taps
+        (C, K*H) at context_positions (C,): context not yet in `cache` (None: none). Returns the block's
+        hidden states (B', H) and the new cache."""
         if cache is None:
-            cache = self.empty_cache(block_embeds.device, block_embeds.dtype)
-        keys, values = list(cache.keys), list(cache.values)
-        positions = cache.positions
-        rope_blk = self.rotary(block_positions, block_embeds.dtype)  # (B', 1, hd)
+            cache = self.empty_context(1, block_embeds.device, block_embeds.dtype)
         if context_taps is not None:
-            ctx = self.context(context_taps)  # (C, H)
-            rope_ctx = self.rotary(context_positions, ctx.dtype)
-            positions = torch.cat([positions, context_positions])  # (S + C,)
-        h = block_embeds  # (B', H)
-        for i, layer in enumerate(self.layers):
-            if context_taps is not None:
-                k_new, v_new = layer.self_attn.kv(ctx, rope_ctx)  # (C, nkv, hd)
-                keys[i] = torch.cat([keys[i], k_new.to(keys[i].dtype)])
-                values[i] = torch.cat([values[i], v_new.to(values[i].dtype)])
-            mask = None
-            window = self.spec.layer_window(i)
-            if window is not None:
-                k_pos = torch.cat([positions, block_positions])  # (S + B',)
-                q_pos = block_positions[:, None]
-                mask = (k_pos[None] <= q_pos) & (q_pos - k_pos[None] < window)  # (B', S + B')
-            attend = lambda q, k, v, m=mask: _sdpa(q, k, v, m)
-            h = layer(h, keys[i], values[i], rope_blk, attend)
-        new_cache = ContextCache(keys=tuple(keys), values=tuple(values), positions=positions)
-        return BlockResult(hidden=self.norm(h), cache=new_cache)
+            valid = torch.ones(1, context_taps.shape[0], dtype=torch.bool, device=context_taps.device)
+            cache = self.extend_context(cache, context_taps[None], context_positions[None], valid)
+        hidden = self.forward_blocks(block_embeds=block_embeds[None], block_positions=block_positions[None], cache=cache)
+        return BlockResult(hidden=hidden[0], cache=cache)

@@ -19,11 +19,17 @@ class EvalConfig:
     num_prompts: int = 16
     max_new_tokens: int = 128
     temperature: float = 0.0
+    batch_size: int = 64
+    """Prompts decoded together (rows of one batch accept independently)."""
+    prompt_lookup: bool = True
+    """Also measure prompt lookup (n-gram copying, no training) on the same prompts: the baseline to beat."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
             raise ConfigError(f"eval.interval must be >= 0, got {self.interval}")
         if self.num_prompts < 1 or self.max_new_tokens < 1:
             raise ConfigError("eval.num_prompts and eval.max_new_tokens must be >= 1")
+        if self.batch_size < 1:
+            raise ConfigError(f"eval.batch_size must be >= 1, got {self.batch_size}")
         if self.temperature < 0:
             raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}")

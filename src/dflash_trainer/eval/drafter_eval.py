@@ -19,7 +19,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.evaluate import EvalReport, encode_prompts, evaluate_tau
-from dflash_trainer.eval.speculative import DFlashProposer
+from dflash_trainer.eval.proposers import DFlashBatchProposer
 from dflash_trainer.regen.local import stop_token_ids
 from dflash_trainer.regen.settings import check_regen_settings
 from dflash_trainer.target.checks import check_target
@@ -79,6 +79,7 @@ def evaluate_drafter(
     prompts_messages: Sequence[list[dict]],
     *,
     head: TargetHead,
+    progress: bool = False,
 ) -> EvalReport:
     """Real tau of `drafter` on `target` (any devices: the drafter runs where its weights are, the head is
     moved there) over `prompts_messages` (chat messages up to the last user turn), with the baseline.
@@ -95,11 +96,13 @@ def evaluate_drafter(
         )
     spec = drafter.spec
     device = next(drafter.parameters()).device
-    proposer = DFlashProposer(drafter, head.embed_weight.to(device), head.lm_head_weight.to(device), spec.mask_token_id)
+    embed, lm_head = head.embed_weight.to(device), head.lm_head_weight.to(device)
     prompts = encode_prompts(tokenizer, prompts_messages, thinking=config.data.thinking,
                              max_prompt_tokens=max_prompt_tokens)
     return evaluate_tau(
-        target, proposer, prompts, block_size=spec.block_size, tap_layer_ids=spec.tap_layer_ids,
-        max_new_tokens=ecfg.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer, target),
-        temperature=ecfg.temperature, seed=config.run.seed, with_baseline=True,
+        target, lambda: DFlashBatchProposer(drafter, embed, lm_head), prompts, block_size=spec.block_size,
+        tap_layer_ids=spec.tap_layer_ids, max_new_tokens=ecfg.max_new_tokens,
+        stop_token_ids=stop_token_ids(tokenizer, target), temperature=ecfg.temperature, seed=config.run.seed,
+        with_baseline=True, with_prompt_lookup=ecfg.prompt_lookup, batch_size=ecfg.batch_size,
+        pad_token_id=tokenizer.pad_token_id or 0, progress=progress,
     )

@@ -1,16 +1,20 @@
-"""Acceptance length (tau) over a prompt set: speculative decoding against plain target decoding."""
+"""Acceptance length (tau) over a prompt set: batched speculative decoding with the drafter, prompt lookup
+(the training-free baseline) on the same prompts, and plain target decoding (the reference output)."""
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from dflash_trainer.errors import DataError
-from dflash_trainer.eval.speculative import Proposer, speculative_generate, target_generate
+from dflash_trainer.eval.batched import BatchProposer, decode_batch
+from dflash_trainer.eval.proposers import PromptLookupProposer
+from dflash_trainer.eval.speculative import DecodeResult
 
 TAU_NOTE = (
     "tau = committed tokens per target verification step (bonus token included), averaged over every step of "
@@ -33,6 +37,11 @@ class EvalReport:
     speculative_tokens_per_s: float
     greedy_match_rate: Optional[float]
     """Fraction of prompts whose speculative output equals plain target decoding (temperature 0 only)."""
+    prompt_lookup_tau: Optional[float] = None
+    """tau of prompt lookup (n-gram copying, no training) on the same prompts; None when not measured."""
+    prompt_lookup_histogram: Optional[list[int]] = None
+    seconds: float = 0.0
+    """Wall time of the whole evaluation (every pass)."""
     note: str = TAU_NOTE
 
     def to_json(self) -> dict:
@@ -71,9 +80,22 @@ def encode_prompts(tokenizer, prompts: Sequence[list[dict]], *, thinking: bool, 
     return encoded
 
 
+def _histogram(results: Sequence[DecodeResult], block_size: int) -> list[int]:
+    histogram = [0] * block_size
+    for result in results:
+        for length in result.acceptance_lengths:
+            histogram[length - 1] += 1
+    return histogram
+
+
+def _tau(histogram: Sequence[int]) -> float:
+    steps = sum(histogram)
+    return sum(k * c for k, c in enumerate(histogram, 1)) / steps if steps else 0.0
+
+
 def evaluate_tau(
     target,
-    proposer: Proposer,
+    make_proposer: Callable[[], BatchProposer],
     prompts: Sequence[torch.Tensor],
     *,
     block_size: int,
@@ -83,42 +105,64 @@ def evaluate_tau(
     temperature: float = 0.0,
     seed: int = 0,
     with_baseline: bool = True,
+    with_prompt_lookup: bool = True,
+    batch_size: int = 64,
+    pad_token_id: int = 0,
+    progress: bool = False,
 ) -> EvalReport:
+    """tau of the drafter `make_proposer()` builds (a fresh one per batch of `batch_size` prompts).
+
+    Passes, each batched: the drafter; prompt lookup (`with_prompt_lookup`); plain target decoding
+    (`with_baseline`), whose output the drafter's must equal at temperature 0."""
+    start = time.perf_counter()
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    histogram = [0] * block_size
-    tokens = steps = matches = 0
-    spec_s = base_s = 0.0
-    base_tokens = 0
-    for prompt in prompts:
-        prompt = prompt.to(device)
-        out = speculative_generate(
-            target, proposer, prompt, block_size=block_size, tap_layer_ids=tap_layer_ids,
-            max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, temperature=temperature, generator=generator,
-        )
-        for length in out.acceptance_lengths:
-            histogram[length - 1] += 1
-        steps += len(out.acceptance_lengths)
-        tokens += len(out.output_ids)
-        spec_s += out.seconds
-        if with_baseline:
-            ref = target_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                                  temperature=temperature, generator=generator)
-            base_s += ref.seconds
-            base_tokens += len(ref.output_ids)
-            matches += int(ref.output_ids == out.output_ids)
-    committed = sum((k + 1) * c for k, c in enumerate(histogram))
+    passes = ["drafter"] + (["prompt lookup"] if with_prompt_lookup else []) + (["target"] if with_baseline else [])
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(passes) * len(prompts) * max_new_tokens, desc="eval", unit="tok", dynamic_ncols=True)
+
+    def run(proposer_factory: Optional[Callable[[], BatchProposer]]) -> tuple[list[DecodeResult], float]:
+        t0 = time.perf_counter()
+        results: list[DecodeResult] = []
+        for i in range(0, len(prompts), batch_size):
+            chunk = [p.to(device) for p in prompts[i : i + batch_size]]
+            results += decode_batch(
+                target, chunk, proposer=proposer_factory() if proposer_factory else None,
+                block_size=block_size if proposer_factory else 1, tap_layer_ids=tap_layer_ids,
+                max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, temperature=temperature,
+                generator=generator, pad_token_id=pad_token_id,
+                on_step=(lambda n: bar.update(n)) if bar is not None else (lambda n: None),
+            )
+            if bar is not None:  # rows that stopped early: their unused budget
+                bar.update(len(chunk) * max_new_tokens - sum(len(r.output_ids) for r in results[i:]))
+        return results, time.perf_counter() - t0
+
+    spec, spec_s = run(make_proposer)
+    lookup = run(PromptLookupProposer)[0] if with_prompt_lookup else None
+    plain, plain_s = run(None) if with_baseline else (None, 0.0)
+    if bar is not None:
+        bar.close()
+    histogram = _histogram(spec, block_size)
+    lookup_histogram = _histogram(lookup, block_size) if lookup is not None else None
+    tokens = sum(len(r.output_ids) for r in spec)
     return EvalReport(
-        tau=committed / steps if steps else 0.0,
+        tau=_tau(histogram),
         acceptance_histogram=histogram,
         prompts=len(prompts),
         tokens_generated=tokens,
-        steps=steps,
+        steps=sum(histogram),
         block_size=block_size,
         temperature=temperature,
-        target_tokens_per_s=base_tokens / base_s if with_baseline and base_s > 0 else None,
+        target_tokens_per_s=sum(len(r.output_ids) for r in plain) / plain_s if plain and plain_s > 0 else None,
         speculative_tokens_per_s=tokens / spec_s if spec_s > 0 else 0.0,
-        greedy_match_rate=matches / len(prompts) if with_baseline and temperature <= 0 and prompts else None,
+        greedy_match_rate=(sum(a.output_ids == b.output_ids for a, b in zip(spec, plain)) / len(prompts)
+                           if plain is not None and temperature <= 0 and prompts else None),
+        prompt_lookup_tau=_tau(lookup_histogram) if lookup_histogram is not None else None,
+        prompt_lookup_histogram=lookup_histogram,
+        seconds=time.perf_counter() - start,
     )
 
 
@@ -133,6 +177,8 @@ def format_report(report: EvalReport) -> str:
         ("speculative tokens/s", f"{report.speculative_tokens_per_s:.1f}"),
         ("target-only tokens/s", "-" if report.target_tokens_per_s is None else f"{report.target_tokens_per_s:.1f}"),
         ("greedy match rate", "-" if report.greedy_match_rate is None else f"{report.greedy_match_rate:.3f}"),
+        ("prompt lookup tau", "-" if report.prompt_lookup_tau is None else f"{report.prompt_lookup_tau:.3f}"),
+        ("seconds", f"{report.seconds:.1f}"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]

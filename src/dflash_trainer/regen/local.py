@@ -1,14 +1,15 @@
-"""Local backend: batched `model.generate` on the target with transformers (small jobs, tests, the demo).
+"""Local backend: batched decoding of the target on this machine (`eval/batched.py`).
 
 Conversations are taken in chunks; each chunk is answered round by round (round k answers every
 conversation's k-th user turn, conditioned on its regenerated earlier turns). Within a round the prompts
-are sorted by length and generated in left-padded batches of `batch_size` with the KV cache. A chunk's
-rows are yielded when its last round is done, so an interruption loses at most one chunk.
+are sorted by length and generated in left-padded batches of `batch_size` with a KV cache; finished rows
+leave the batch as they end. Greedy at temperature 0, else sampled from the full softmax at `temperature`
+(no top-k or top-p). A chunk's rows are yielded when its last round is done, so an interruption loses at
+most one chunk.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import re
 from typing import Iterable, Iterator
@@ -17,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_trainer.data.types import Conversation, Message
+from dflash_trainer.eval.batched import decode_batch
 from dflash_trainer.regen.turns import RegenOutcome, TurnState, as_dicts, failed, start
 
 log = logging.getLogger(__name__)
@@ -67,22 +69,13 @@ class LocalBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.seed = seed
-        gen = copy.deepcopy(model.generation_config)
-        gen.max_new_tokens = max_new_tokens
-        gen.eos_token_id = self.stop_ids
-        gen.pad_token_id = self.pad_id
-        gen.use_cache = True
+        self.temperature = temperature
         rows = model.get_input_embeddings().num_embeddings
-        if rows > len(tokenizer):  # spare embedding rows decode to nothing: never generate them
-            gen.suppress_tokens = list(range(len(tokenizer), rows))
-        if temperature > 0:
-            gen.do_sample, gen.temperature = True, temperature
-        else:
-            gen.do_sample, gen.temperature, gen.top_p, gen.top_k = False, None, None, None
-        self.generation_config = gen
+        self.banned = list(range(len(tokenizer), rows))  # spare embedding rows decode to nothing: never generate
+        self.generator = torch.Generator(device=model.device)
 
     def run(self, conversations: Iterable[Conversation]) -> Iterator[RegenOutcome]:
-        torch.manual_seed(self.seed)
+        self.generator.manual_seed(self.seed)
         chunk: list[TurnState] = []
         for conv in conversations:
             state = start(conv)
@@ -137,25 +130,17 @@ class LocalBackend:
         match = _OPEN_THINK.search(text)
         return ids, (match.group(0) if match else "")
 
-    @torch.inference_mode()
     def _generate(self, prompts: list[list[int]]) -> list[str]:
-        """Replies to `prompts` (token ids), cut at the first stop token, decoded verbatim."""
-        device = self.model.device
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (n, width)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (n, width)
-        for row, ids in enumerate(prompts):  # left padding: every prompt ends at the last column
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids) :] = 1
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            generation_config=self.generation_config,
-        )  # (n, width + new)
-        new_tokens = out[:, width:].tolist()  # sync: the host decodes the replies
+        """Replies to `prompts` (token ids), cut before the first stop token, decoded verbatim."""
+        results = decode_batch(
+            self.model, [torch.tensor(p, dtype=torch.int64) for p in prompts], max_new_tokens=self.max_new_tokens,
+            stop_token_ids=self.stop_ids, temperature=self.temperature, generator=self.generator,
+            pad_token_id=self.pad_id, banned_token_ids=self.banned,
+        )
         stops = set(self.stop_ids)
         replies = []
-        for tokens in new_tokens:
+        for result in results:
+            tokens = result.output_ids
             end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
             replies.append(self.tokenizer.decode(tokens[:end], skip_special_tokens=False))
         return replies

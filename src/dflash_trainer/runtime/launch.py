@@ -226,7 +226,8 @@ def _run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
     jobs = StoreJobSource(control, setup.remaining)
     server = None
     if setup.env.rank == setup.placement.target_ranks[0] and split_eval_enabled(config):
-        tracker = make_tau_tracker(config, target=target, head=head_from_model(target), run_dir=setup.run_dir)
+        tracker = make_tau_tracker(config, target=target, capture=capture, head=head_from_model(target),
+                                   run_dir=setup.run_dir, device=setup.device)
         server = SplitEvalServer(control, tracker, device=setup.device) if tracker is not None else None
     source = jobs if server is None else server.pausing(jobs)
     report = run_target_worker(capture=capture, job_source=source, dataset=setup.prepared.train, sender=sender)
@@ -275,7 +276,7 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
     )
     target_stats: Optional[TargetStats] = None
     receiver = None
-    tracker = _tau_tracker(setup, target, head) if trainer.is_leader and colocated else None
+    tracker = _tau_tracker(setup, target, capture, head) if trainer.is_leader and colocated else None
     client = SplitEvalClient(control, setup.run_dir) if trainer.is_leader and not colocated and split_eval_enabled(config) else None
     evaluating = split_eval_enabled(config)  # the same on every drafter rank (FSDP2 gathers the model together)
     interval = config.eval.interval
@@ -284,11 +285,14 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
         due = evaluating and interval > 0 and record.step % interval == 0 and not record.skipped
         model = trainer.full_model() if due else None  # a collective with FSDP2; the leader gets the model
         if tracker is not None and model is not None:
-            tracker.evaluate(model, record.step, export=lambda out: trainer.export(out, model), sink=trainer.sink)
+            trainer.show_eval(tracker.evaluate(model, record.step, export=lambda out: trainer.export(out, model),
+                                               sink=trainer.sink))
         if client is not None:
             if model is not None:
                 client.request(trainer, record.step, model)
             client.poll(trainer.sink)
+            if client.last is not None:
+                trainer.show_eval(client.last)
 
     trainer.on_step_extra = on_step
     if colocated:
@@ -352,11 +356,12 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
     return result, target_stats, pool
 
 
-def _tau_tracker(setup: RunSetup, target, head):
-    """Real-tau evaluation in place on a colocated leader (split runs: `split_eval.py`)."""
+def _tau_tracker(setup: RunSetup, target, capture, head):
+    """Evaluation in place on a colocated leader (split runs: `split_eval.py`)."""
     if setup.config.eval.interval == 0 and not setup.config.eval.at_end:
         return None
-    return make_tau_tracker(setup.config, target=target, head=head, run_dir=setup.run_dir)
+    return make_tau_tracker(setup.config, target=target, capture=capture, head=head, run_dir=setup.run_dir,
+                            device=setup.device)
 
 
 def _on_sigterm(holder: dict, control: ControlPlane, rank: int):

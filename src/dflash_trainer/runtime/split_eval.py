@@ -22,7 +22,8 @@ import torch
 
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.target.head import TargetHead
-from dflash_trainer.train.tau_eval import TauSummary
+from dflash_trainer.train.micro_step import compile_forward_train
+from dflash_trainer.train.tau_eval import TauSummary, summary_values
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,12 @@ def split_eval_enabled(config: Any) -> bool:
     return bool(config.eval.prompts) or config.data.num_eval_conversations > 0
 
 
-def make_tau_tracker(config: Any, *, target, head: TargetHead, run_dir: Path):
-    """A TauTracker over the run's held-out prompts, or None (with a warning) when there are none."""
+def make_tau_tracker(config: Any, *, target, capture, head: TargetHead, run_dir: Path, device: torch.device):
+    """A TauTracker over the run's held-out prompts (validated on their replies too, where they have some), or
+    None (with a warning) when there are none."""
     from dflash_trainer.data.tokenizer import load_tokenizer
     from dflash_trainer.eval.drafter_eval import eval_prompts_path
+    from dflash_trainer.eval.validation import build_validator
     from dflash_trainer.train.tau_eval import TauTracker
 
     path = eval_prompts_path(config)
@@ -65,7 +68,12 @@ def make_tau_tracker(config: Any, *, target, head: TargetHead, run_dir: Path):
         log.warning("no held-out prompts at %s: real tau is not measured (set data.num_eval_conversations > 0)", path)
         return None
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
-    return TauTracker(config, target=target, tokenizer=tokenizer, head=head, prompts_path=path, run_dir=run_dir)
+    validator = build_validator(config, capture=capture, head=head, tokenizer=tokenizer, conversations_path=path,
+                                device=device)
+    if validator is None:
+        log.warning("the held-out conversations in %s have no replies: no held-out validation (walk tau)", path)
+    return TauTracker(config, target=target, tokenizer=tokenizer, head=head, prompts_path=path, run_dir=run_dir,
+                      validator=validator)
 
 
 class SplitEvalClient:
@@ -94,7 +102,7 @@ class SplitEvalClient:
     def _collect(self, sink) -> None:
         self.collected += 1
         self.last = TauSummary(**json.loads(self.control.wait_value(f"eval_result/{self.collected}")))
-        sink.log(self.last.step, {"eval_tau": self.last.tau, "eval_greedy_match_rate": self.last.greedy_match_rate})
+        sink.log(self.last.step, summary_values(self.last))
 
     def finish(self, trainer, step: int, model, *, at_end: bool, sink) -> Optional[TauSummary]:
         """Evaluate the final drafter (when asked and not just done), wait for every result, end the server."""
@@ -146,6 +154,8 @@ class SplitEvalServer:
             self.ended = True
             return
         path = Path(request.path)
-        drafter = load_drafter(path, attention="sdpa").to(self.device)
-        self.tracker.evaluate(drafter, request.step, export=lambda out: shutil.copytree(path, out))
-        self.control.set_value(f"eval_result/{index}", json.dumps(asdict(self.tracker.summary(request.step))))
+        drafter = load_drafter(path).to(self.device)
+        if self.device.type == "cuda":  # validation runs the training forward (flex attention: compiled)
+            compile_forward_train(drafter)
+        summary = self.tracker.evaluate(drafter, request.step, export=lambda out: shutil.copytree(path, out))
+        self.control.set_value(f"eval_result/{index}", json.dumps(asdict(summary)))

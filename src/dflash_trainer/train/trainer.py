@@ -147,6 +147,8 @@ class DrafterTrainer:
             wandb_project=config.logging.wandb_project, config=asdict(config),
         )
         self.checkpoints: list[str] = []
+        self.shown: dict[str, str] = {}
+        """Latest evaluation figures shown beside the training figures in the progress bar."""
         self.last_saved_step: Optional[int] = resume.state.step if resume is not None else None
 
     def progress(self) -> float:
@@ -216,10 +218,16 @@ class DrafterTrainer:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{record.loss:.3f}", acc=f"{record.accuracy:.3f}", tau=f"{record.sim_tau:.2f}",
-                            tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+                            tok_s=f"{tokens_per_s:,.0f}", **self.shown, refresh=False)
         elif record.step % self.config.train.log_interval == 0:
             log.info("step %d loss %.4f acc %.3f sim_tau %.2f lr %.2e tok/s %.0f", record.step, record.loss,
                      record.accuracy, record.sim_tau, record.lr, tokens_per_s)
+
+    def show_eval(self, summary: TauSummary) -> None:
+        """Show an evaluation's held-out figures in the progress bar from now on."""
+        self.shown = {"real_tau": f"{summary.tau:.2f}"}
+        if summary.val is not None:
+            self.shown |= {"val_walk_tau": f"{summary.val['walk_tau']:.2f}", "val_loss": f"{summary.val['loss']:.3f}"}
 
     def save_checkpoint(self, step: int) -> Optional[Path]:
         """Called on every drafter rank (with FSDP2 the full state is gathered by all); the leader writes."""

@@ -1,0 +1,281 @@
+"""Batched decoding: many prompts at once, each row committing its own number of tokens per step.
+
+One loop serves plain decoding (no proposer: one token per step), speculative decoding with a DFlash
+drafter, and the prompt-lookup baseline (`proposers.py`); regeneration uses it for plain decoding too.
+
+Cache layout, shared by the target and the proposers: every target forward appends the same number of
+cache slots to every row (the prompt, left-padded, then one block per step). A slot that does not hold a
+committed token (prompt padding, a rejected draft) stays in the cache with `valid` False and is masked out
+of every later attention; positions are per row, so a row's committed tokens keep consecutive positions
+whatever its neighbours accept. Rows that finish are dropped from the batch in groups (`_compact`).
+
+Accounting, as in the single-sequence loop (`speculative.py`, checked against the reference package): a
+verification step feeds `[last committed token, d_1 .. d_n]`, accepts the longest agreeing prefix of drafts
+plus the target's own next token (the bonus); its acceptance length = accepted + 1, cut by a stop token or
+`max_new_tokens`. Near `max_new_tokens` a row's block shrinks to what can still be committed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from dflash_trainer.eval.speculative import DecodeResult, _forward
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContextUpdate:
+    """The cache slots one target forward appended to every row (the prompt, or a verified block)."""
+
+    tokens: torch.Tensor
+    """(R, n) int64: token fed at each slot."""
+    positions: torch.Tensor
+    """(R, n) int64: absolute position of each slot."""
+    valid: torch.Tensor
+    """(R, n) bool: the slot holds a committed token."""
+    taps: Optional[torch.Tensor]
+    """(R, n, K*H) target taps at each slot (tap l = output of decoder layer l), or None when the proposer
+    needs none."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockDrafts:
+    """Drafts for one verification step of every row."""
+
+    tokens: torch.Tensor
+    """(R, B-1) int64: drafts for positions start+1 .. start+B-1 (entries past `lengths` are ignored)."""
+    lengths: torch.Tensor
+    """(R,) int64: drafts proposed per row, 0 .. B-1."""
+    probs: Optional[torch.Tensor] = None
+    """(R, B-1, V) fp32 distributions the drafts were sampled from (temperature > 0); None: each draft is a
+    fixed choice (a point mass)."""
+
+
+class BatchProposer(Protocol):
+    """Drafts blocks for a batch of rows; told every committed context slot, in order."""
+
+    needs_taps: bool
+
+    def observe(self, update: ContextUpdate) -> None:
+        """Slots appended to every row: the prompt first, then each verified block."""
+
+    def propose(self, last_tokens: torch.Tensor, starts: torch.Tensor, max_lengths: torch.Tensor, block_size: int,
+                temperature: float, generator: Optional[torch.Generator]) -> BlockDrafts:
+        """Drafts after `last_tokens` (R,) at positions `starts` (R,); at most `max_lengths` (R,) each."""
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (R',) int64 (the others finished), in that order."""
+
+
+def _left_pad(prompts: Sequence[torch.Tensor], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids (R, P), valid (R, P) bool, positions (R, P) int64) of left-padded prompts."""
+    width = max(p.shape[0] for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, width - p.shape[0]:] = p
+        valid[row, width - p.shape[0]:] = True
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    return ids.to(device), valid.to(device), positions.to(device)
+
+
+def _taps(hidden_states: Sequence[torch.Tensor], tap_layer_ids: Sequence[int]) -> torch.Tensor:
+    """(R, n, K*H): tap l = output of decoder layer l = hidden_states[l + 1]."""
+    return torch.cat([hidden_states[l + 1] for l in tap_layer_ids], dim=-1)
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator, banned: Optional[torch.Tensor]) -> torch.Tensor:
+    """Tokens (...,) from logits (..., V): argmax, or sampled at `temperature`."""
+    if banned is not None:
+        logits = logits.index_fill(-1, banned, float("-inf"))
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    return flat.reshape(probs.shape[:-1])
+
+
+def accept_greedy(logits: torch.Tensor, drafts: BlockDrafts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted (R,), bonus (R,)): the longest prefix of drafts equal to the target's argmax, and the
+    target's token after it. logits (R, B, V) of the fed block."""
+    target_tokens = logits.argmax(-1)  # (R, B)
+    slots = torch.arange(drafts.tokens.shape[1], device=logits.device)
+    agree = (drafts.tokens == target_tokens[:, :-1]) & (slots < drafts.lengths[:, None])  # (R, B-1)
+    accepted = agree.long().cumprod(1).sum(1)  # (R,)
+    return accepted, target_tokens.gather(1, accepted[:, None])[:, 0]
+
+
+def accept_sampled(logits: torch.Tensor, drafts: BlockDrafts, temperature: float,
+                   generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling per row: accept draft d with probability min(1, p(d)/q(d)); at the first
+    rejection sample the bonus from normalise(max(p - q, 0)), after all drafts from p. The committed tokens
+    then follow the target's sampling distribution. q is a point mass when `drafts.probs` is None."""
+    rows, b, vocab = logits.shape
+    p = torch.softmax(logits.float() / temperature, dim=-1)  # (R, B, V)
+    d = drafts.tokens  # (R, B-1)
+    p_d = p[:, :-1].gather(2, d[..., None])[..., 0]  # (R, B-1)
+    q_d = torch.ones_like(p_d) if drafts.probs is None else drafts.probs.gather(2, d[..., None])[..., 0]
+    u = torch.rand(p_d.shape, generator=generator, device=p.device)
+    slots = torch.arange(b - 1, device=p.device)
+    ok = (u < (p_d / q_d.clamp_min(1e-20)).clamp(max=1.0)) & (slots < drafts.lengths[:, None])
+    accepted = ok.long().cumprod(1).sum(1)  # (R,)
+    p_at = p.gather(1, accepted[:, None, None].expand(rows, 1, vocab))[:, 0]  # (R, V)
+    at = accepted.clamp(max=b - 2)[:, None]  # the rejected draft's slot (clamped where none was rejected)
+    if drafts.probs is None:
+        q_at = torch.zeros_like(p_at).scatter_(1, d.gather(1, at), 1.0)
+    else:
+        q_at = drafts.probs.gather(1, at[..., None].expand(rows, 1, vocab))[:, 0]
+    residual = (p_at - q_at).clamp_min(0)  # (R, V)
+    total = residual.sum(-1, keepdim=True)
+    rejected = (accepted < drafts.lengths)[:, None] & (total > 0)
+    dist = torch.where(rejected, residual / total.clamp_min(1e-30), p_at)
+    return accepted, torch.multinomial(dist, 1, generator=generator)[:, 0]
+
+
+class _TargetCache:
+    """The target's KV cache of a batch and which slots are valid; positions live with the caller."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self.cache = DynamicCache(config=target.config)
+        self.valid: Optional[torch.Tensor] = None  # (R, S) bool
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor, *, hidden: bool,
+                last_only: bool = False):
+        """Feed ids (R, n) at positions (R, n); new_valid (R, n) marks real tokens among them (padding is
+        False). Returns the HF output (logits (R, n or 1, V), hidden states if asked)."""
+        mask = new_valid if self.valid is None else torch.cat([self.valid, torch.ones_like(new_valid)], 1)
+        kwargs = {"logits_to_keep": 1} if last_only else {}
+        out = _forward(self.target, ids, self.cache, attention_mask=mask.long(), position_ids=positions,
+                       output_hidden_states=hidden, **kwargs)
+        self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], 1)
+        return out
+
+    def commit(self, valid_tail: torch.Tensor) -> None:
+        """Mark which of the last n slots hold committed tokens: valid_tail (R, n) bool."""
+        n = valid_tail.shape[1]
+        self.valid = torch.cat([self.valid[:, :-n], valid_tail], 1)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.valid = self.valid[rows]
+
+
+@torch.no_grad()
+def decode_batch(
+    target,
+    prompts: Sequence[torch.Tensor],
+    *,
+    proposer: Optional[BatchProposer] = None,
+    block_size: int = 1,
+    tap_layer_ids: Sequence[int] = (),
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    temperature: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    pad_token_id: int = 0,
+    banned_token_ids: Sequence[int] = (),
+    on_step: Callable[[int], None] = lambda committed: None,
+) -> list[DecodeResult]:
+    """Decode every prompt ((L,) int64 each) to a stop token or `max_new_tokens`.
+
+    Without a proposer this is plain decoding (greedy, or sampled at `temperature`), one token per step and
+    no acceptance lengths. With one, each step verifies a block of `block_size` tokens. `banned_token_ids`
+    are never generated by plain decoding (speculative decoding leaves the target's choices alone).
+    `on_step(n)` is told the tokens committed by each step (for a progress bar).
+    """
+    start_time = time.perf_counter()
+    device = next(target.parameters()).device
+    stop = set(stop_token_ids)
+    speculative = proposer is not None and block_size > 1
+    width = block_size if speculative else 1
+    banned = None
+    if banned_token_ids and not speculative:
+        banned = torch.tensor(list(banned_token_ids), dtype=torch.int64, device=device)
+    hidden = speculative and proposer.needs_taps
+    rows = len(prompts)
+    outputs: list[list[int]] = [[] for _ in range(rows)]
+    lengths: list[list[int]] = [[] for _ in range(rows)]
+    reasons = ["max_new_tokens"] * rows
+    cache = _TargetCache(target)
+
+    ids, valid, positions = _left_pad(prompts, pad_token_id, device)
+    out = cache.forward(ids, positions, valid, hidden=hidden, last_only=True)
+    if speculative:
+        proposer.observe(ContextUpdate(tokens=ids, positions=positions, valid=valid,
+                                       taps=_taps(out.hidden_states, tap_layer_ids) if hidden else None))
+    last = _pick(out.logits[:, -1], temperature, generator, banned)  # (R,)
+    starts = valid.sum(1)  # (R,) position of each row's last committed token (not yet fed)
+    active = list(range(rows))  # batch row -> prompt index
+    finished: list[int] = []  # batch rows whose prompt is done (dropped at the next compaction)
+    for row, token in enumerate(last.tolist()):  # host sync: the loop needs the first tokens
+        outputs[row].append(token)
+        if token in stop or max_new_tokens <= 1:
+            reasons[row] = "eos" if token in stop else "max_new_tokens"
+            finished.append(row)
+    on_step(rows)
+    slot = torch.arange(width, device=device)
+    while len(finished) < len(active):
+        if finished and len(finished) * 4 >= len(active):  # drop finished rows in groups (a copy of the caches)
+            keep = [r for r in range(len(active)) if r not in set(finished)]
+            keep_t = torch.tensor(keep, dtype=torch.int64, device=device)
+            cache.keep(keep_t)
+            last, starts = last[keep_t], starts[keep_t]
+            if speculative:
+                proposer.keep(keep_t)
+            active = [active[r] for r in keep]
+            finished = []
+        remaining = torch.tensor([max_new_tokens - len(outputs[p]) for p in active], device=device)
+        block_positions = starts[:, None] + slot  # (R, W)
+        if speculative:
+            drafts = proposer.propose(last, starts, remaining.clamp(max=width - 1), width, temperature, generator)
+            block = torch.cat([last[:, None], drafts.tokens], 1)  # (R, W)
+        else:
+            block = last[:, None]
+        out = cache.forward(block, block_positions, torch.ones_like(block, dtype=torch.bool), hidden=hidden)
+        logits = out.logits  # (R, W, V)
+        if not speculative:
+            accepted = torch.zeros_like(last)
+            bonus = _pick(logits[:, 0], temperature, generator, banned)
+        elif temperature <= 0:
+            accepted, bonus = accept_greedy(logits, drafts)
+        else:
+            accepted, bonus = accept_sampled(logits, drafts, temperature, generator)
+        committed_slots = slot <= accepted[:, None]  # (R, W): the fed tokens that stay
+        if speculative:
+            cache.commit(committed_slots)
+            proposer.observe(ContextUpdate(tokens=block, positions=block_positions, valid=committed_slots,
+                                           taps=_taps(out.hidden_states, tap_layer_ids) if hidden else None))
+        # host sync: one copy of the step's results, the loop decides on the host what each row keeps
+        host = torch.cat([block, accepted[:, None], bonus[:, None]], 1).tolist()
+        step_tokens = 0
+        done_before = set(finished)
+        for r, row in enumerate(host):
+            if r in done_before:
+                continue
+            prompt = active[r]
+            n_acc = row[width]
+            new = row[1 : n_acc + 1] + [row[width + 1]]
+            budget = max_new_tokens - len(outputs[prompt])
+            kept = new[:budget]
+            for i, t in enumerate(kept):
+                if t in stop:
+                    kept = kept[: i + 1]
+                    reasons[prompt] = "eos"
+                    break
+            outputs[prompt].extend(kept)
+            step_tokens += len(kept)
+            if speculative:
+                lengths[prompt].append(len(kept))
+            if reasons[prompt] == "eos" or len(outputs[prompt]) >= max_new_tokens:
+                finished.append(r)
+        on_step(step_tokens)
+        last = bonus
+        starts = starts + accepted + 1
+    seconds = time.perf_counter() - start_time
+    return [DecodeResult(output_ids=outputs[i], acceptance_lengths=lengths[i], stop_reason=reasons[i], seconds=seconds)
+            for i in range(rows)]

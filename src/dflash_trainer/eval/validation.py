@@ -1,0 +1,185 @@
+"""Held-out validation: teacher-forced metrics on held-out conversations, and walk tau.
+
+Cheap next to real decoding, so it can run often during training. The held-out conversations are packed and
+run through the target exactly as training batches are (same shapes, so a compiled drafter forward is
+reused); then a block is drafted at *every* anchor of every reply and scored against the reply's tokens:
+
+- `loss`, `accuracy`, `slot_accuracy`, `sim_tau`: the training objective and metrics over all anchors
+  (what the training log shows, on data the drafter never saw);
+- `walk_tau`: the acceptance at each anchor walked as greedy decoding walks. A reply's walk starts at its
+  first token (the one the prefill commits), moves on by the acceptance length and so restarts right after
+  each rejection, and stops at the reply's end or after `max_new_tokens` tokens. On replies that are the
+  target's own greedy output, this is the tau that real decoding of the same prompts measures, up to
+  numerics; averaging over all anchors instead (`sim_tau`) counts easy runs many times and overstates it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dflash_trainer.data.plan import build_epoch_plan
+from dflash_trainer.data.tokenized import TokenizedDataset
+from dflash_trainer.drafter.anchors import plan_from_anchors, token_seq_ids, valid_anchor_mask
+from dflash_trainer.drafter.loss import drafter_loss
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.target.batch import WireBatch
+from dflash_trainer.target.capture import TapCapture
+from dflash_trainer.target.head import TargetHead
+from dflash_trainer.target.worker import forward_job
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidationReport:
+    """Held-out metrics of one drafter (logged as `val_*`)."""
+
+    loss: float
+    """Weighted CE over every held-out anchor, as the training loss weighs it."""
+    accuracy: float
+    slot_accuracy: tuple[float, ...]
+    """Per block slot k = 1..B-1."""
+    sim_tau: float
+    """Simulated acceptance averaged over every anchor."""
+    walk_tau: float
+    """Simulated acceptance walked as greedy decoding walks (see the module docstring)."""
+    anchors: int
+    walk_steps: int
+    replies: int
+    seconds: float
+
+
+def reply_spans(loss_mask: Sequence[bool]) -> list[tuple[int, int]]:
+    """(first, last) index of every maximal run of supervised tokens: one assistant reply each (its end-of-
+    turn token included)."""
+    spans, start = [], None
+    for i, m in enumerate(loss_mask):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i - 1))
+            start = None
+    if start is not None:
+        spans.append((start, len(loss_mask) - 1))
+    return spans
+
+
+def walk(acceptance: Sequence[int], first: int, last: int, max_new_tokens: int) -> list[int]:
+    """Acceptance lengths of decoding one reply: `acceptance[i]` is the simulated acceptance of the block
+    anchored at index i; the walk starts at `first` and commits up to index min(last, first + max_new - 1)."""
+    end = min(last, first + max_new_tokens - 1)
+    steps, i = [], first
+    while i < end:
+        a = min(acceptance[i], end - i)
+        steps.append(a)
+        i += a
+    return steps
+
+
+class HeldOutValidator:
+    """Validation on fixed held-out sequences: target taps and drafter blocks in training-shaped batches."""
+
+    def __init__(self, *, capture: TapCapture, dataset: TokenizedDataset, buffers: WireBatch, head: TargetHead,
+                 num_blocks: int, gamma: float, max_new_tokens: int, compute_dtype: torch.dtype,
+                 chunk_rows: int) -> None:
+        """`buffers`: one wire batch of the run's shape (taps land there); `num_blocks`: the training batches'
+        blocks (anchors beyond it take several drafter forwards over the same taps)."""
+        token_budget, max_seqs = buffers.input_ids.numel(), buffers.cu_seqlens.numel() - 1
+        self.capture, self.dataset, self.buffers, self.head = capture, dataset, buffers, head
+        self.jobs = build_epoch_plan(dataset.lengths, epoch=0, seed=0, num_buckets=1, token_budget=token_budget,
+                                     max_seqs=max_seqs).jobs
+        self.num_blocks, self.gamma, self.max_new_tokens = num_blocks, gamma, max_new_tokens
+        self.compute_dtype, self.chunk_rows = compute_dtype, chunk_rows
+
+    @torch.no_grad()
+    def run(self, model: DFlashDrafter) -> ValidationReport:
+        start = time.perf_counter()
+        device = self.buffers.input_ids.device
+        fp32 = self.compute_dtype == torch.float32
+        embed = self.head.embed_weight.float() if fp32 else self.head.embed_weight
+        lm_head = self.head.lm_head_weight.float() if fp32 else self.head.lm_head_weight
+        autocast = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=self.compute_dtype)
+        spec = model.spec
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, weight, accept, blocks
+        slots = torch.zeros(2, spec.block_size - 1, dtype=torch.float64, device=device)  # correct, count
+        steps: list[int] = []
+        replies = 0
+        try:
+            for job in self.jobs:
+                batch, _ = forward_job(self.capture, self.dataset, job, self.buffers)
+                taps = batch.taps.float() if fp32 else batch.taps
+                seq = token_seq_ids(batch.cu_seqlens, batch.input_ids.shape[0])  # (T,)
+                anchors = torch.nonzero(valid_anchor_mask(batch.loss_mask.bool(), seq)).flatten()  # (A,)
+                accept = torch.zeros(batch.input_ids.shape[0], dtype=torch.float32, device=device)  # (T,)
+                for lo in range(0, anchors.numel(), self.num_blocks):
+                    chunk = anchors[lo : lo + self.num_blocks]
+                    n = chunk.numel()
+                    padded = torch.zeros(self.num_blocks, dtype=torch.int64, device=device)  # (N,)
+                    padded[:n] = chunk
+                    plan = plan_from_anchors(
+                        anchors=padded, block_valid=torch.arange(self.num_blocks, device=device) < n,
+                        input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
+                        block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+                    )
+                    with autocast:
+                        hidden = model.forward_train(taps=taps, cu_seqlens=batch.cu_seqlens, plan=plan,
+                                                     embed_weight=embed)  # (N, B, H)
+                        out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
+                                           chunk_rows=self.chunk_rows)
+                    sums += torch.stack([out.loss_sum, out.weight_sum, out.accept_sum, out.block_count]).double()
+                    slots += torch.stack([out.slot_correct, out.slot_count]).double()
+                    accept[chunk] = out.block_accept[:n].float()
+                # host sync: the walk follows each reply's acceptance on the host
+                mask = batch.loss_mask[: batch.num_tokens].tolist()
+                acceptance = accept[: batch.num_tokens].round().long().tolist()
+                bounds = batch.cu_seqlens[: batch.num_seqs + 1].tolist()
+                for s in range(batch.num_seqs):
+                    lo, hi = bounds[s], bounds[s + 1]
+                    for first, last in reply_spans(mask[lo:hi]):
+                        replies += 1
+                        steps += walk(acceptance[lo:hi], first, last, self.max_new_tokens)
+        finally:
+            model.train(was_training)
+        loss, weight, accepted, blocks = sums.tolist()  # host sync: the report
+        correct, count = slots.tolist()
+        return ValidationReport(
+            loss=loss / max(weight, 1e-12),
+            accuracy=sum(correct) / max(sum(count), 1.0),
+            slot_accuracy=tuple(c / max(k, 1.0) for c, k in zip(correct, count)),
+            sim_tau=accepted / max(blocks, 1.0),
+            walk_tau=sum(steps) / len(steps) if steps else 0.0,
+            anchors=int(blocks),
+            walk_steps=len(steps),
+            replies=replies,
+            seconds=time.perf_counter() - start,
+        )
+
+
+def build_validator(config, *, capture: TapCapture, head: TargetHead, tokenizer, conversations_path,
+                    device: torch.device) -> "HeldOutValidator | None":
+    """A validator over the first `eval.num_prompts` conversations with a reply in `conversations_path` (a
+    JSONL of `{"messages": [...]}` rows: `plan/eval.jsonl` or `eval.prompts`), the same conversations whose
+    prompts real tau decodes; None when none has a reply."""
+    from dflash_trainer.data.config import DataSourceConfig
+    from dflash_trainer.data.sources import load_source
+    from dflash_trainer.data.tokenized import tokenize_all
+    from dflash_trainer.target.batch import WireSpec, allocate
+    from dflash_trainer.train.micro_step import COMPUTE_DTYPES
+
+    loaded = load_source(DataSourceConfig(path=str(conversations_path), format="messages"),
+                         limit=config.eval.num_prompts)
+    dataset = tokenize_all(list(loaded.conversations), tokenizer, thinking=config.data.thinking,
+                           max_length=config.data.max_length, min_supervised=2).dataset
+    if len(dataset) == 0:
+        return None
+    wire = WireSpec.from_config(config, hidden_size=capture.hidden, num_taps=len(capture.tap_layer_ids))
+    return HeldOutValidator(
+        capture=capture, dataset=dataset, buffers=allocate(wire, device), head=head, num_blocks=config.num_blocks,
+        gamma=config.drafter.loss_gamma, max_new_tokens=config.eval.max_new_tokens,
+        compute_dtype=COMPUTE_DTYPES[config.train.dtype], chunk_rows=config.drafter.loss_chunk_rows,
+    )

@@ -1,0 +1,200 @@
+"""Batched decoding against the single-sequence loop (itself checked against the reference package).
+
+Exactness: plain batched decoding equals plain decoding of each prompt alone; batched speculative decoding
+commits the same tokens with the same acceptance lengths as `speculative_generate`, row by row, for a
+fitted DFlash drafter, with stop tokens, and with rows that finish at different steps (compaction).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trainer.eval.batched import BlockDrafts, ContextUpdate, _TargetCache, accept_greedy, accept_sampled, decode_batch
+from dflash_trainer.eval.proposers import PromptLookupProposer
+from dflash_trainer.eval.speculative import speculative_generate, target_generate
+from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
+from tests.eval_helpers import batch_proposer_for, fitted, proposer_for
+
+
+def _prompts():
+    setup = fitted()
+    generator = torch.Generator().manual_seed(5)
+    # the fitted prompts plus longer and shorter ones: rows of very different lengths share a batch
+    return setup.prompts + [torch.randint(0, 1000, (n,), generator=generator) for n in (3, 31, 7)]
+
+
+def test_plain_batched_decoding_equals_each_prompt_alone():
+    target = fitted().target
+    prompts = _prompts()
+    results = decode_batch(target, prompts, max_new_tokens=17, stop_token_ids=[])
+    for prompt, result in zip(prompts, results):
+        ref = target_generate(target, prompt, max_new_tokens=17, stop_token_ids=[])
+        assert result.output_ids == ref.output_ids
+        assert result.acceptance_lengths == [] and result.stop_reason == "max_new_tokens"
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_speculative_batched_equals_reference_loop_row_by_row(trained, monkeypatch):
+    setup = fitted()
+    drafter = setup.drafter if trained else tiny_drafter(seed=3)[0]
+    prompts = _prompts()
+    compactions = []
+    keep = _TargetCache.keep
+    monkeypatch.setattr(_TargetCache, "keep", lambda self, rows: (compactions.append(len(rows)), keep(self, rows)))
+    lengths = []
+    for max_new in (26, 9):  # 9 ends inside a block: the last block shrinks there
+        results = decode_batch(setup.target, prompts, proposer=batch_proposer_for(drafter, setup.target), block_size=4,
+                               tap_layer_ids=drafter.spec.tap_layer_ids, max_new_tokens=max_new, stop_token_ids=[])
+        for prompt, result in zip(prompts, results):
+            ref = speculative_generate(setup.target, proposer_for(drafter, setup.target), prompt, block_size=4,
+                                       tap_layer_ids=drafter.spec.tap_layer_ids, max_new_tokens=max_new,
+                                       stop_token_ids=[])
+            assert result.output_ids == ref.output_ids
+            assert result.acceptance_lengths == ref.acceptance_lengths
+            lengths += result.acceptance_lengths
+    if trained:
+        assert set(lengths) == {1, 2, 3, 4}
+        assert compactions  # rows finished at different steps and were dropped while others went on
+
+
+def test_stop_tokens_end_rows_like_the_reference_loop():
+    setup = fitted()
+    prompts = _prompts()
+    plain = decode_batch(setup.target, prompts, max_new_tokens=30, stop_token_ids=[])
+    stop = [plain[2].output_ids[11], plain[0].output_ids[4]]  # tokens that occur mid-output in two rows
+    spec = decode_batch(setup.target, prompts, proposer=batch_proposer_for(setup.drafter, setup.target), block_size=4,
+                        tap_layer_ids=setup.drafter.spec.tap_layer_ids, max_new_tokens=30, stop_token_ids=stop)
+    reasons = set()
+    for prompt, result in zip(prompts, spec):
+        ref = speculative_generate(setup.target, proposer_for(setup.drafter, setup.target), prompt, block_size=4,
+                                   tap_layer_ids=setup.drafter.spec.tap_layer_ids, max_new_tokens=30,
+                                   stop_token_ids=stop)
+        assert (result.output_ids, result.acceptance_lengths, result.stop_reason) == (
+            ref.output_ids, ref.acceptance_lengths, ref.stop_reason)
+        reasons.add(result.stop_reason)
+    assert reasons == {"eos", "max_new_tokens"}
+
+
+def test_prompt_lookup_is_lossless_and_copies_repeats():
+    setup = fitted()
+    prompts = _prompts()
+    plain = decode_batch(setup.target, prompts, max_new_tokens=40, stop_token_ids=[])
+    # a prompt that contains its own greedy continuation: lookup drafts it, so whole blocks are accepted
+    echo = torch.cat([prompts[1], torch.tensor(plain[1].output_ids[:30]), prompts[1]])
+    echo_ref = target_generate(setup.target, echo, max_new_tokens=40, stop_token_ids=[])
+    rows = prompts + [echo]
+    out = decode_batch(setup.target, rows, proposer=PromptLookupProposer(max_ngram=3), block_size=8,
+                       max_new_tokens=40, stop_token_ids=[])
+    for result, ref in zip(out, [p.output_ids for p in plain] + [echo_ref.output_ids]):
+        assert result.output_ids == ref
+        assert sum(result.acceptance_lengths) == len(result.output_ids) - 1
+    echo_lengths = out[-1].acceptance_lengths
+    if echo_ref.output_ids[:29] == plain[1].output_ids[1:30]:  # the target repeats itself after the echo
+        assert max(echo_lengths) == 8
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    proposer = PromptLookupProposer(max_ngram=2, min_ngram=1)
+    tokens = torch.tensor([[1, 2, 3, 9, 1, 2, 4, 5, 2]])
+    proposer.observe(ContextUpdate(tokens=tokens, positions=torch.arange(9)[None],
+                                   valid=torch.ones_like(tokens, dtype=torch.bool), taps=None))
+    # context ... 5 2 | last 1 -> suffix (2, 1) never occurred; (1,) last occurred at index 4 -> 2 4 5 2 1
+    drafts = proposer.propose(torch.tensor([1]), torch.tensor([9]), torch.tensor([3]), 8, 0.0, None)
+    assert drafts.lengths.tolist() == [3] and drafts.tokens[0, :3].tolist() == [2, 4, 5]
+    # a suffix of two: (1, 2) occurred at 0 and 4: the latest (4) wins -> 4 5 2
+    proposer.observe(ContextUpdate(tokens=torch.tensor([[1, 2]]), positions=torch.tensor([[9, 10]]),
+                                   valid=torch.tensor([[True, True]]), taps=None))
+    drafts = proposer.propose(torch.tensor([7]), torch.tensor([11]), torch.tensor([7]), 8, 0.0, None)
+    assert drafts.lengths.tolist() == [0]  # (2, 7) and (7,) never occurred
+    proposer = PromptLookupProposer(max_ngram=2, min_ngram=1)
+    proposer.observe(ContextUpdate(tokens=tokens, positions=torch.arange(9)[None],
+                                   valid=torch.ones_like(tokens, dtype=torch.bool), taps=None))
+    drafts = proposer.propose(torch.tensor([4]), torch.tensor([9]), torch.tensor([7]), 8, 0.0, None)
+    assert drafts.tokens[0, : int(drafts.lengths[0])].tolist() == [5, 2, 4]  # (2, 4) at 5 -> 5 2 then (4) again
+
+
+def test_greedy_acceptance_rule():
+    logits = torch.full((2, 4, 10), -5.0)
+    for r, row in enumerate([[3, 4, 5, 6], [1, 2, 3, 4]]):
+        for k, t in enumerate(row):
+            logits[r, k, t] = 5.0
+    drafts = BlockDrafts(tokens=torch.tensor([[3, 4, 9], [1, 2, 3]]), lengths=torch.tensor([3, 2]))
+    accepted, bonus = accept_greedy(logits, drafts)
+    # row 0: 3 ok, 4 ok, 9 != 5 -> 2 accepted, bonus 5; row 1: only 2 drafts count -> 2, bonus 3
+    assert accepted.tolist() == [2, 2] and bonus.tolist() == [5, 3]
+
+
+def test_sampled_acceptance_keeps_the_target_distribution():
+    """One draft slot, target p and drafter q over 3 tokens: the first committed token is distributed as p."""
+    torch.manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.2, 0.6])
+    n = 40000
+    logits = torch.log(p).expand(n, 2, 3).clone()
+    generator = torch.Generator().manual_seed(1)
+    draft = torch.multinomial(q.expand(n, 3), 1, replacement=True, generator=generator)  # (n, 1)
+    drafts = BlockDrafts(tokens=draft, lengths=torch.ones(n, dtype=torch.int64), probs=q.expand(n, 1, 3))
+    accepted, bonus = accept_sampled(logits, drafts, 1.0, generator)
+    first = torch.where(accepted > 0, draft[:, 0], bonus)
+    freq = torch.bincount(first, minlength=3).float() / n
+    assert torch.allclose(freq, p, atol=0.01), freq
+    # point-mass drafts (prompt lookup): always draft token 2
+    drafts = BlockDrafts(tokens=torch.full((n, 1), 2), lengths=torch.ones(n, dtype=torch.int64))
+    accepted, bonus = accept_sampled(logits, drafts, 1.0, generator)
+    first = torch.where(accepted > 0, torch.full_like(bonus, 2), bonus)
+    freq = torch.bincount(first, minlength=3).float() / n
+    assert torch.allclose(freq, p, atol=0.01), freq
+
+
+# -- held-out validation: walk tau ------------------------------------------------------------------
+
+
+def test_walk_restarts_after_each_rejection_and_stops_at_the_budget():
+    from dflash_trainer.eval.validation import reply_spans, walk
+
+    assert reply_spans([0, 1, 1, 1, 0, 0, 1, 1]) == [(1, 3), (6, 7)]
+    acceptance = [0, 3, 1, 1, 4, 2, 1, 9, 9, 9, 9]
+    assert walk(acceptance, 1, 10, 100) == [3, 4, 2]  # 1 -> 4 -> 8 -> 10 (the last block is cut at the end)
+    assert walk(acceptance, 1, 10, 5) == [3, 1]  # five tokens: indices 1..5
+    assert walk(acceptance, 3, 3, 100) == []  # a one-token reply: the prefill commits it, no step
+
+
+def test_walk_tau_equals_real_decoding_on_greedy_replies():
+    """On replies that are the target's own greedy output, the walk over teacher-forced blocks gives the same
+    acceptance lengths as real speculative decoding of the prompts, in the same total."""
+    from dflash_trainer.data.tokenized import TokenizedDataset
+    from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
+    from dflash_trainer.eval.validation import HeldOutValidator
+    from dflash_trainer.target.batch import WireSpec, allocate
+    from dflash_trainer.target.capture import TapCapture
+    from dflash_trainer.target.head import head_from_model
+
+    setup = fitted()
+    spec = setup.drafter.spec
+    prompts = _prompts()
+    max_new = 24
+    real = decode_batch(setup.target, prompts, proposer=batch_proposer_for(setup.drafter, setup.target),
+                        block_size=spec.block_size, tap_layer_ids=spec.tap_layer_ids, max_new_tokens=max_new,
+                        stop_token_ids=[])
+    replies = decode_batch(setup.target, prompts, max_new_tokens=max_new + 6, stop_token_ids=[])
+    sequences = []
+    for prompt, reply in zip(prompts, replies):
+        ids = torch.cat([prompt, torch.tensor(reply.output_ids)])
+        mask = torch.arange(ids.shape[0]) >= prompt.shape[0]
+        sequences.append((Conversation(messages=(Message(role="user", content="x"),), source="t", source_index=0),
+                          TokenizedSequence(input_ids=ids, loss_mask=mask)))
+    dataset = TokenizedDataset.from_sequences(sequences)
+    wire = WireSpec(token_budget=96, max_seqs=4, num_taps=spec.num_taps, hidden=spec.hidden_size,
+                    dtype=torch.float32, has_last_hidden=False)
+    validator = HeldOutValidator(
+        capture=TapCapture(setup.target, spec.tap_layer_ids), dataset=dataset, buffers=allocate(wire, "cpu"),
+        head=head_from_model(setup.target), num_blocks=16, gamma=2.0, max_new_tokens=max_new,
+        compute_dtype=torch.float32, chunk_rows=64)
+    report = validator.run(setup.drafter)
+    real_steps = [n for r in real for n in r.acceptance_lengths]
+    assert report.replies == len(prompts) and report.walk_steps == len(real_steps)
+    assert report.walk_tau == pytest.approx(sum(real_steps) / len(real_steps))
+    assert report.walk_tau > 1.2  # the fitted drafter drafts beyond the bonus token
+    assert report.anchors == sum(max_new + 6 - 1 for _ in prompts)  # every anchor of every reply
+    assert len(report.slot_accuracy) == spec.block_size - 1 and report.loss > 0
