@@ -201,3 +201,36 @@ def test_train_steady_counts_tokens_after_the_skipped_records(tmp_path):
     assert r["first_steps_s"] == pytest.approx(2.0)
     with pytest.raises(SystemExit, match="train longer"):
         train_steady.steady(tmp_path, skip=5)
+
+
+def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(tmp_path):
+    """bench/quality.py on a random tiny target: regenerate (held-out split of the bundled ShareGPT file), two
+    arms in parallel processes, result JSONs with real tau beside prompt lookup and walk tau; the packed cache
+    restores to the same data, and a rerun on it regenerates nothing."""
+    small = ["run.device=cpu", "regenerate.batch_size=16", "regenerate.max_new_tokens=24", "data.max_length=384",
+             "pipeline.token_budget=768", "train.max_steps=4", "eval.interval=2", "eval.max_new_tokens=12",
+             "drafter.num_layers=1", "data.cache_dir=" + str(tmp_path / "tok")]
+    arms = tmp_path / "arms.txt"
+    arms.write_text("# two arms\na " + " ".join(small) + "\nb train.lr=1e-3 " + " ".join(small) + "\n")
+    common = ["--target", "tiny", "--eval-prompts", "3", "--train-conversations", "24", "--results",
+              str(tmp_path / "results")]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c1"),
+                           "--runs", str(tmp_path / "runs"), "--arms", str(arms), "--parallel", "2",
+                           "--pack", str(tmp_path / "parts")], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(r["name"] for r in last["runs"]) == ["a", "b"]
+    for name in ("a", "b"):
+        (found,) = (tmp_path / "results").glob(f"*-quality-{name}.json")
+        result = json.loads(found.read_text())
+        assert result["steps"] == 4 and result["tau"] >= 1.0 and result["prompt_lookup_tau"] >= 1.0
+        assert result["walk_tau"] >= 1.0 and 1 <= result["val"]["replies"] <= 3 and len(result["evals"]) == 2
+    assert list((tmp_path / "parts").glob("quality-cache.tar.gz.part*"))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c2"),
+                           "--unpack", str(tmp_path / "parts"), "--data-only"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'cached': True" in proc.stdout
+    assert (tmp_path / "c2" / "eval.jsonl").read_text() == (tmp_path / "c1" / "eval.jsonl").read_text()

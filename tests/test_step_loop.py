@@ -39,7 +39,7 @@ def _micro(model):
     return step
 
 
-def _run(batches, group, grad_accum, sharded=False):
+def _run(batches, group, grad_accum, sharded=False, deadline=None):
     model = _model()
     dummy = None
     if sharded:
@@ -52,7 +52,7 @@ def _run(batches, group, grad_accum, sharded=False):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     loop = StepLoop(model=model, optimizer=opt, scheduler=sched, micro_step=_micro(model), job_key=lambda b: (b[0], b[1]),
                     grad_accum=grad_accum, block_size=2, grad_clip=0.0, group=group, device=torch.device("cpu"),
-                    dummy_batch=dummy)
+                    dummy_batch=dummy, deadline=deadline)
     queue = list(batches)
     records = []
     loop.run(lambda: (queue.pop(0), lambda: None) if queue else None, records.append)
@@ -99,6 +99,19 @@ def test_nonfinite_step_is_skipped_and_counted():
     assert sorted(j for _, j in state.committed) == [0, 1, 2, 9]
     ref, _, _ = _run([b[1], b[2]], None, grad_accum=2)
     torch.testing.assert_close(weight, ref)
+
+
+def test_a_passed_deadline_ends_the_run_after_the_current_step():
+    import time
+
+    b = _batches()
+    weight, records, state = _run(b, None, grad_accum=2, deadline=time.monotonic() - 1.0)
+    assert len(records) == 1 and state.step == 1 and state.out_of_time
+    assert sorted(j for _, j in state.committed) == [0, 1]  # the step's jobs are committed, the rest left
+    ref, _, _ = _run(b[:2], None, grad_accum=2)
+    torch.testing.assert_close(weight, ref)
+    _, records, state = _run(b, None, grad_accum=2, deadline=time.monotonic() + 600.0)
+    assert len(records) == 3 and not state.out_of_time
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 0.5, 100.0])

@@ -27,7 +27,8 @@ class DrafterConfig:
     gamma: Optional[float] = None
     """Loss decay exp(-(k-1)/gamma); None: 7/5/4 for B = 16/10/8."""
     init_from: Optional[str] = None
-    """Start from an exported drafter directory (e.g. a released DFlash drafter)."""
+    """Start from an exported drafter directory (e.g. a released DFlash drafter), or `target`: from the
+    target's own decoder layers (see drafter/init.py)."""
     intermediate_size: Optional[int] = None
     """MLP width; None: the target's."""
     attention: str = "auto"

@@ -1,15 +1,18 @@
-"""The frozen pieces of the target that the drafter uses: input embedding, LM head, final norm."""
+"""The frozen pieces of the target that the drafter uses: input embedding, LM head, final norm; and any
+other target tensors a drafter rank reads without loading the whole target (initialisation)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.target.load import DTYPES, find_decoder, load_target, target_model_config
 
@@ -62,6 +65,25 @@ def _read_head(files, embed_key, head_key, norm_key, config, device, dtype) -> T
         norm.weight.copy_(read(norm_key))
     norm.requires_grad_(False)
     return TargetHead(embed_weight=embed, lm_head_weight=head, final_norm=norm)
+
+
+def read_target_tensors(cfg: TargetConfig, names: Sequence[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Named tensors of the target's state dict (e.g. `model.layers.5.mlp.up_proj.weight`) on the CPU in
+    `cfg.dtype`: read one by one from a local safetensors checkpoint, else from the whole model."""
+    dtype = DTYPES[cfg.dtype]
+    if cfg.path is not None and Path(cfg.path).is_dir():
+        files = _safetensors_files(Path(cfg.path))
+        if all(n in files for n in names):
+            out = {}
+            for name in names:
+                with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+                    out[name] = f.get_tensor(name).to(dtype)
+            return out
+    state = load_target(cfg, "cpu", seed=seed).state_dict()
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise ConfigError(f"the target has no tensors {missing[:4]} (a Llama/Qwen-like layout is expected)")
+    return {n: state[n].detach().clone() for n in names}
 
 
 def load_target_head(cfg: TargetConfig, device: torch.device, seed: int = 0) -> TargetHead:

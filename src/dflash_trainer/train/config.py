@@ -13,6 +13,9 @@ class TrainConfig:
     num_epochs: int = 1
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps (None: run all epochs)."""
+    max_minutes: Optional[float] = None
+    """Also stop once training has run this many minutes (None: no time limit); the final checkpoint, export
+    and evaluation follow. The schedule still spans `max_steps` (or the epochs): set both so that it ends."""
     grad_accum: int = 1
     """Pool batches per optimizer step on each drafter rank."""
     lr: float = 6e-4
@@ -44,6 +47,8 @@ class TrainConfig:
             raise ConfigError(f"train.num_epochs must be >= 1, got {self.num_epochs}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ConfigError(f"train.max_minutes must be > 0 or null, got {self.max_minutes}")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:

@@ -6,7 +6,8 @@ backward on the *unnormalised* weighted loss sum, then all ranks all-reduce one 
 - the step's total loss weight: gradients are summed over ranks and divided by it, so the loss is
   normalised over the whole step (all microbatches of all ranks), not per microbatch;
 - whether any rank saw NaN/inf: then every rank skips the step together;
-- whether every rank ran dry: then the run ends together (a partial last step is still taken).
+- whether every rank ran dry: then the run ends together (a partial last step is still taken);
+- whether any rank passed the time limit: then this is the last step everywhere.
 A job is committed (enters the ledger) when the optimizer step that used it completes.
 """
 
@@ -79,11 +80,13 @@ class LoopState:
     tokens: int = 0
     committed: list[tuple[int, int]] = field(default_factory=list)
     """(epoch, job_id) committed by this run, in commit order."""
+    out_of_time: bool = False
+    """A rank passed the time limit: the run stopped after the last step."""
 
 
 _STATS = ("loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite")
 """Device-side sums per step; the host-side counts (`_COUNTS`) join them in the one all-reduce."""
-_COUNTS = ("batches", "tokens")
+_COUNTS = ("batches", "tokens", "out_of_time")
 
 
 class StepLoop(Generic[B]):
@@ -106,8 +109,10 @@ class StepLoop(Generic[B]):
         max_steps: Optional[int] = None,
         max_nonfinite_steps: int = 10,
         dummy_batch: Optional[B] = None,
+        deadline: Optional[float] = None,
     ) -> None:
-        """`dummy_batch` (FSDP2 only): a batch with no supervised token, run by a rank that has no batch."""
+        """`dummy_batch` (FSDP2 only): a batch with no supervised token, run by a rank that has no batch;
+        `deadline`: a `time.monotonic()` value after which the run stops (every rank after the same step)."""
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer
@@ -122,6 +127,7 @@ class StepLoop(Generic[B]):
         self.max_steps = max_steps
         self.max_nonfinite_steps = max_nonfinite_steps
         self.dummy_batch = dummy_batch
+        self.deadline = deadline
         self.world = dist.get_world_size(group) if group is not None else 1
         self.state = LoopState(step=start_step)
 
@@ -136,6 +142,8 @@ class StepLoop(Generic[B]):
             if record is None:
                 break
             on_step(record)
+            if self.state.out_of_time:
+                break
         return self.state
 
     def step(self, take) -> Optional[StepRecord]:
@@ -144,7 +152,7 @@ class StepLoop(Generic[B]):
         wait = 0.0
         stats = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
         slots = torch.zeros(2, self.slots, dtype=torch.float64, device=self.device)  # (2, B-1) correct, count
-        counts = [0, 0]  # batches, tokens (host values)
+        counts = [0, 0, 0]  # batches, tokens, out of time (host values)
         releases: list[Callable[[], None]] = []
         keys: list[tuple[int, int]] = []
         self.optimizer.zero_grad(set_to_none=True)  # the first backward writes the gradients (no add, no fill)
@@ -181,6 +189,7 @@ class StepLoop(Generic[B]):
                 ]
             )
             slots += torch.stack([out.slot_correct.detach().double(), out.slot_count.detach().double()])
+        counts[2] = int(self.deadline is not None and time.monotonic() >= self.deadline)
         host_counts = torch.tensor(counts, dtype=torch.float64).to(self.device, non_blocking=True)  # one copy a step
         packed = torch.cat([stats, slots.reshape(-1), host_counts])
         if self.group is not None and self.world > 1:
@@ -198,6 +207,7 @@ class StepLoop(Generic[B]):
         grad_norm = flat[n + 2 * self.slots + len(_COUNTS)]
         rows = flat[n + 2 * self.slots + len(_COUNTS) + 1 :]
         job_ids = [(int(e), int(j)) for e, j in zip(rows[0::2], rows[1::2]) if j >= 0]
+        self.state.out_of_time = values["out_of_time"] > 0
         if values["batches"] == 0:
             for release in releases:
                 release()

@@ -21,11 +21,12 @@ import torch.distributed as dist
 
 from dflash_trainer.config import Config
 from dflash_trainer.drafter.export import export_drafter, init_from_export
+from dflash_trainer.drafter.init import init_from_target, target_tensor_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.runtime.faults import maybe_fault
 from dflash_trainer.target.batch import HiddenStateBatch
-from dflash_trainer.target.head import TargetHead
+from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
 from dflash_trainer.train.metrics import build_sinks
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step
@@ -106,7 +107,11 @@ class DrafterTrainer:
         ).to(device)
         with torch.no_grad():
             self.model.init_weights()
-        if config.drafter.init_from:
+        if config.drafter.init_from == "target":
+            names = target_tensor_names(self.model)
+            init_from_target(self.model, read_target_tensors(config.target, sorted(set(names.values())),
+                                                             seed=config.run.seed))
+        elif config.drafter.init_from:
             init_from_export(self.model, config.drafter.init_from)
         world = dist.get_world_size(group) if group is not None else 1
         self.sharded = want_sharding(config.train.fsdp, self.model, device, world)
@@ -168,6 +173,8 @@ class DrafterTrainer:
 
     def run(self, take: Take) -> TrainResult:
         start = time.perf_counter()
+        if self.config.train.max_minutes is not None:
+            self.loop.deadline = time.monotonic() + 60.0 * self.config.train.max_minutes
         busy = wait = 0.0
         last: Optional[StepRecord] = None
         seen = len(self.loop.state.committed)
@@ -191,6 +198,8 @@ class DrafterTrainer:
         state = self.loop.run(take, on_step)
         if bar is not None:
             bar.close()
+        if state.out_of_time:
+            log.info("train.max_minutes=%s reached: stopped after step %d", self.config.train.max_minutes, state.step)
         return TrainResult(
             state=state, ledger=self.ledger, elapsed_s=time.perf_counter() - start, step_time_s=busy,
             wait_time_s=wait, last_record=last, checkpoints=self.checkpoints,

@@ -1,0 +1,322 @@
+"""Drafter quality on the practice target: regenerate the data (cached), train a recipe for a fixed budget,
+then measure real tau on held-out prompts beside prompt lookup on the same prompts.
+
+    python bench/quality.py [--recipe practice] [--name NAME] [--target DIR] [--cache DIR] [override ...]
+    python bench/quality.py --arms FILE [--parallel N]   # several runs on one cache, N processes at a time
+    python bench/quality.py --record FILE.json   # append a result's row to bench/RESULTS.md
+
+The practice target (`../shared/practice_target/`) was pretrained on the bundled ShareGPT file except its last
+500 records: training prompts come from the others, evaluation prompts (the first `--eval-prompts` first user
+turns under 1,500 characters, in file order) from those 500 only. Both are answered by the target itself
+(`dflash-train regenerate`, the recipe's `regenerate` section); the held-out replies are the validation set
+(walk tau) and their prompts the real-tau prompts. `--pack DIR` writes the cache as <= 15 MB parts (to bring
+it back from a device machine), `--unpack DIR` restores it from them.
+
+Per run: a JSON in `bench/results/` (and `--out`), and a table row; the last line printed is the JSON.
+Arms in parallel share the GPU (the practice target is too small to fill it alone): compare them by steps,
+not by wall time; a recipe's time budget is measured alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HELD_OUT_RECORDS = 500
+"""The practice target never saw the bundled ShareGPT file's last 500 records."""
+MAX_PROMPT_CHARS = 1500
+PART_BYTES = 15 * 2**20
+RESULTS_MD = ROOT / "bench" / "RESULTS.md"
+TABLE_HEADER = "| date | commit | name | recipe, overrides | steps | train s | real tau | prompt lookup | ratio | walk tau (held-out) | walk/real | eval s | notes |"
+
+
+def default_target() -> Path:
+    for candidate in (ROOT.parent / "shared" / "practice_target" / "model", ROOT / ".practice" / "model"):
+        if candidate.is_dir():
+            return candidate
+    raise SystemExit("no practice target: pass --target DIR (../shared/practice_target/model)")
+
+
+def target_overrides(target) -> list[str]:
+    """`--target DIR`, or `--target tiny` (a random tiny target and tokenizer: smoke tests of this script)."""
+    if str(target) == "tiny":
+        return ["target.path=null", "target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32",
+                "train.dtype=float32"]
+    return [f"target.path={target}"]
+
+
+def split_sharegpt(num_eval: int, max_train: int | None = None):
+    """(training conversations, evaluation conversations) of the bundled ShareGPT file, as described above."""
+    from dflash_trainer.data.config import DataSourceConfig
+    from dflash_trainer.data.sources import load_source
+    from dflash_trainer.data.types import Conversation
+
+    loaded = load_source(DataSourceConfig(path="sharegpt"))
+    records = loaded.report.records_read - loaded.report.dropped.get("truncated_record", 0)
+    first_held = records - HELD_OUT_RECORDS
+    train = [c for c in loaded.conversations if c.source_index < first_held][:max_train]
+    evals = []
+    for c in loaded.conversations:
+        if c.source_index < first_held:
+            continue
+        first_user = next(i for i, m in enumerate(c.messages) if m.role == "user")
+        if len(c.messages[first_user].content) < MAX_PROMPT_CHARS and first_user + 1 < len(c.messages):
+            evals.append(Conversation(messages=c.messages[: first_user + 2], source=c.source,
+                                      source_index=c.source_index))
+        if len(evals) == num_eval:
+            break
+    return train, evals
+
+
+def _write_messages(path: Path, conversations) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for c in conversations:
+            f.write(json.dumps({"messages": [{"role": m.role, "content": m.content} for m in c.messages]}) + "\n")
+
+
+def _complete(regen_dir: Path) -> bool:
+    manifest = regen_dir / "manifest.json"
+    return manifest.is_file() and json.loads(manifest.read_text()).get("complete", False)
+
+
+def prepare_data(args) -> dict:
+    """Regenerate the training and evaluation sets unless the cache has them; returns timings and counts."""
+    from dflash_trainer import cli
+    from dflash_trainer.regen import read_rows
+
+    cache = Path(args.cache)
+    info: dict = {"cache": str(cache), "regenerate_s": 0.0}
+    if _complete(cache / "train") and _complete(cache / "eval") and (cache / "eval.jsonl").is_file():
+        info["cached"] = True
+    else:
+        info["cached"] = False
+        train, evals = split_sharegpt(args.eval_prompts, args.train_conversations)
+        _write_messages(cache / "train_prompts.jsonl", train)
+        _write_messages(cache / "eval_prompts.jsonl", evals)
+        t0 = time.perf_counter()
+        for name in ("eval", "train"):
+            rc = cli.main(["regenerate", "--config", args.recipe, "--out", str(cache / name),
+                           f"data.path={cache / (name + '_prompts.jsonl')}", *target_overrides(args.target),
+                           "data.max_conversations=null", "logging.progress=false"]
+                          + (["regenerate.max_turns=1"] if name == "eval" else []))
+            if rc != 0:
+                raise SystemExit(f"regenerate {name} failed (rc {rc})")
+        info["regenerate_s"] = time.perf_counter() - t0
+        rows = list(read_rows(cache / "eval"))
+        with (cache / "eval.jsonl").open("w") as f:
+            for row in rows:
+                f.write(json.dumps({"messages": row["messages"]}) + "\n")
+    info["train_rows"] = sum(1 for _ in (cache / "train").glob("shard_*.jsonl") for _ in _.open())
+    info["eval_rows"] = sum(1 for _ in (cache / "eval.jsonl").open())
+    return info
+
+
+def pack(cache: Path, out: Path) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    archive = out / "quality-cache.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("train", "eval", "eval.jsonl"):
+            tar.add(cache / name, arcname=name)
+    data = archive.read_bytes()
+    archive.unlink()
+    parts = []
+    for i in range(0, len(data), PART_BYTES):
+        part = out / f"quality-cache.tar.gz.part{i // PART_BYTES:02d}"
+        part.write_bytes(data[i : i + PART_BYTES])
+        parts.append(part.name)
+    return parts
+
+
+def unpack(parts_dir: Path, cache: Path) -> bool:
+    parts = sorted(parts_dir.glob("quality-cache.tar.gz.part*"))
+    if not parts or _complete(cache / "train"):
+        return False
+    cache.mkdir(parents=True, exist_ok=True)
+    archive = cache / "quality-cache.tar.gz"
+    archive.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(archive) as tar:
+        tar.extractall(cache, filter="data")
+    archive.unlink()
+    return True
+
+
+def commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
+    from dflash_trainer import cli
+
+    cache = Path(args.cache)
+    run_dir = Path(args.runs) / name
+    base = [*target_overrides(args.target), f"data.path={cache / 'train'}", f"eval.prompts={cache / 'eval.jsonl'}",
+            "data.num_eval_conversations=0", f"eval.num_prompts={args.eval_prompts}", f"run.dir={run_dir}",
+            "logging.progress=false"]
+    if run_dir.exists():
+        raise SystemExit(f"{run_dir} exists: pick another --name or remove it")
+    t0 = time.perf_counter()
+    rc = cli.main(["train", "--config", args.recipe, *base, *overrides])
+    wall = time.perf_counter() - t0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if rc != 0 or summary.get("status") != "ok":
+        raise SystemExit(f"training {name} failed: {summary}")
+    ev = summary["eval"] or {}
+    val = ev.get("val") or {}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [{k: r.get(k) for k in ("step", "eval_tau", "eval_prompt_lookup_tau", "val_walk_tau", "val_loss")}
+             for r in rows if "eval_tau" in r]
+    eval_json = json.loads((run_dir / "eval.json").read_text())
+    tau, lookup, walk = ev.get("tau"), ev.get("prompt_lookup_tau"), val.get("walk_tau")
+    return {
+        "bench": "quality", "name": name, "date": datetime.now().strftime("%Y-%m-%d"), "commit": commit(),
+        "recipe": args.recipe, "overrides": overrides, "target": str(args.target), "data": data_info,
+        "steps": summary["steps"], "tokens_trained": summary["tokens_trained"], "train_wall_s": round(wall, 1),
+        "tau": tau, "prompt_lookup_tau": lookup, "ratio": tau / lookup if tau and lookup else None,
+        "walk_tau": walk, "walk_over_real": walk / tau if walk and tau else None,
+        "best_tau": ev.get("best_tau"), "best_step": ev.get("best_step"),
+        "greedy_match_rate": ev.get("greedy_match_rate"), "eval_seconds": eval_json.get("seconds"),
+        "acceptance_histogram": ev.get("acceptance_histogram"), "val": val, "evals": evals,
+        "final_sim_tau": summary.get("final_sim_tau"), "run_dir": str(run_dir),
+    }
+
+
+def save(result: dict, *folders: Path | None) -> None:
+    stamp = datetime.now().strftime("%Y-%m-%dT%H%M%S")
+    for folder in (f for f in folders if f):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{stamp}-quality-{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run_parallel(args, arms: list[list[str]]) -> list[dict]:
+    """Each arm in its own process (this script on one arm), `--parallel` at a time; logs in the runs dir."""
+    runs = Path(args.runs)
+    runs.mkdir(parents=True, exist_ok=True)
+    common = ["--recipe", args.recipe, "--target", str(args.target), "--cache", str(args.cache), "--runs", str(runs),
+              "--eval-prompts", str(args.eval_prompts), "--results", str(args.results)]
+    waiting, running, results = list(arms), [], []
+    while waiting or running:
+        while waiting and len(running) < args.parallel:
+            name, *overrides = waiting.pop(0)
+            log = (runs / f"{name}.log").open("w")
+            cmd = [sys.executable, __file__, "--name", name, *common, *(["--out", str(args.out)] if args.out else []),
+                   *overrides]
+            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+            print(f"started {name}", flush=True)
+        time.sleep(2)
+        for item in list(running):
+            name, proc, log = item
+            if proc.poll() is not None:
+                running.remove(item)
+                log.close()
+                found = sorted(Path(args.results).glob(f"*-quality-{name}.json"))
+                print(f"finished {name}: rc {proc.returncode}" + ("" if found else f" (no result; see {log.name})"),
+                      flush=True)
+                if found:
+                    results.append(json.loads(found[-1].read_text()))
+                    print(row(results[-1]), flush=True)
+    return results
+
+
+def row(result: dict, notes: str = "") -> str:
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    setting = " ".join([Path(result["recipe"]).stem, *result["overrides"]])
+    return (f"| {result['date']} | {result['commit']} | {result['name']} | `{setting}` | {result['steps']} | "
+            f"{f(result['train_wall_s'], '{:.0f}')} | {f(result['tau'])} | {f(result['prompt_lookup_tau'])} | "
+            f"{f(result['ratio'])}x | {f(result['walk_tau'])} | {f(result['walk_over_real'])} | "
+            f"{f(result['eval_seconds'], '{:.1f}')} | {notes} |")
+
+
+def record(path: Path) -> None:
+    result = json.loads(path.read_text())
+    text = RESULTS_MD.read_text()
+    if TABLE_HEADER not in text:
+        text += ("\n## Drafter quality on the practice target (`bench/quality.py`)\n\n" + TABLE_HEADER + "\n"
+                 + "|" + "---|" * TABLE_HEADER.count(" | ") + "---|\n")
+    lines = text.splitlines()
+    at = lines.index(TABLE_HEADER) + 2
+    while at < len(lines) and lines[at].startswith("|"):
+        at += 1
+    lines.insert(at, row(result))
+    RESULTS_MD.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("overrides", nargs="*", help="dotted config overrides of the training run")
+    p.add_argument("--recipe", default="practice")
+    p.add_argument("--name", default=None, help="run name (default: the recipe and a timestamp)")
+    p.add_argument("--arms", type=Path, help="a file of runs, one `NAME override ...` a line (# comments)")
+    p.add_argument("--parallel", type=int, default=1, help="arms run at once, each in its own process")
+    p.add_argument("--target", default=None, help="the practice target's model dir, or `tiny` (smoke)")
+    p.add_argument("--cache", default=str(ROOT / ".cache" / "quality"))
+    p.add_argument("--runs", default=str(ROOT / "runs" / "quality"))
+    p.add_argument("--eval-prompts", type=int, default=40)
+    p.add_argument("--train-conversations", type=int, default=None, help="regenerate at most this many (smoke)")
+    p.add_argument("--out", type=Path, help="also write each result JSON here")
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="where result JSONs go")
+    p.add_argument("--pack", type=Path, help="write the data cache as parts into this directory")
+    p.add_argument("--unpack", type=Path, help="restore the data cache from parts in this directory")
+    p.add_argument("--data-only", action="store_true", help="prepare (and pack) the data, train nothing")
+    p.add_argument("--record", type=Path, help="append the row of this result JSON to bench/RESULTS.md")
+    args = p.parse_args(argv)
+    if args.record:
+        record(args.record)
+        return 0
+    args.target = args.target or default_target()
+    if args.unpack and unpack(args.unpack, Path(args.cache)):
+        print(f"data cache restored from {args.unpack}")
+    data_info = prepare_data(args)
+    print(f"data: {data_info}", flush=True)
+    if args.pack:
+        print(f"packed: {pack(Path(args.cache), args.pack)}")
+    if args.data_only:
+        return 0
+    if args.arms:
+        arms = [shlex.split(line) for line in args.arms.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    else:
+        arms = [[args.name or f"{Path(args.recipe).stem}-{datetime.now().strftime('%H%M%S')}", *args.overrides]]
+    if args.parallel > 1 and len(arms) > 1:
+        results = run_parallel(args, arms)
+    else:
+        results = []
+        for name, *overrides in arms:
+            result = train_arm(args, name, overrides, data_info)
+            results.append(result)
+            save(result, args.results, args.out)
+            print(TABLE_HEADER)
+            print(row(result), flush=True)
+    print()
+    print(TABLE_HEADER)
+    for result in results:
+        print(row(result))
+    print(json.dumps({"bench": "quality", "runs": [{k: r[k] for k in ("name", "tau", "prompt_lookup_tau", "ratio",
+                                                                          "walk_tau", "steps", "train_wall_s")}
+                                                    for r in results]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""`drafter.init_from: target`: drafter layers start as copies of the target's, the context path as the
+last tap's pass-through."""
+
+import pytest
+import torch
+
+from dflash_trainer.drafter.init import init_from_target, source_layers, target_tensor_names
+from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target.head import read_target_tensors
+from dflash_trainer.target.load import load_target
+from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
+
+
+def test_source_layers_spread_from_first_to_last():
+    assert source_layers(5, 6) == [0, 1, 3, 4, 5]
+    assert source_layers(3, 36) == [0, 18, 35]
+    assert source_layers(1, 6) == [5]
+    assert source_layers(6, 6) == list(range(6))
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_init_from_target_copies_layers_norms_and_passes_the_last_tap(num_layers):
+    cfg = TargetConfig(random_init="tiny", tokenizer="tiny", dtype="float32")
+    target = load_target(cfg, "cpu", seed=3)
+    drafter, _ = tiny_drafter(num_layers=num_layers, tap_layer_ids=[0, 2])  # the tiny target has 6 layers
+    names = target_tensor_names(drafter)
+    init_from_target(drafter, read_target_tensors(cfg, sorted(set(names.values())), seed=3))
+    state = target.state_dict()
+    for j, t in enumerate(source_layers(num_layers, 6)):
+        for name, p in drafter.layers[j].named_parameters():
+            torch.testing.assert_close(p, state[f"model.layers.{t}.{name}"], rtol=0, atol=0)
+    torch.testing.assert_close(drafter.norm.weight, state["model.norm.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(drafter.hidden_norm.weight, state["model.layers.3.input_layernorm.weight"], rtol=0, atol=0)
+    h = drafter.spec.hidden_size
+    taps = torch.randn(5, 2 * h)
+    torch.testing.assert_close(drafter.fc(taps), taps[:, h:])  # the last tap (layer 2), unchanged
