@@ -295,7 +295,8 @@ def main(argv=None) -> int:
     if args.data_only:
         return 0
     if args.arms:
-        arms = [shlex.split(line) for line in args.arms.read_text().splitlines() if line.strip() and not line.startswith("#")]
+        arms = [shlex.split(line) + args.overrides  # command-line overrides apply to every arm
+                for line in args.arms.read_text().splitlines() if line.strip() and not line.startswith("#")]
     else:
         arms = [[args.name or f"{Path(args.recipe).stem}-{datetime.now().strftime('%H%M%S')}", *args.overrides]]
     if args.parallel > 1 and len(arms) > 1:

@@ -102,49 +102,45 @@ class HeldOutValidator:
         embed = self.head.embed_weight.float() if fp32 else self.head.embed_weight
         lm_head = self.head.lm_head_weight.float() if fp32 else self.head.lm_head_weight
         autocast = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=self.compute_dtype)
-        spec = model.spec
-        was_training = model.training
-        model.eval()
+        spec = model.spec  # the mode is left as it is: the drafter has no mode-dependent layer, and a compiled
+        # training forward would compile again for another mode
         sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, weight, accept, blocks
         slots = torch.zeros(2, spec.block_size - 1, dtype=torch.float64, device=device)  # correct, count
         steps: list[int] = []
         replies = 0
-        try:
-            for job in self.jobs:
-                batch, _ = forward_job(self.capture, self.dataset, job, self.buffers)
-                taps = batch.taps.float() if fp32 else batch.taps
-                seq = token_seq_ids(batch.cu_seqlens, batch.input_ids.shape[0])  # (T,)
-                anchors = torch.nonzero(valid_anchor_mask(batch.loss_mask.bool(), seq)).flatten()  # (A,)
-                accept = torch.zeros(batch.input_ids.shape[0], dtype=torch.float32, device=device)  # (T,)
-                for lo in range(0, anchors.numel(), self.num_blocks):
-                    chunk = anchors[lo : lo + self.num_blocks]
-                    n = chunk.numel()
-                    padded = torch.zeros(self.num_blocks, dtype=torch.int64, device=device)  # (N,)
-                    padded[:n] = chunk
-                    plan = plan_from_anchors(
-                        anchors=padded, block_valid=torch.arange(self.num_blocks, device=device) < n,
-                        input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
-                        block_size=spec.block_size, mask_token_id=spec.mask_token_id,
-                    )
-                    with autocast:
-                        hidden = model.forward_train(taps=taps, cu_seqlens=batch.cu_seqlens, plan=plan,
-                                                     embed_weight=embed)  # (N, B, H)
-                        out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
-                                           chunk_rows=self.chunk_rows)
-                    sums += torch.stack([out.loss_sum, out.weight_sum, out.accept_sum, out.block_count]).double()
-                    slots += torch.stack([out.slot_correct, out.slot_count]).double()
-                    accept[chunk] = out.block_accept[:n].float()
-                # host sync: the walk follows each reply's acceptance on the host
-                mask = batch.loss_mask[: batch.num_tokens].tolist()
-                acceptance = accept[: batch.num_tokens].round().long().tolist()
-                bounds = batch.cu_seqlens[: batch.num_seqs + 1].tolist()
-                for s in range(batch.num_seqs):
-                    lo, hi = bounds[s], bounds[s + 1]
-                    for first, last in reply_spans(mask[lo:hi]):
-                        replies += 1
-                        steps += walk(acceptance[lo:hi], first, last, self.max_new_tokens)
-        finally:
-            model.train(was_training)
+        for job in self.jobs:
+            batch, _ = forward_job(self.capture, self.dataset, job, self.buffers)
+            taps = batch.taps.float() if fp32 else batch.taps
+            seq = token_seq_ids(batch.cu_seqlens, batch.input_ids.shape[0])  # (T,)
+            anchors = torch.nonzero(valid_anchor_mask(batch.loss_mask.bool(), seq)).flatten()  # (A,)
+            accept = torch.zeros(batch.input_ids.shape[0], dtype=torch.float32, device=device)  # (T,)
+            for lo in range(0, anchors.numel(), self.num_blocks):
+                chunk = anchors[lo : lo + self.num_blocks]
+                n = chunk.numel()
+                padded = torch.zeros(self.num_blocks, dtype=torch.int64, device=device)  # (N,)
+                padded[:n] = chunk
+                plan = plan_from_anchors(
+                    anchors=padded, block_valid=torch.arange(self.num_blocks, device=device) < n,
+                    input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
+                    block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+                )
+                with autocast:
+                    hidden = model.forward_train(taps=taps, cu_seqlens=batch.cu_seqlens, plan=plan,
+                                                 embed_weight=embed)  # (N, B, H)
+                    out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
+                                       chunk_rows=self.chunk_rows)
+                sums += torch.stack([out.loss_sum, out.weight_sum, out.accept_sum, out.block_count]).double()
+                slots += torch.stack([out.slot_correct, out.slot_count]).double()
+                accept[chunk] = out.block_accept[:n].float()
+            # host sync: the walk follows each reply's acceptance on the host
+            mask = batch.loss_mask[: batch.num_tokens].tolist()
+            acceptance = accept[: batch.num_tokens].round().long().tolist()
+            bounds = batch.cu_seqlens[: batch.num_seqs + 1].tolist()
+            for s in range(batch.num_seqs):
+                lo, hi = bounds[s], bounds[s + 1]
+                for first, last in reply_spans(mask[lo:hi]):
+                    replies += 1
+                    steps += walk(acceptance[lo:hi], first, last, self.max_new_tokens)
         loss, weight, accepted, blocks = sums.tolist()  # host sync: the report
         correct, count = slots.tolist()
         return ValidationReport(

@@ -83,11 +83,11 @@ class TauTracker:
         """Validation and real tau of `model` (a DFlashDrafter) at optimizer step `step`; `export(dir)` writes
         that drafter in the inference format (used when it is the best so far); `sink` logs the result (None:
         not logged here)."""
+        if self.validator is not None:  # in the training mode: no recompile of a compiled training forward
+            self.last_val = self.validator.run(model)
         was_training = model.training
         model.eval()
         try:
-            if self.validator is not None:
-                self.last_val = self.validator.run(model)
             with torch.no_grad():
                 report = evaluate_drafter(self.config, self.target, self.tokenizer, model, self.prompts, head=self.head)
         finally:
