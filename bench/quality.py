@@ -165,18 +165,33 @@ def commit() -> str:
         return "unknown"
 
 
+def run_overrides(args, run_dir: Path) -> list[str]:
+    """What every run on the cache sets: the target, the data, the held-out prompts."""
+    cache = Path(args.cache)
+    return [*target_overrides(args.target), f"data.path={cache / 'train'}", f"eval.prompts={cache / 'eval.jsonl'}",
+            "data.num_eval_conversations=0", f"eval.num_prompts={args.eval_prompts}", f"run.dir={run_dir}",
+            "logging.progress=false"]
+
+
+def tokenize(args, overrides: list[str]) -> float:
+    """`dflash-train plan` once, so that arms running side by side find the tokenized data cached."""
+    from dflash_trainer import cli
+
+    t0 = time.perf_counter()
+    plan_dir = Path(args.cache) / "plan"
+    if cli.main(["plan", "--config", args.recipe, *run_overrides(args, plan_dir), *overrides]) != 0:
+        raise SystemExit("dflash-train plan failed")
+    return time.perf_counter() - t0
+
+
 def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
     from dflash_trainer import cli
 
-    cache = Path(args.cache)
     run_dir = Path(args.runs) / name
-    base = [*target_overrides(args.target), f"data.path={cache / 'train'}", f"eval.prompts={cache / 'eval.jsonl'}",
-            "data.num_eval_conversations=0", f"eval.num_prompts={args.eval_prompts}", f"run.dir={run_dir}",
-            "logging.progress=false"]
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists: pick another --name or remove it")
     t0 = time.perf_counter()
-    rc = cli.main(["train", "--config", args.recipe, *base, *overrides])
+    rc = cli.main(["train", "--config", args.recipe, *run_overrides(args, run_dir), *overrides])
     wall = time.perf_counter() - t0
     summary = json.loads((run_dir / "summary.json").read_text())
     if rc != 0 or summary.get("status") != "ok":
@@ -300,6 +315,7 @@ def main(argv=None) -> int:
     else:
         arms = [[args.name or f"{Path(args.recipe).stem}-{datetime.now().strftime('%H%M%S')}", *args.overrides]]
     if args.parallel > 1 and len(arms) > 1:
+        print(f"tokenized in {tokenize(args, args.overrides):.1f} s", flush=True)
         results = run_parallel(args, arms)
     else:
         results = []
