@@ -254,6 +254,20 @@ def test_crash_resume_truncated_line_and_failed_retry(tmp_path):
     assert sorted(shard_ids(tmp_path)) == sorted(f"src:{i}" for i in range(10))
 
 
+def test_rows_with_unicode_line_separators_read_back_and_resume(tmp_path):
+    """U+2028, U+0085 and friends stay unescaped in the JSON rows (ensure_ascii=False): they must not split a row."""
+    odd = "a\u2028b\x85c\x1cd\u2029e"
+    convs = [conv(i, ("user", f"q{i} {odd}"), ("assistant", "ORIGINAL")) for i in range(5)]
+    with FakeServer() as server:
+        regenerate(convs[:3], backend=http_backend(server.url), out_dir=tmp_path, settings=SETTINGS, progress=False)
+        rows = list(read_rows(tmp_path))
+        assert sorted(r["messages"][0]["content"] for r in rows) == [f"q{i} {odd}" for i in range(3)]
+        summary = regenerate(convs, backend=http_backend(server.url), out_dir=tmp_path, settings=SETTINGS,
+                             progress=False)  # resume: the rows written are scanned again
+    assert (summary.rows_done, summary.rows_new, summary.complete) == (5, 2, True)
+    assert sorted(shard_ids(tmp_path)) == sorted(f"src:{i}" for i in range(5))
+
+
 def test_kill_subprocess_and_resume(tmp_path):
     """SIGKILL mid-run (no cleanup at all), then resume: every row exactly once."""
     n = 40

@@ -58,7 +58,9 @@ def _complete_lines(path: Path, repair: bool) -> list[str]:
             with open(path, "r+b") as f:
                 f.truncate(end)
         data = data[:end]
-    return data.decode("utf-8").splitlines()
+    # split on "\n" only: str.splitlines also splits on U+2028, U+0085 and the like, which JSON leaves unescaped
+    # inside strings (ensure_ascii=False), and would cut a row in two
+    return data.decode("utf-8").split("\n")[:-1]
 
 
 def _parse(path: Path, lineno: int, line: str) -> dict[str, Any]:
