@@ -7,7 +7,8 @@ then measure real tau on held-out prompts beside prompt lookup on the same promp
 
 The practice target (`../shared/practice_target/`) was pretrained on the bundled ShareGPT file except its last
 500 records: training prompts come from the others, evaluation prompts (the first `--eval-prompts` first user
-turns under 1,500 characters, in file order) from those 500 only. Both are answered by the target itself
+turns under 1,500 characters, in file order) from those 500 only. A record's turns before its first user turn
+are left out. Both are answered by the target itself
 (`dflash-train regenerate`, the recipe's `regenerate` section); the held-out replies are the validation set
 (walk tau) and their prompts the real-tau prompts. `--pack DIR` writes the cache as <= 15 MB parts (to bring
 it back from a device machine), `--unpack DIR` restores it from them.
@@ -68,15 +69,17 @@ def split_sharegpt(num_eval: int, max_train: int | None = None):
     loaded = load_source(DataSourceConfig(path="sharegpt"))
     records = loaded.report.records_read - loaded.report.dropped.get("truncated_record", 0)
     first_held = records - HELD_OUT_RECORDS
-    train = [c for c in loaded.conversations if c.source_index < first_held][:max_train]
-    evals = []
+    # Many ShareGPT records open with an assistant turn (a greeting): the prompts start at the first user turn.
+    convs = []
     for c in loaded.conversations:
-        if c.source_index < first_held:
-            continue
-        first_user = next(i for i, m in enumerate(c.messages) if m.role == "user")
-        if len(c.messages[first_user].content) < MAX_PROMPT_CHARS and first_user + 1 < len(c.messages):
-            evals.append(Conversation(messages=c.messages[: first_user + 2], source=c.source,
-                                      source_index=c.source_index))
+        first_user = next((i for i, m in enumerate(c.messages) if m.role == "user"), None)
+        if first_user is not None:
+            convs.append(Conversation(messages=c.messages[first_user:], source=c.source, source_index=c.source_index))
+    train = [c for c in convs if c.source_index < first_held][:max_train]
+    evals = []
+    for c in convs:
+        if c.source_index >= first_held and len(c.messages[0].content) < MAX_PROMPT_CHARS and len(c.messages) > 1:
+            evals.append(Conversation(messages=c.messages[:2], source=c.source, source_index=c.source_index))
         if len(evals) == num_eval:
             break
     return train, evals
@@ -103,6 +106,10 @@ def prepare_data(args) -> dict:
     info: dict = {"cache": str(cache), "regenerate_s": 0.0}
     if _complete(cache / "train") and _complete(cache / "eval") and (cache / "eval.jsonl").is_file():
         info["cached"] = True
+    elif args.no_regen:
+        if not (cache / "eval.jsonl").is_file() or not list((cache / "train").glob("shard_*.jsonl")):
+            raise SystemExit(f"--no-regen: {cache} has no regenerated data yet")
+        info["cached"] = "partial"
     else:
         info["cached"] = False
         train, evals = split_sharegpt(args.eval_prompts, args.train_conversations)
@@ -131,7 +138,8 @@ def pack(cache: Path, out: Path) -> list[str]:
     archive = out / "quality-cache.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         for name in ("train", "eval", "eval.jsonl"):
-            tar.add(cache / name, arcname=name)
+            if (cache / name).exists():
+                tar.add(cache / name, arcname=name, filter=lambda info: None if info.name.endswith(".lock") else info)
     data = archive.read_bytes()
     archive.unlink()
     parts = []
@@ -144,7 +152,7 @@ def pack(cache: Path, out: Path) -> list[str]:
 
 def unpack(parts_dir: Path, cache: Path) -> bool:
     parts = sorted(parts_dir.glob("quality-cache.tar.gz.part*"))
-    if not parts or _complete(cache / "train"):
+    if not parts or (cache / "train").exists():
         return False
     cache.mkdir(parents=True, exist_ok=True)
     archive = cache / "quality-cache.tar.gz"
@@ -228,6 +236,7 @@ def run_parallel(args, arms: list[list[str]]) -> list[dict]:
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
     common = ["--recipe", args.recipe, "--target", str(args.target), "--cache", str(args.cache), "--runs", str(runs),
+              *(["--no-regen"] if args.no_regen else []),
               "--eval-prompts", str(args.eval_prompts), "--results", str(args.results)]
     waiting, running, results = list(arms), [], []
     while waiting or running:
@@ -295,6 +304,7 @@ def main(argv=None) -> int:
     p.add_argument("--pack", type=Path, help="write the data cache as parts into this directory")
     p.add_argument("--unpack", type=Path, help="restore the data cache from parts in this directory")
     p.add_argument("--data-only", action="store_true", help="prepare (and pack) the data, train nothing")
+    p.add_argument("--no-regen", action="store_true", help="use the cache as it is, even if regeneration is unfinished")
     p.add_argument("--record", type=Path, help="append the row of this result JSON to bench/RESULTS.md")
     args = p.parse_args(argv)
     if args.record:

@@ -39,7 +39,7 @@ def _micro(model):
     return step
 
 
-def _run(batches, group, grad_accum, sharded=False, deadline=None):
+def _run(batches, group, grad_accum, sharded=False, time_budget_s=None):
     model = _model()
     dummy = None
     if sharded:
@@ -52,7 +52,7 @@ def _run(batches, group, grad_accum, sharded=False, deadline=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     loop = StepLoop(model=model, optimizer=opt, scheduler=sched, micro_step=_micro(model), job_key=lambda b: (b[0], b[1]),
                     grad_accum=grad_accum, block_size=2, grad_clip=0.0, group=group, device=torch.device("cpu"),
-                    dummy_batch=dummy, deadline=deadline)
+                    dummy_batch=dummy, time_budget_s=time_budget_s)
     queue = list(batches)
     records = []
     loop.run(lambda: (queue.pop(0), lambda: None) if queue else None, records.append)
@@ -101,17 +101,32 @@ def test_nonfinite_step_is_skipped_and_counted():
     torch.testing.assert_close(weight, ref)
 
 
-def test_a_passed_deadline_ends_the_run_after_the_current_step():
-    import time
-
+def test_a_spent_time_budget_ends_the_run_after_the_current_step():
     b = _batches()
-    weight, records, state = _run(b, None, grad_accum=2, deadline=time.monotonic() - 1.0)
+    weight, records, state = _run(b, None, grad_accum=2, time_budget_s=1e-9)
     assert len(records) == 1 and state.step == 1 and state.out_of_time
     assert sorted(j for _, j in state.committed) == [0, 1]  # the step's jobs are committed, the rest left
     ref, _, _ = _run(b[:2], None, grad_accum=2)
     torch.testing.assert_close(weight, ref)
-    _, records, state = _run(b, None, grad_accum=2, deadline=time.monotonic() + 600.0)
-    assert len(records) == 3 and not state.out_of_time
+    _, records, state = _run(b, None, grad_accum=2, time_budget_s=600.0)
+    assert len(records) == 3 and not state.out_of_time and 0 < state.time_fraction < 0.1
+
+
+def test_schedule_follows_the_time_budget_when_it_runs_out_first():
+    from dflash_trainer.train.schedule import build_scheduler, lr_factor
+
+    spent = [0.0]
+    opt = torch.optim.SGD(_model().parameters(), lr=1.0)
+    sched = build_scheduler(opt, total_steps=100, warmup_ratio=0.1, min_lr_ratio=0.0, time_fraction=lambda: spent[0])
+    lrs = []
+    for fraction in (0.0, 0.0, 0.5, 0.5, 0.99):
+        spent[0] = fraction
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    kw = dict(total_steps=100, warmup_ratio=0.1, min_lr_ratio=0.0)
+    assert lrs[:2] == pytest.approx([lr_factor(1, **kw), lr_factor(2, **kw)])  # by steps while time is young
+    assert lrs[2:] == pytest.approx([lr_factor(50, **kw), lr_factor(50, **kw), lr_factor(99, **kw)])  # by time
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 0.5, 100.0])

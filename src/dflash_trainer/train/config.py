@@ -15,7 +15,8 @@ class TrainConfig:
     """Stop after this many optimizer steps (None: run all epochs)."""
     max_minutes: Optional[float] = None
     """Also stop once training has run this many minutes (None: no time limit); the final checkpoint, export
-    and evaluation follow. The schedule still spans `max_steps` (or the epochs): set both so that it ends."""
+    and evaluation follow. The lr schedule (and the noise schedule) then advance by steps or by time,
+    whichever is further along, so they end with the budget. A resumed run gets the whole budget again."""
     grad_accum: int = 1
     """Pool batches per optimizer step on each drafter rank."""
     lr: float = 6e-4

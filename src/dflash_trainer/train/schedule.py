@@ -1,8 +1,10 @@
-"""Learning-rate schedule: linear warmup then cosine decay to `min_lr_ratio * lr`."""
+"""Learning-rate schedule: linear warmup then cosine decay to `min_lr_ratio * lr`, over the planned steps or,
+with a time budget (`train.max_minutes`), over whichever runs out first."""
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -17,8 +19,12 @@ def lr_factor(step: int, *, total_steps: int, warmup_ratio: float, min_lr_ratio:
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_ratio: float, min_lr_ratio: float):
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_factor(step, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio),
-    )
+def build_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_ratio: float, min_lr_ratio: float,
+                    time_fraction: Callable[[], float] = lambda: 0.0):
+    """`time_fraction()`: the fraction of the time budget spent, the same on every rank; the schedule is at
+    step max(step, time_fraction * total_steps)."""
+    def factor(step: int) -> float:
+        step = max(step, int(time_fraction() * total_steps))
+        return lr_factor(step, total_steps=total_steps, warmup_ratio=warmup_ratio, min_lr_ratio=min_lr_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -7,7 +7,8 @@ backward on the *unnormalised* weighted loss sum, then all ranks all-reduce one 
   normalised over the whole step (all microbatches of all ranks), not per microbatch;
 - whether any rank saw NaN/inf: then every rank skips the step together;
 - whether every rank ran dry: then the run ends together (a partial last step is still taken);
-- whether any rank passed the time limit: then this is the last step everywhere.
+- the fraction of the time budget spent (the mean over ranks: one value everywhere, for the schedule);
+  once it reaches 1, this is the last step everywhere.
 A job is committed (enters the ledger) when the optimizer step that used it completes.
 """
 
@@ -80,13 +81,17 @@ class LoopState:
     tokens: int = 0
     committed: list[tuple[int, int]] = field(default_factory=list)
     """(epoch, job_id) committed by this run, in commit order."""
-    out_of_time: bool = False
-    """A rank passed the time limit: the run stopped after the last step."""
+    time_fraction: float = 0.0
+    """Fraction of the time budget spent by the last step (the same on every rank; 0 without a budget)."""
+
+    @property
+    def out_of_time(self) -> bool:
+        return self.time_fraction >= 1.0
 
 
 _STATS = ("loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite")
 """Device-side sums per step; the host-side counts (`_COUNTS`) join them in the one all-reduce."""
-_COUNTS = ("batches", "tokens", "out_of_time")
+_COUNTS = ("batches", "tokens", "time_fraction")
 
 
 class StepLoop(Generic[B]):
@@ -109,10 +114,10 @@ class StepLoop(Generic[B]):
         max_steps: Optional[int] = None,
         max_nonfinite_steps: int = 10,
         dummy_batch: Optional[B] = None,
-        deadline: Optional[float] = None,
+        time_budget_s: Optional[float] = None,
     ) -> None:
         """`dummy_batch` (FSDP2 only): a batch with no supervised token, run by a rank that has no batch;
-        `deadline`: a `time.monotonic()` value after which the run stops (every rank after the same step)."""
+        `time_budget_s`: the run stops once it has trained this long (counted from `run`)."""
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer
@@ -127,7 +132,8 @@ class StepLoop(Generic[B]):
         self.max_steps = max_steps
         self.max_nonfinite_steps = max_nonfinite_steps
         self.dummy_batch = dummy_batch
-        self.deadline = deadline
+        self.time_budget_s = time_budget_s
+        self._started = time.monotonic()
         self.world = dist.get_world_size(group) if group is not None else 1
         self.state = LoopState(step=start_step)
 
@@ -137,6 +143,7 @@ class StepLoop(Generic[B]):
         on_step: Callable[[StepRecord], None] = lambda record: None,
     ) -> LoopState:
         """`take` returns (batch, release) or None when this rank's pool is dry for good."""
+        self._started = time.monotonic()
         while self.max_steps is None or self.state.step < self.max_steps:
             record = self.step(take)
             if record is None:
@@ -152,7 +159,7 @@ class StepLoop(Generic[B]):
         wait = 0.0
         stats = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
         slots = torch.zeros(2, self.slots, dtype=torch.float64, device=self.device)  # (2, B-1) correct, count
-        counts = [0, 0, 0]  # batches, tokens, out of time (host values)
+        counts = [0.0, 0.0, 0.0]  # batches, tokens, time fraction (host values)
         releases: list[Callable[[], None]] = []
         keys: list[tuple[int, int]] = []
         self.optimizer.zero_grad(set_to_none=True)  # the first backward writes the gradients (no add, no fill)
@@ -189,7 +196,8 @@ class StepLoop(Generic[B]):
                 ]
             )
             slots += torch.stack([out.slot_correct.detach().double(), out.slot_count.detach().double()])
-        counts[2] = int(self.deadline is not None and time.monotonic() >= self.deadline)
+        if self.time_budget_s is not None:
+            counts[2] = (time.monotonic() - self._started) / self.time_budget_s
         host_counts = torch.tensor(counts, dtype=torch.float64).to(self.device, non_blocking=True)  # one copy a step
         packed = torch.cat([stats, slots.reshape(-1), host_counts])
         if self.group is not None and self.world > 1:
@@ -207,7 +215,7 @@ class StepLoop(Generic[B]):
         grad_norm = flat[n + 2 * self.slots + len(_COUNTS)]
         rows = flat[n + 2 * self.slots + len(_COUNTS) + 1 :]
         job_ids = [(int(e), int(j)) for e, j in zip(rows[0::2], rows[1::2]) if j >= 0]
-        self.state.out_of_time = values["out_of_time"] > 0
+        self.state.time_fraction = values["time_fraction"] / self.world  # the mean: the same on every rank
         if values["batches"] == 0:
             for release in releases:
                 release()

@@ -122,7 +122,7 @@ class DrafterTrainer:
         self.optimizer = build_optimizer(self.model, config.train)
         self.scheduler = build_scheduler(
             self.optimizer, total_steps=self.total_steps, warmup_ratio=config.train.warmup_ratio,
-            min_lr_ratio=config.train.min_lr_ratio,
+            min_lr_ratio=config.train.min_lr_ratio, time_fraction=self.time_fraction,
         )
         self.ledger: dict[int, list[int]] = {}
         start_step = 0
@@ -144,6 +144,7 @@ class DrafterTrainer:
             max_steps=config.train.max_steps,
             max_nonfinite_steps=config.train.max_nonfinite_steps,
             dummy_batch=dummy_batch if self.sharded else None,
+            time_budget_s=60.0 * config.train.max_minutes if config.train.max_minutes is not None else None,
         )
         if resume is not None and is_leader:
             _truncate_metrics(run_dir / "metrics.jsonl", resume.state.step)
@@ -156,8 +157,14 @@ class DrafterTrainer:
         """Latest evaluation figures shown beside the training figures in the progress bar."""
         self.last_saved_step: Optional[int] = resume.state.step if resume is not None else None
 
+    def time_fraction(self) -> float:
+        """Fraction of `train.max_minutes` spent (0 without a time budget)."""
+        return self.loop.state.time_fraction if hasattr(self, "loop") else 0.0
+
     def progress(self) -> float:
-        return min(1.0, self.loop.state.step / self.total_steps) if hasattr(self, "loop") else 0.0
+        """Fraction of training done: of the steps, or of the time budget when that runs out first."""
+        steps = self.loop.state.step / self.total_steps if hasattr(self, "loop") else 0.0
+        return min(1.0, max(steps, self.time_fraction()))
 
     def _restore(self, ckpt: LoadedCheckpoint) -> None:
         missing = set(self.model.state_dict()) ^ set(ckpt.weights)
@@ -173,8 +180,6 @@ class DrafterTrainer:
 
     def run(self, take: Take) -> TrainResult:
         start = time.perf_counter()
-        if self.config.train.max_minutes is not None:
-            self.loop.deadline = time.monotonic() + 60.0 * self.config.train.max_minutes
         busy = wait = 0.0
         last: Optional[StepRecord] = None
         seen = len(self.loop.state.committed)

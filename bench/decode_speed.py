@@ -1,0 +1,76 @@
+"""Batched decoding speed (`eval/batched.py`) on a target: ms per decode step at several batch sizes and
+prompt lengths, and a profile of one setting (where a step's time goes).
+
+    python bench/decode_speed.py --target DIR [--rows 256,1024] [--prompt 128,1024] [--new 64] [--profile]
+
+Prompts are random token ids (every row the same length), decoded greedily with no stop token, so every row
+runs `--new` steps. Prints a table, then (with --profile) the top operators, and last one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+
+from dflash_trainer.eval.batched import decode_batch  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--rows", default="256,1024")
+    p.add_argument("--prompt", default="128,1024")
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="profile the largest setting")
+    args = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).to(device).eval()
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    results = []
+
+    def run(rows: int, length: int) -> float:
+        prompts = [torch.randint(10, vocab, (length,), generator=generator) for _ in range(rows)]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        decode_batch(model, prompts, max_new_tokens=args.new, stop_token_ids=[])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(8, 16)  # warm-up
+    for rows in map(int, args.rows.split(",")):
+        for length in map(int, args.prompt.split(",")):
+            seconds = run(rows, length)
+            results.append({"rows": rows, "prompt": length, "new": args.new, "seconds": seconds,
+                            "ms_per_step": 1000 * seconds / args.new, "tokens_per_s": rows * args.new / seconds})
+    print(f"{'rows':>6}{'prompt':>8}{'s':>8}{'ms/step':>9}{'tok/s':>10}")
+    for r in results:
+        print(f"{r['rows']:>6}{r['prompt']:>8}{r['seconds']:>8.2f}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>10.0f}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        biggest = max(results, key=lambda r: r["rows"] * r["prompt"])
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(biggest["rows"], biggest["prompt"])
+        for key in ("self_cpu_time_total", "self_cuda_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+    print(json.dumps({"bench": "decode_speed", "device": device, "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
