@@ -24,7 +24,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from dflash_trainer.eval.speculative import DecodeResult, _forward
+from dflash_trainer.eval.speculative import DecodeResult, _forward, eager_decoding
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,6 +166,7 @@ class _TargetCache:
 
 
 @torch.no_grad()
+@eager_decoding
 def decode_batch(
     target,
     prompts: Sequence[torch.Tensor],

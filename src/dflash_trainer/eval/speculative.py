@@ -18,6 +18,7 @@ normalise(max(p - q, 0))), which leaves the target's sampling distribution uncha
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
@@ -67,18 +68,26 @@ def _crop(cache: DynamicCache, keep: int) -> None:
         cache.crop(-remove)
 
 
-def _forward(target, input_ids: torch.Tensor, cache: DynamicCache, **kwargs):
-    """Target forward with a KV cache (the keyword is `cache` in newer transformers, `past_key_values` before).
+def eager_decoding(fn):
+    """Run a decoding function with the target eager, also when the trainer compiled the target's layers for
+    tap capture (`target.compile`): a compiled layer would recompile for every layer's cache state and every
+    new length (on the GPU a 4-prompt evaluation of a 28-layer target hit 91 recompiles and did not finish in
+    3 minutes). The stance is process-wide: this relies on evaluation running on the thread that trains (it
+    does, in every role), never beside a compiled training step. Entered once per decoding call: entering it
+    costs milliseconds, more than a small target's whole decode step."""
 
-    Always eager, also when the trainer compiled the target's layers for tap capture (`target.compile`):
-    a compiled layer would recompile for every layer's cache state and every new length (on the GPU a
-    4-prompt evaluation of a 28-layer target hit 91 recompiles and did not finish in 3 minutes).
-    The stance is process-wide: this relies on evaluation running on the thread that trains (it does, in
-    every role), never beside a compiled training step.
-    """
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.compiler.set_stance("force_eager"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _forward(target, input_ids: torch.Tensor, cache: DynamicCache, **kwargs):
+    """Target forward with a KV cache (the keyword is `cache` in newer transformers, `past_key_values` before)."""
     key = "cache" if _takes_cache_kwarg(type(target)) else "past_key_values"
-    with torch.compiler.set_stance("force_eager"):
-        return target(input_ids, use_cache=True, **{key: cache}, **kwargs)
+    return target(input_ids, use_cache=True, **{key: cache}, **kwargs)
 
 
 _CACHE_KWARG: dict[type, bool] = {}
@@ -108,6 +117,7 @@ def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> tuple[list[
 
 
 @torch.no_grad()
+@eager_decoding
 def target_generate(
     target, prompt_ids: torch.Tensor, *, max_new_tokens: int, stop_token_ids: Sequence[int],
     temperature: float = 0.0, generator: Optional[torch.Generator] = None,
@@ -132,6 +142,7 @@ def target_generate(
 
 
 @torch.no_grad()
+@eager_decoding
 def speculative_generate(
     target, proposer: Proposer, prompt_ids: torch.Tensor, *, block_size: int, tap_layer_ids: Sequence[int],
     max_new_tokens: int, stop_token_ids: Sequence[int], temperature: float = 0.0,

@@ -94,7 +94,6 @@ class HeldOutValidator:
         self.num_blocks, self.gamma, self.max_new_tokens = num_blocks, gamma, max_new_tokens
         self.compute_dtype, self.chunk_rows = compute_dtype, chunk_rows
 
-    @torch.no_grad()
     def run(self, model: DFlashDrafter) -> ValidationReport:
         start = time.perf_counter()
         device = self.buffers.input_ids.device
@@ -102,14 +101,16 @@ class HeldOutValidator:
         embed = self.head.embed_weight.float() if fp32 else self.head.embed_weight
         lm_head = self.head.lm_head_weight.float() if fp32 else self.head.lm_head_weight
         autocast = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=self.compute_dtype)
-        spec = model.spec  # the mode is left as it is: the drafter has no mode-dependent layer, and a compiled
-        # training forward would compile again for another mode
+        spec = model.spec
+        # The drafter's mode and the grad mode are left as training has them (the drafter has no mode-dependent
+        # layer, and nothing is back-propagated): a compiled training forward would compile again for others.
         sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, weight, accept, blocks
         slots = torch.zeros(2, spec.block_size - 1, dtype=torch.float64, device=device)  # correct, count
         steps: list[int] = []
         replies = 0
         for job in self.jobs:
-            batch, _ = forward_job(self.capture, self.dataset, job, self.buffers)
+            with torch.no_grad():
+                batch, _ = forward_job(self.capture, self.dataset, job, self.buffers)
             taps = batch.taps.float() if fp32 else batch.taps
             seq = token_seq_ids(batch.cu_seqlens, batch.input_ids.shape[0])  # (T,)
             anchors = torch.nonzero(valid_anchor_mask(batch.loss_mask.bool(), seq)).flatten()  # (A,)
@@ -129,7 +130,7 @@ class HeldOutValidator:
                                                  embed_weight=embed)  # (N, B, H)
                     out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
                                        chunk_rows=self.chunk_rows)
-                sums += torch.stack([out.loss_sum, out.weight_sum, out.accept_sum, out.block_count]).double()
+                sums += torch.stack([out.loss_sum.detach(), out.weight_sum, out.accept_sum, out.block_count]).double()
                 slots += torch.stack([out.slot_correct, out.slot_count]).double()
                 accept[chunk] = out.block_accept[:n].float()
             # host sync: the walk follows each reply's acceptance on the host
