@@ -117,9 +117,10 @@ def prepare_data(args) -> dict:
         _write_messages(cache / "eval_prompts.jsonl", evals)
         t0 = time.perf_counter()
         for name in ("eval", "train"):
+            regen = [o for o in args.overrides if o.startswith(("regenerate.", "run."))]
             rc = cli.main(["regenerate", "--config", args.recipe, "--out", str(cache / name),
                            f"data.path={cache / (name + '_prompts.jsonl')}", *target_overrides(args.target),
-                           "data.max_conversations=null", "logging.progress=false"]
+                           "data.max_conversations=null", "logging.progress=false", *regen]
                           + (["regenerate.max_turns=1"] if name == "eval" else []))
             if rc != 0:
                 raise SystemExit(f"regenerate {name} failed (rc {rc})")
