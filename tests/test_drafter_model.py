@@ -118,5 +118,8 @@ def test_tap_on_last_layer_refused_and_default_taps():
     with pytest.raises(ConfigError, match="cannot be tapped"):
         drafter_spec(target, DrafterConfig(mask_token_id=1, tap_layer_ids=[1, 5]))
     assert default_tap_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    # a drafter deeper than a shallow target has tappable layers taps them all (the last is never tapped)
+    assert drafter_spec(target, DrafterConfig(num_layers=8), mask_token_id=0).tap_layer_ids == (0, 1, 2, 3, 4)
+    assert drafter_spec(target, DrafterConfig(num_layers=2), mask_token_id=0).tap_layer_ids == (1, 3)
     taps = default_tap_layer_ids(6, 5)
     assert len(set(taps)) == len(taps) and max(taps) <= 4

@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 W=/tmp/quality; mkdir -p "$W" "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$W/gpu.txt" 2>&1
-COMMON=(--target .practice/model --cache "$W/cache")
+COMMON=(--target .practice/model --cache "$W/cache")  # regenerates unless .quality holds a cache
 if ls .quality/quality-cache.tar.gz.part* >/dev/null 2>&1; then
   python3 bench/quality.py "${COMMON[@]}" --unpack .quality --data-only --no-regen > "$W/unpack.log" 2>&1
 fi
@@ -36,6 +36,7 @@ timeout "$LEFT" python3 bench/quality.py "${COMMON[@]}" --no-regen --runs "$W/ru
   --arms "$ARMS" --parallel "$PARALLEL" "train.max_minutes=$MINUTES" "$@" > "$W/arms.log" 2>&1
 echo "rc=$? at $((SECONDS - T0)) s"
 grep -E "^\||^finished|^started|^tokenized|Error|error" "$W/arms.log" | cut -c1-700 | tail -40
+# results only (under 16 MB): no weights, no data, no epoch plans
 tar czf "$OUT/results.tar.gz" -C "$W" --exclude=checkpoints --exclude=export --exclude=best --exclude=.eval \
-  --exclude=cache --exclude='*.safetensors' --exclude=tensorboard . 2>/dev/null
+  --exclude=cache --exclude=plan --exclude='*.safetensors' --exclude=tensorboard . 2>/dev/null
 ls -la "$OUT"

@@ -19,7 +19,8 @@ class DrafterConfig:
     num_layers: int = 5
     block_size: int = 16
     tap_layer_ids: Optional[list[int]] = None
-    """Target layers tapped (output of decoder layer l = HF hidden_states[l + 1]); None: spread evenly."""
+    """Target layers tapped (output of decoder layer l = HF hidden_states[l + 1]); None: one per drafter layer
+    (at most one per target layer but the last), spread evenly."""
     mask_token_id: Optional[int] = None
     """Embedding row used for MASK slots; None: the first spare row past the tokenizer's vocabulary."""
     num_blocks: Optional[int] = None

@@ -107,7 +107,10 @@ def drafter_spec(
     if mask is None:
         raise ConfigError("set drafter.mask_token_id (a spare row of the target embedding)")
     num_target_layers = target_config.num_hidden_layers
-    taps = drafter.tap_layer_ids or default_tap_layer_ids(num_target_layers, drafter.num_layers)
+    # By default one tap per drafter layer, as the released drafters, but no more than the target has layers
+    # to tap (all but the last): an 8-layer drafter of a 6-layer target taps its 5 first layers.
+    taps = drafter.tap_layer_ids or default_tap_layer_ids(num_target_layers,
+                                                          min(drafter.num_layers, max(1, num_target_layers - 1)))
     heads = target_config.num_attention_heads
     rope = dict(getattr(target_config, "rope_parameters", None) or {})
     if "rope_theta" not in rope:
