@@ -66,7 +66,7 @@ def split_sharegpt(num_eval: int, max_train: int | None = None):
     from dflash_trainer.data.sources import load_source
     from dflash_trainer.data.types import Conversation
 
-    loaded = load_source(DataSourceConfig(path="sharegpt"))
+    loaded = load_source(DataSourceConfig(path="sharegpt"), purpose=None)  # rows as they are: cut below
     records = loaded.report.records_read - loaded.report.dropped.get("truncated_record", 0)
     first_held = records - HELD_OUT_RECORDS
     # Many ShareGPT records open with an assistant turn (a greeting): the prompts start at the first user turn.

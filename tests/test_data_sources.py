@@ -40,7 +40,13 @@ def test_sharegpt_speaker_names_and_malformed_rows(tmp_path):
         {"id": "no turns"},
         "not a dict",
         {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"},
-                           {"from": "gpt", "value": "c"}]},  # consecutive turns: kept as is, never merged
+                           {"from": "gpt", "value": "c"}]},  # consecutive turns: dropped, never merged
+        {"conversations": [{"from": "gpt", "value": "hello"}, {"from": "human", "value": "hi"},
+                           {"from": "gpt", "value": "x"}]},  # the assistant opens: dropped
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "system", "value": "be nice"},
+                           {"from": "gpt", "value": "x"}]},  # a system turn in the middle: dropped
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"},
+                           {"from": "human", "value": "and?"}]},  # ends with a user turn: kept
     ]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(rows))
@@ -48,12 +54,17 @@ def test_sharegpt_speaker_names_and_malformed_rows(tmp_path):
     assert out.report.records_read == len(rows)
     assert out.report.kept == 6
     assert out.report.dropped == {"unknown_role": 1, "empty_turn": 1, "no_assistant_turn": 1, "missing_content": 1,
-                                  "missing_role": 1, "missing_turns": 1, "not_an_object": 1}
+                                  "missing_role": 1, "missing_turns": 1, "not_an_object": 1,
+                                  "roles_not_alternating": 1, "assistant_first": 1, "system_not_first": 1}
     roles = [[m.role for m in c.messages] for c in out.conversations]
     assert roles[:4] == [["user", "assistant"]] * 4
     assert roles[4] == ["system", "user", "assistant"]
-    assert roles[5] == ["user", "user", "assistant"]
-    assert [c.source_index for c in out.conversations] == [0, 1, 2, 3, 4, 12]
+    assert roles[5] == ["user", "assistant", "user"]
+    assert [c.source_index for c in out.conversations] == [0, 1, 2, 3, 4, 15]
+    # regeneration takes the prompt-only row as well (it answers it), and drops the same malformed rows
+    regen = load_source(DataSourceConfig(path=str(path)), purpose="regenerate")
+    assert regen.report.kept == 7 and "no_assistant_turn" not in regen.report.dropped
+    assert regen.report.dropped["assistant_first"] == regen.report.dropped["system_not_first"] == 1
 
 
 def test_truncated_sharegpt_file_keeps_complete_records(tmp_path):

@@ -100,7 +100,7 @@ def test_local_backend_multi_turn_rows(tmp_path, tiny_local, tiny_tokenizer):
     failed = [json.loads(line) for line in (tmp_path / "failed.jsonl").read_text().splitlines()]
     reasons = {f["id"]: f["reason"] for f in failed}
     assert set(reasons) == {"src:3", "src:4"}
-    assert "'user' was expected" in reasons["src:3"] and "'tool'" in reasons["src:4"]
+    assert reasons["src:3"].startswith("no_user_turn:") and reasons["src:4"].startswith("unknown_role:")
 
 
 def test_local_batched_greedy_matches_one_by_one(tmp_path, tiny_local, tiny_tokenizer):
@@ -153,6 +153,41 @@ def test_command_run_local(tmp_path, monkeypatch, capsys):
     assert manifest["settings"]["model"] == "random_init=tiny" and manifest["settings"]["thinking"] is False
     assert manifest["source"]["conversations"] == {str(data): 4}
     assert "4 rows done" in capsys.readouterr().out
+
+
+def test_prompt_only_datasets_are_regenerated_then_trainable(tmp_path, capsys):
+    """Prompt-only rows (a JSONL of single user turns; a ShareGPT file whose rows end with a user turn): the
+    command answers every user turn; `plan` skips the prompt-only source with the counted reason and takes the
+    regenerated one."""
+    from dflash_trainer import cli
+    from dflash_trainer.data.config import DataConfig
+    from dflash_trainer.data.sources import load_conversations
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Write a haiku about {w}."}]})
+                               + "\n" for w in ("rain", "snow", "wind")))
+    sharegpt = tmp_path / "sg.json"
+    sharegpt.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"},
+                           {"from": "human", "value": "and the weather?"}]},
+        {"conversations": [{"from": "human", "value": "just a question"}]},
+    ]))
+    tiny = ["target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu",
+            "regenerate.max_new_tokens=40", "logging.progress=false", "drafter.block_size=4", "drafter.gamma=2", "drafter.num_layers=1",
+            "data.max_length=256", "pipeline.token_budget=512", f"data.cache_dir={tmp_path / 'tok'}"]
+    assert load_conversations(DataConfig(path=str(prompts)), seed=0).report.dropped == {"no_assistant_turn": 3}
+    for source, out in ((prompts, tmp_path / "a"), (sharegpt, tmp_path / "b")):
+        assert cli.main(["regenerate", "--out", str(out), f"data.path={source}", *tiny]) == 0
+    rows = {r["id"]: [m["role"] for m in r["messages"]] for r in read_rows(tmp_path / "a")}
+    assert sorted(rows) == [f"{prompts}:{i}" for i in range(3)] and set(map(tuple, rows.values())) == {("user", "assistant")}
+    rows = sorted([m["role"] for m in r["messages"]] for r in read_rows(tmp_path / "b"))
+    assert rows == [["user", "assistant"], ["user", "assistant", "user", "assistant"]]  # every user turn answered
+    assert cli.main(["plan", f"data.path={prompts}", f"run.dir={tmp_path / 'p1'}", *tiny]) == 2  # nothing to train on
+    assert "no_assistant_turn" in capsys.readouterr().err
+    assert cli.main(["plan", f"data.path={tmp_path / 'b'}", f"run.dir={tmp_path / 'p2'}", "data.num_eval_conversations=0",
+                     *tiny]) == 0
+    summary = json.loads((tmp_path / "p2" / "plan" / "summary.json").read_text())
+    assert summary["conversations_kept"] + sum(summary["dropped"].values()) == 2
 
 
 # ---------------------------------------------------------------- HTTP backend

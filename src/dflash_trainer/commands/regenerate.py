@@ -78,13 +78,16 @@ def run(config: Config, args: argparse.Namespace) -> int:
     settings = settings_from_config(config)  # fails early on a missing model name
     from dflash_trainer.data.sources import load_conversations
 
-    loaded = load_conversations(config.data, seed=config.run.seed)
+    from dflash_trainer.data.rules import REGENERATE
+
+    loaded = load_conversations(config.data, seed=config.run.seed, purpose=REGENERATE)
     conversations = [limit_turns(c, config.regenerate.max_turns) for c in loaded.conversations]
     report = loaded.report
     if config.data.max_conversations is not None:
         conversations = conversations[: config.data.max_conversations]
     if not conversations:
-        raise DataError("no conversations to regenerate: check data.path / data.sources")
+        raise DataError(f"no conversations to regenerate in {[s.path for s in config.data.resolved_sources()]} "
+                        f"(dropped: {report.dropped}): check data.path / data.sources")
     if config.regenerate.thinking != config.data.thinking:
         log.warning(
             "regenerate.thinking=%s but data.thinking=%s: training renders the replies with data.thinking; "

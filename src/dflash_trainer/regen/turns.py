@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash_trainer.data.rules import REASONS, REGENERATE, conversation_problem
 from dflash_trainer.data.types import Conversation, Message
 
 
@@ -29,26 +30,9 @@ def row_id(conversation: Conversation) -> str:
 
 
 def structure_error(conversation: Conversation) -> str | None:
-    """Why the conversation cannot be regenerated, or None.
-
-    Usable: an optional system turn first, then user and assistant turns alternating, starting with user.
-    """
-    messages = conversation.messages
-    start = 1 if messages and messages[0].role == "system" else 0
-    if start >= len(messages):
-        return "no user turn"
-    expected = "user"
-    for i in range(start, len(messages)):
-        role = messages[i].role
-        if role not in ("user", "assistant"):
-            return f"message {i} has role {role!r}; only a leading system turn, user and assistant turns are usable"
-        if role != expected:
-            return (
-                f"message {i} is {role!r} where {expected!r} was expected "
-                "(turns must alternate user/assistant, starting with user after an optional system turn)"
-            )
-        expected = "assistant" if role == "user" else "user"
-    return None
+    """Why the conversation cannot be regenerated (the usable-conversation rule, `data/rules.py`), or None."""
+    reason = conversation_problem(conversation.messages, REGENERATE)
+    return None if reason is None else f"{reason}: {REASONS[reason]}"
 
 
 class TurnState:
