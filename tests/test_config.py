@@ -20,6 +20,10 @@ def test_demo_recipe_loads_and_overrides_apply():
         ("nosuch.section=1", "nosuch"),
         ("train.lr=abc", "train.lr"),
         ("train.lr=-1", "train.lr"),
+        ("train.lr=nan", "train.lr"),
+        ("train.lr=inf", "train.lr"),
+        ("train.grad_clip=nan", "train.grad_clip"),
+        ("pipeline.num_targets=3", "pipeline.num_targets"),  # the demo runs colocated
         ("drafter.block_size=12", "drafter.gamma"),
         ("pipeline.min_ready=9", "pipeline.min_ready"),
         ("drafter.mask_token_id=-3", "drafter.mask_token_id"),

@@ -78,3 +78,32 @@ def test_nan_everywhere_stops_after_max_nonfinite_steps(tmp_path, monkeypatch, c
     assert len(rows) == 2 and all(r["skipped"] for r in rows)  # the third skipped step raised
     s = summary(run_dir)
     assert s["status"] == "failed" and "FloatingPointError" in s["cause"] and "max_nonfinite_steps=2" in s["cause"], s
+
+
+def test_missing_or_relative_target_path_and_folders_without_a_model(tmp_path, capsys):
+    """A path that does not exist is named (it is not sent to the Hub as a repo id); a folder without a model
+    config or a tokenizer says which file is missing."""
+    tiny = ["target.random_init=null", "target.tokenizer=null"]
+    assert train_in_process(tmp_path / "r1", *tiny, "target.path=../no/such/model") == 2
+    err = capsys.readouterr().err
+    assert "target.path='../no/such/model' does not exist" in err and "relative paths start from" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert train_in_process(tmp_path / "r2", *tiny, f"target.path={empty}") == 2
+    assert "is a folder without tokenizer_config.json" in capsys.readouterr().err
+    assert train_in_process(tmp_path / "r3", "target.random_init=null", f"target.path={empty}") == 2  # tiny tokenizer
+    assert "is a folder without config.json" in capsys.readouterr().err
+
+
+def test_mask_token_on_an_ordinary_token_is_warned_about(tmp_path, caplog):
+    """The demo's tiny tokenizer: id 100 is an ordinary token, id 5 a special one, the default a spare row."""
+    with caplog.at_level(logging.WARNING):
+        assert train_in_process(tmp_path / "r1", "drafter.mask_token_id=100", "train.max_steps=1",
+                                "eval.at_end=false") == 0
+    assert any("drafter.mask_token_id=100 is" in r.getMessage() and "ordinary token" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert train_in_process(tmp_path / "r2", "drafter.mask_token_id=5", "train.max_steps=1",
+                                "eval.at_end=false") == 0
+    assert not any("ordinary token" in r.getMessage() for r in caplog.records)

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from dflash_trainer.data.templates import TEMPLATE_NAMES, builtin_template
 from dflash_trainer.data.tiny_tokenizer import build_tiny_tokenizer
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target.config import TargetConfig, model_reference
 
 
 def load_tokenizer(target: TargetConfig, chat_template: str | None = None) -> PreTrainedTokenizerFast:
@@ -24,7 +24,12 @@ def load_tokenizer(target: TargetConfig, chat_template: str | None = None) -> Pr
         family = name.split(":", 1)[1] if ":" in name else "qwen3"
         tok = build_tiny_tokenizer(family)
     else:
-        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=target.trust_remote_code)
+        key = "target.tokenizer" if target.tokenizer else "target.path"
+        reference = model_reference(name, key, "tokenizer_config.json")
+        try:
+            tok = AutoTokenizer.from_pretrained(reference, trust_remote_code=target.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}={name!r}: cannot load a tokenizer from it ({e})") from None
         if not isinstance(tok, PreTrainedTokenizerFast) or not tok.is_fast:
             raise ConfigError(
                 f"target.tokenizer {name!r} has no fast tokenizer; loss masks need character offsets. "
@@ -42,3 +47,11 @@ def load_tokenizer(target: TargetConfig, chat_template: str | None = None) -> Pr
     if not tok.chat_template:
         raise ConfigError(f"tokenizer {name!r} has no chat template; set data.chat_template")
     return tok
+
+
+def ordinary_token(tokenizer: PreTrainedTokenizerFast, token_id: int) -> str | None:
+    """The token `token_id` stands for when the tokenizer produces it from text (an ordinary vocabulary
+    token); None for ids past the vocabulary and for special or added tokens (reserved ones included)."""
+    if token_id >= len(tokenizer) or token_id in tokenizer.added_tokens_decoder or token_id in tokenizer.all_special_ids:
+        return None
+    return tokenizer.convert_ids_to_tokens(token_id)

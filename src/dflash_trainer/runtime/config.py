@@ -12,7 +12,7 @@ class PipelineConfig:
     token_budget: int = 16384
     """Tokens per packed batch (fixed shape of every hidden-state batch)."""
     num_targets: int = 1
-    """Target ranks per node (the first local ranks); ignored when colocated."""
+    """Target ranks per node (the first local ranks) of a split run; colocated runs have a target on every rank."""
     colocated: bool = False
     """Every rank runs both a target and a drafter (forced with one process)."""
     min_ready: int = 2
@@ -33,6 +33,11 @@ class PipelineConfig:
         for key in ("num_targets", "min_ready", "pool_capacity", "target_postprocess_depth"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"pipeline.{key} must be >= 1, got {getattr(self, key)}")
+        if self.colocated and self.num_targets != 1:
+            raise ConfigError(
+                f"pipeline.num_targets={self.num_targets} has no effect with pipeline.colocated=true (every rank runs "
+                "a target and a drafter): drop pipeline.num_targets, or set pipeline.colocated=false for a split run"
+            )
         if self.min_ready > self.pool_capacity:
             raise ConfigError(
                 f"pipeline.min_ready ({self.min_ready}) must be <= pipeline.pool_capacity ({self.pool_capacity})"

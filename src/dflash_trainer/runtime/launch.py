@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dflash_trainer.config import Config
 from dflash_trainer.data.plan import build_epoch_plan, plan_dir, read_epoch_plan, write_epoch_plan, write_summary
 from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
-from dflash_trainer.data.tokenizer import load_tokenizer
+from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
 from dflash_trainer.eval.drafter_eval import warn_regen_mismatch
@@ -132,6 +132,11 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     target_config = target_model_config(config.target)
     spec = drafter_spec(target_config, config.drafter, mask_token_id=first_spare_row(tokenizer))
+    token = ordinary_token(tokenizer, spec.mask_token_id)
+    if token is not None and env.rank == 0:
+        log.warning("drafter.mask_token_id=%d is %r, an ordinary token of the tokenizer: the drafter's MASK slots "
+                    "and that token share an embedding. Use a spare embedding row (default: the first past the "
+                    "tokenizer, %d) or a reserved special token", spec.mask_token_id, token, len(tokenizer))
 
     if env.rank == 0:
         prepared = prepare_data(config, run_dir, tokenizer=tokenizer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from dflash_trainer.errors import ConfigError
@@ -34,3 +35,20 @@ class TargetConfig:
             raise ConfigError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.path is not None and self.random_init is not None:
             raise ConfigError("set either target.path or target.random_init, not both")
+
+
+def model_reference(name: str, key: str, needs: str) -> str:
+    """`name` as given when it is an existing folder or looks like a hub id (`org/name`); otherwise a
+    ConfigError naming the config key `key` and the file the folder `needs` (e.g. config.json)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / needs).is_file():
+            raise ConfigError(f"{key}={name!r} is a folder without {needs}: point it at a Hugging Face model folder")
+        return str(path)
+    if path.exists():
+        raise ConfigError(f"{key}={name!r} is a file: point it at a Hugging Face model folder or a hub id (org/name)")
+    looks_local = name.startswith(("/", "./", "../", "~")) or name.count("/") != 1 or "\\" in name
+    if looks_local:
+        raise ConfigError(f"{key}={name!r} does not exist (relative paths start from {Path.cwd()}); give an existing "
+                          "model folder or a hub id (org/name)")
+    return name

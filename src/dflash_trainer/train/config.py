@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,8 +51,10 @@ class TrainConfig:
             raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ConfigError(f"train.max_minutes must be > 0 or null, got {self.max_minutes}")
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"train.lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"train.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -59,7 +62,7 @@ class TrainConfig:
         for key in ("grad_accum", "keep_last", "checkpoint_interval", "log_interval"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
-        if self.grad_clip < 0:
+        if not self.grad_clip >= 0 or math.isinf(self.grad_clip):
             raise ConfigError(f"train.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"train.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
