@@ -110,6 +110,7 @@ def test_truncation_cuts_ids_and_mask_together(toks):
     cut = masked(toks["chatml"], PLAIN, max_length=20)
     assert cut.num_tokens == 20 and cut.loss_mask.shape == (20,)
     assert torch.equal(cut.input_ids, full.input_ids[:20]) and torch.equal(cut.loss_mask, full.loss_mask[:20])
+    assert cut.truncated_tokens == full.num_tokens - 20 > 0 and full.truncated_tokens == 0  # counted exactly
 
 
 def test_too_few_supervised_tokens_dropped(toks):

@@ -116,6 +116,13 @@ def test_prepare_holds_out_eval_and_counts_everything(tmp_path, tiny_tokenizer):
     assert s.eval_conversations == 5 and len(prepared.eval_conversations) == 5
     assert s.dropped == {"no_assistant_turn": 1, "too_few_supervised_tokens": 1}
     assert s.conversations_total == 42 == s.conversations_kept + s.eval_conversations + sum(s.dropped.values())
+    assert s.truncated == 0 and s.truncated_tokens == 0
+    full = {int(i): n for i, n in zip(prepared.train.source_index, prepared.train.lengths)}
+    limit = sorted(full.values())[len(full) // 2]
+    cut = prepare_data(small_config(tmp_path, f"data.max_length={limit}"), tmp_path / "run", tokenizer=tiny_tokenizer)
+    kept = [int(i) for i in cut.train.source_index]  # the cut ones that still hold enough supervised tokens
+    assert cut.summary.truncated == sum(full[i] > limit for i in kept) > 0
+    assert cut.summary.truncated_tokens == sum(full[i] - limit for i in kept if full[i] > limit)
     assert read_eval_conversations(tmp_path / "run") == list(prepared.eval_conversations)
     # the held-out conversations never reach a job
     held = {c.source_index for c in prepared.eval_conversations}

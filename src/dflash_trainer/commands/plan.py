@@ -20,6 +20,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("  held out for eval", f"{s['eval_conversations']:,}"),
     ]
     rows += [(f"  dropped: {reason}", f"{n:,}") for reason, n in sorted(s["dropped"].items(), key=lambda kv: -kv[1])]
+    rows += [("  cut at data.max_length", f"{s['truncated']:,} ({s['truncated_tokens']:,} tokens left out)")]
     rows += [
         ("tokens", f"{s['tokens']:,}"),
         ("  supervised", f"{s['supervised_tokens']:,} ({s['supervised_tokens'] / max(1, s['tokens']):.0%})"),

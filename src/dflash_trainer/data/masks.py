@@ -164,4 +164,7 @@ def tokenize_conversation(conversation: Conversation, tokenizer: PreTrainedToken
     loss_mask = torch.from_numpy(mask[:max_length].copy())  # (n,) bool
     if int(loss_mask.sum()) < min_supervised:
         raise Unmaskable("too_few_supervised_tokens")
-    return TokenizedSequence(input_ids=ids, loss_mask=loss_mask)
+    cut = len(token_ids) - len(ids)
+    if limit < len(text):  # the rest starts after an end-of-turn special token: its tokens are the text's own
+        cut += len(tokenizer(text[limit:], add_special_tokens=False)["input_ids"])
+    return TokenizedSequence(input_ids=ids, loss_mask=loss_mask, truncated_tokens=cut)

@@ -45,6 +45,10 @@ class DataSummary:
     eval_conversations: int
     dropped: dict[str, int]
     """Rows not trained on, by reason (load time, mix and tokenization together)."""
+    truncated: int
+    """Training sequences cut at data.max_length."""
+    truncated_tokens: int
+    """Tokens those cuts left out (not trained on)."""
     tokens: int
     supervised_tokens: int
     sources: tuple[str, ...]
@@ -75,6 +79,8 @@ def _build(config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset
         "conversations_total": loaded.report.records_read,
         "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)),
         "eval": [conversation_to_json(c) for c in held],
+        "truncated": outcome.truncated,
+        "truncated_tokens": outcome.truncated_tokens,
     }
     return outcome.dataset, meta
 
@@ -102,6 +108,10 @@ def prepare_data(config, run_dir: str | os.PathLike, *,
             f"or allow more: each sequence needs >= 2 * drafter.block_size = {2 * config.drafter.block_size} "
             f"supervised tokens within data.max_length = {config.data.max_length}"
         )
+    if meta["truncated"]:
+        log.warning("%d conversations were cut at data.max_length=%d (%d tokens left out, not trained on); raise "
+                    "data.max_length (and pipeline.token_budget) to keep them", meta["truncated"],
+                    config.data.max_length, meta["truncated_tokens"])
     if cached is None:
         try:
             save_cache(path, dataset, meta)
@@ -112,7 +122,8 @@ def prepare_data(config, run_dir: str | os.PathLike, *,
         write_eval_conversations(run_dir, held)
     summary = DataSummary(
         conversations_total=meta["conversations_total"], conversations_kept=len(dataset),
-        eval_conversations=len(held), dropped=dict(meta["dropped"]), tokens=dataset.num_tokens,
+        eval_conversations=len(held), dropped=dict(meta["dropped"]), truncated=meta["truncated"],
+        truncated_tokens=meta["truncated_tokens"], tokens=dataset.num_tokens,
         supervised_tokens=dataset.num_supervised, sources=tuple(sources), cache_path=str(path),
         cache_hit=cached is not None, content_sha256=meta["content_sha256"],
     )

@@ -56,6 +56,7 @@ class TokenizedRow:
     """(n,) bool, or None when dropped."""
     dropped_reason: Optional[str]
     """The `Unmaskable` reason when dropped."""
+    truncated_tokens: int = 0
 
 
 Result = Union[TokenizedSequence, str]
@@ -102,14 +103,15 @@ def _tokenize_chunk(chunk: list[Conversation]) -> list[TokenizedRow]:
             rows.append(TokenizedRow(input_ids=None, loss_mask=None, dropped_reason=result))
         else:
             rows.append(TokenizedRow(input_ids=result.input_ids.numpy(), loss_mask=result.loss_mask.numpy(),
-                                     dropped_reason=None))
+                                     dropped_reason=None, truncated_tokens=result.truncated_tokens))
     return rows
 
 
 def _from_row(row: TokenizedRow) -> Result:
     if row.dropped_reason is not None:
         return row.dropped_reason
-    return TokenizedSequence(input_ids=torch.from_numpy(row.input_ids), loss_mask=torch.from_numpy(row.loss_mask))
+    return TokenizedSequence(input_ids=torch.from_numpy(row.input_ids), loss_mask=torch.from_numpy(row.loss_mask),
+                             truncated_tokens=row.truncated_tokens)
 
 
 def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast,

@@ -102,6 +102,10 @@ class TokenizeOutcome:
     dataset: TokenizedDataset
     dropped: dict[str, int]
     """Conversations not turned into sequences, by reason."""
+    truncated: int = 0
+    """Kept conversations cut at data.max_length."""
+    truncated_tokens: int = 0
+    """Tokens those cuts left out."""
 
 
 PARALLEL_MIN_CONVERSATIONS = 2000
@@ -122,7 +126,9 @@ def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTok
         results = [tokenize_one(c, tokenizer, settings) for c in conversations]
     kept = [(c, r) for c, r in zip(conversations, results) if not isinstance(r, str)]
     dropped = Counter(r for r in results if isinstance(r, str))
-    return TokenizeOutcome(dataset=TokenizedDataset.from_sequences(kept), dropped=dict(dropped))
+    cut = [r.truncated_tokens for _, r in kept if r.truncated_tokens]
+    return TokenizeOutcome(dataset=TokenizedDataset.from_sequences(kept), dropped=dict(dropped), truncated=len(cut),
+                           truncated_tokens=sum(cut))
 
 
 # ------------------------------------------------------------------------------------------- caching
@@ -138,10 +144,11 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
 def _code_fingerprint() -> str:
     """Hash of the modules that decide the cached content, so an edited loader or masker never reads a stale
     cache (CODE_VERSION covers changes elsewhere)."""
-    from dflash_trainer.data import masks, sources, tokenize_pool
+    from dflash_trainer.data import masks, prepare, rules, sources, tokenize_pool
 
     h = hashlib.sha256()
-    for module_file in (masks.__file__, sources.__file__, tokenize_pool.__file__, __file__):
+    for module_file in (masks.__file__, prepare.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__,
+                        __file__):
         h.update(Path(module_file).read_bytes())
     return h.hexdigest()
 

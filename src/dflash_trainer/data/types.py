@@ -29,6 +29,8 @@ class TokenizedSequence:
     """(n,) int64 on CPU: the rendered conversation, truncated to data.max_length."""
     loss_mask: torch.Tensor
     """(n,) bool on CPU: True on assistant reply tokens (and their end-of-turn token)."""
+    truncated_tokens: int = 0
+    """Tokens of the rendered conversation cut off past data.max_length (0: it fit)."""
 
     @property
     def num_tokens(self) -> int:
