@@ -190,6 +190,29 @@ def test_prompt_only_datasets_are_regenerated_then_trainable(tmp_path, capsys):
     assert summary["conversations_kept"] + sum(summary["dropped"].values()) == 2
 
 
+def test_another_source_into_an_existing_output_is_refused(tmp_path, capsys):
+    """Regenerating another data source into a finished output would mix the two and rename the manifest's
+    source: refused, naming both and the fix; the same source resumes."""
+    from dflash_trainer import cli
+
+    paths = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{name} {i}?"}]}) + "\n"
+                                for i in range(2)))
+        paths.append(path)
+    tiny = ["target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu",
+            "regenerate.max_new_tokens=4", "logging.progress=false"]
+    out = tmp_path / "out"
+    assert cli.main(["regenerate", "--out", str(out), f"data.path={paths[0]}", *tiny]) == 0
+    before = sorted(shard_ids(out))
+    assert cli.main(["regenerate", "--out", str(out), f"data.path={paths[1]}", *tiny]) == 2
+    err = capsys.readouterr().err
+    assert f"holds the answers to ['{paths[0]}']" in err and "new --out directory" in err
+    assert sorted(shard_ids(out)) == before and read_manifest(out)["source"]["data"] == [str(paths[0])]
+    assert cli.main(["regenerate", "--out", str(out), f"data.path={paths[0]}", *tiny]) == 0  # the same: resumes
+
+
 # ---------------------------------------------------------------- HTTP backend
 
 

@@ -107,3 +107,22 @@ def test_mask_token_on_an_ordinary_token_is_warned_about(tmp_path, caplog):
         assert train_in_process(tmp_path / "r2", "drafter.mask_token_id=5", "train.max_steps=1",
                                 "eval.at_end=false") == 0
     assert not any("ordinary token" in r.getMessage() for r in caplog.records)
+
+
+def test_a_second_run_into_a_run_dir_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
+    run = tmp_path / "run"
+    quick = ("train.max_steps=2", "eval.at_end=false")
+    assert train_in_process(run, *quick) == 0
+    first = (run / "metrics.jsonl").read_text()
+    assert train_in_process(run, *quick, "train.lr=1e-3") == 2
+    err = capsys.readouterr().err
+    assert "holds a training run" in err and "--resume" in err and "--overwrite" in err and "new directory" in err
+    assert (run / "metrics.jsonl").read_text() == first  # nothing touched
+    assert train_in_process(run, "train.max_steps=3", "eval.at_end=false", resume=True) == 0  # continues it
+    from dflash_trainer.cli import main
+    from pipeline_helpers import overrides
+
+    assert main(["train", "--config", "demo", *overrides(run, *quick, "train.lr=1e-3"), "--overwrite"]) == 0
+    steps = [r["step"] for r in metrics(run) if "loss" in r]
+    assert steps == [1, 2] and summary(run)["steps"] == 2  # a fresh run: no rows of the first one
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]

@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted config overrides")
         if name == "train":
             p.add_argument("--resume", action="store_true", help="same as train.resume=latest")
+            p.add_argument("--overwrite", action="store_true",
+                           help="replace a training run already in run.dir (same as train.overwrite=true)")
         if name == "eval":
             p.add_argument("--drafter", required=False, help="exported drafter directory")
             p.add_argument("--out", default=None, help="directory for eval.json (default: the run dir)")
@@ -57,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = list(args.overrides)
     if getattr(args, "resume", False):
         overrides.append("train.resume=latest")
+    if getattr(args, "overwrite", False):
+        overrides.append("train.overwrite=true")
     try:
         config = load_config(args.config, overrides)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from pathlib import Path
 
@@ -28,3 +29,30 @@ def make_run_dir(config: Config) -> Path:
         raise ConfigError(f"cannot create or write the run directory {str(path)!r} ({e.strerror or e}); "
                           "set run.dir to a writable directory") from None
     return path
+
+
+TRAINING_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "export", "best", "eval.json", "tensorboard",
+                    ".eval", ".best.tmp")
+"""What a training run leaves in its run dir (besides `config.yaml` and `plan/`)."""
+
+
+def claim_run_dir(config: Config) -> Path:
+    """The run dir for `dflash-train train`: a fresh one, or one that holds only a plan (`dflash-train plan`);
+    one that holds a training run only with `train.resume` (continue it) or `train.overwrite` (its outputs and
+    epoch plans are deleted first). Refusing is the default: a second run would replace the checkpoints and
+    append to the first run's metrics."""
+    path = Path(config.run.dir).expanduser() if config.run.dir else None
+    if path is not None and not config.train.resume:
+        found = [name for name in TRAINING_OUTPUTS if (path / name).exists()]
+        if found and not config.train.overwrite:
+            raise ConfigError(
+                f"run.dir={str(path)!r} holds a training run ({', '.join(found)}): add --resume to continue it, set "
+                "run.dir to a new directory, or pass --overwrite to replace it"
+            )
+        for name in found:
+            target = path / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        if found:
+            for plan in (path / "plan").glob("epoch_*.json"):
+                plan.unlink()
+    return make_run_dir(config)

@@ -165,6 +165,12 @@ class RegenStore:
             return
         if manifest.get("format") != FORMAT:
             raise DataError(f"{self.out_dir}/{MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        written_for, asked_for = manifest.get("source", {}).get("data"), self.source.get("data")
+        if written_for is not None and asked_for is not None and written_for != asked_for:
+            raise DataError(
+                f"cannot resume into {self.out_dir}: it holds the answers to {written_for}, not to {asked_for} (rows "
+                "are keyed by their source, so another source is another output). Give a new --out directory"
+            )
         diffs = settings_differences(manifest.get("settings", {}), self.settings)
         if diffs:
             raise DataError(

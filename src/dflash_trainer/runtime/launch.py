@@ -28,7 +28,7 @@ from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
 from dflash_trainer.eval.drafter_eval import warn_regen_mismatch
-from dflash_trainer.rundir import make_run_dir
+from dflash_trainer.rundir import claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv, choose_device, dist_env, init_distributed
 from dflash_trainer.runtime.failures import AbortWatchdog, exit_now, fail_rank, is_secondary, stop_after_peer_failure
@@ -121,7 +121,7 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
         pipeline=config.pipeline, num_devices=torch.cuda.device_count() if device.type == "cuda" else None,
     )
     if env.rank == 0:
-        run_dir = make_run_dir(config)
+        run_dir = claim_run_dir(config)
         control.set_value("run_dir", str(run_dir))
     else:
         run_dir = Path(control.wait_value("run_dir"))

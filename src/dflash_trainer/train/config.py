@@ -36,6 +36,8 @@ class TrainConfig:
     per parameter) would take more than a quarter of a GPU; true/false: always/never (CPU: only if true)."""
     resume: Optional[str] = None
     """latest | a checkpoint path (--resume is short for latest)."""
+    overwrite: bool = False
+    """Replace a training run already in run.dir (--overwrite); without it, or train.resume, that is an error."""
     keep_last: int = 3
     checkpoint_interval: int = 500
     log_interval: int = 10
@@ -51,6 +53,8 @@ class TrainConfig:
             raise ConfigError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ConfigError(f"train.max_minutes must be > 0 or null, got {self.max_minutes}")
+        if self.resume is not None and self.overwrite:
+            raise ConfigError("train.resume and train.overwrite exclude each other: continue the run or replace it")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"train.lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
