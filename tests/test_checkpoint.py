@@ -1,3 +1,4 @@
+import logging
 import os
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.train.checkpoint import (
     CheckpointState,
+    checkpoint_problem,
     list_checkpoints,
     load_checkpoint,
     resolve_resume,
@@ -55,6 +57,32 @@ def test_incomplete_checkpoint_is_ignored(tmp_path):
         resolve_resume(tmp_path, "latest")
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
         resolve_resume(tmp_path, str(path))
+
+
+@pytest.mark.parametrize("damage", ["bytes", "truncated", "missing"])
+def test_damaged_latest_checkpoint_is_named_and_resume_falls_back(tmp_path, caplog, damage):
+    """Bytes overwritten in the weights (same size: NaN weights before this check), a cut file, a missing file:
+    `latest` skips the damaged newest checkpoint with a warning naming it, an explicit path is refused."""
+    older, _ = _save(tmp_path, 20)
+    newest, _ = _save(tmp_path, 30)
+    weights = newest / "drafter.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "bytes":
+        data[-8:] = b"\xff" * 8  # the last bytes of the last tensor
+        weights.write_bytes(bytes(data))
+    elif damage == "truncated":
+        weights.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        os.remove(newest / "optimizer.pt")
+    assert checkpoint_problem(older) is None and checkpoint_problem(newest) is not None
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume(tmp_path, "latest") == older
+    assert any("step_20" in r.getMessage() and "step_30" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="is damaged"):
+        resolve_resume(tmp_path, str(newest))
+    os.remove(older / "rng.pt")
+    with pytest.raises(ConfigError, match="every checkpoint .* is damaged: step_30 .*; step_20 \\(rng.pt is missing\\)"):
+        resolve_resume(tmp_path, "latest")
 
 
 def test_resume_refuses_other_shape_or_data(tmp_path):

@@ -126,3 +126,23 @@ def test_a_second_run_into_a_run_dir_is_refused_unless_resumed_or_overwritten(tm
     steps = [r["step"] for r in metrics(run) if "loss" in r]
     assert steps == [1, 2] and summary(run)["steps"] == 2  # a fresh run: no rows of the first one
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_damaged_checkpoint_export_refused_and_resume_falls_back(tmp_path, capsys, caplog):
+    from dflash_trainer.cli import main
+    from pipeline_helpers import overrides
+
+    run = tmp_path / "run"
+    assert train_in_process(run, "train.max_steps=2", "train.checkpoint_interval=1", "eval.at_end=false") == 0
+    weights = run / "checkpoints" / "step_2" / "drafter.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = b"\xff\xff\xff\xff"  # a NaN where the last weight was
+    weights.write_bytes(bytes(data))
+    assert main(["export", "--config", "demo", *overrides(run), "--checkpoint", str(weights.parent),
+                 "--out", str(tmp_path / "export")]) == 2
+    assert "is damaged: drafter.safetensors does not match its checksum" in capsys.readouterr().err
+    with caplog.at_level(logging.WARNING):
+        assert train_in_process(run, "train.max_steps=3", "eval.at_end=false", resume=True) == 0
+    assert any("resuming from step_1" in r.getMessage() and "step_2 (drafter.safetensors" in r.getMessage()
+               for r in caplog.records)
+    assert summary(run)["status"] == "ok" and summary(run)["steps"] == 3

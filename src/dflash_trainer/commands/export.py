@@ -17,13 +17,16 @@ def run(config: Config, args) -> int:
     from dflash_trainer.drafter.model import DFlashDrafter
     from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
     from dflash_trainer.target.load import target_model_config
-    from dflash_trainer.train.checkpoint import COMPLETE
+    from dflash_trainer.train.checkpoint import COMPLETE, checkpoint_problem
 
     if not args.checkpoint or not args.out:
         raise ConfigError("export needs --checkpoint CHECKPOINT_DIR and --out DIR")
     ckpt = Path(args.checkpoint)
     if not (ckpt / COMPLETE).is_file() or not (ckpt / "drafter.safetensors").is_file():
         raise ConfigError(f"--checkpoint {ckpt} is not a complete training checkpoint (checkpoints/step_N)")
+    problem = checkpoint_problem(ckpt)
+    if problem is not None:
+        raise ConfigError(f"--checkpoint {ckpt} is damaged: {problem}; export another checkpoint")
     target_config = target_model_config(config.target)
     mask = None if config.drafter.mask_token_id is not None else first_spare_row(
         load_tokenizer(config.target, config.data.chat_template))

@@ -127,8 +127,15 @@ def _setup(config: Config, env: DistEnv, device: torch.device, control: ControlP
         run_dir = Path(control.wait_value("run_dir"))
     holder["run_dir"] = run_dir
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir)))
-    # Before the data work: a wrong train.resume fails at once.
-    resume_path = resolve_resume(run_dir, config.train.resume) if config.train.resume else None
+    # Before the data work: a wrong train.resume fails at once. Rank 0 checks the checkpoints (it reads them
+    # whole for their checksums) and tells the others which one.
+    resume_path = None
+    if config.train.resume:
+        if env.rank == 0:
+            resume_path = resolve_resume(run_dir, config.train.resume)
+            control.set_value("resume_path", str(resume_path))
+        else:
+            resume_path = Path(control.wait_value("resume_path"))
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     target_config = target_model_config(config.target)
     spec = drafter_spec(target_config, config.drafter, mask_token_id=first_spare_row(tokenizer))

@@ -2,17 +2,20 @@
 
 Layout of `RUN_DIR/checkpoints/step_N/`: `drafter.safetensors` (fp32 weights), `optimizer.pt` (optimizer
 state, loaded with weights_only=True), `rng.pt`, `state.json` (step, epoch, job ledger, scheduler, model
-signature, data fingerprint) and `COMPLETE`. A checkpoint is written into a temporary directory and
-renamed into place only after `COMPLETE` is on disk, so a crash while saving never leaves a directory
-that looks valid.
+signature, data fingerprint) and `COMPLETE`, which records each file's size and CRC-32. A checkpoint is
+written into a temporary directory and renamed into place only after `COMPLETE` is on disk, so a crash while
+saving never leaves a directory that looks valid; resume and export check the sizes and checksums, so bytes
+damaged later are found too, and `train.resume=latest` falls back to the newest intact checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -23,6 +26,38 @@ from safetensors.torch import load_file, save_file
 from dflash_trainer.errors import ConfigError
 
 COMPLETE = "COMPLETE"
+_CHUNK = 16 * 2**20
+
+log = logging.getLogger(__name__)
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why the checkpoint at `path` cannot be used (a file missing, cut short or changed since it was saved),
+    or None when it is intact."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        return f"no {COMPLETE} file (not a finished checkpoint)"
+    try:
+        files = json.loads((path / COMPLETE).read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"its {COMPLETE} file is unreadable"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, {want['bytes']} were saved"
+        if _crc32(f) != want["crc32"]:
+            return f"{name} does not match its checksum (its bytes changed after saving)"
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,10 +121,12 @@ def save_checkpoint(
         "python_random": list(random.getstate()[1]),
     }
     (tmp / "state.json").write_text(json.dumps(payload))
-    for f in tmp.iterdir():
+    files = {}
+    for f in sorted(tmp.iterdir()):
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    (tmp / COMPLETE).write_text("ok\n")
+        files[f.name] = {"bytes": f.stat().st_size, "crc32": _crc32(f)}
+    (tmp / COMPLETE).write_text(json.dumps({"files": files}, indent=1) + "\n")
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -121,6 +158,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def resolve_resume(run_dir: Path, resume: str) -> Path:
+    """The checkpoint to resume from: `latest` is the newest intact one of the run (a damaged newer one is
+    named in a warning and skipped), a path must be intact itself."""
     if resume == "latest":
         found = list_checkpoints(run_dir)
         if not found:
@@ -128,10 +167,22 @@ def resolve_resume(run_dir: Path, resume: str) -> Path:
                 f"train.resume=latest but {checkpoints_dir(run_dir)} holds no complete checkpoint; "
                 "set run.dir to the run to resume, or drop --resume"
             )
-        return found[-1]
+        damaged = []
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                if damaged:
+                    log.warning("resuming from %s, the newest intact checkpoint; skipped as damaged: %s", path.name,
+                                "; ".join(damaged))
+                return path
+            damaged.append(f"{path.name} ({problem})")
+        raise ConfigError(f"every checkpoint in {checkpoints_dir(run_dir)} is damaged: {'; '.join(damaged)}")
     path = Path(resume)
     if not (path / COMPLETE).is_file():
         raise ConfigError(f"train.resume={resume!r} is not a complete checkpoint directory (no {COMPLETE} file)")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ConfigError(f"train.resume={resume!r} is damaged: {problem}; resume from another checkpoint")
     return path
 
 
