@@ -111,3 +111,48 @@ class AbortWatchdog:
                     pass
                 time.sleep(self._grace_s)  # let the failing rank exit first: torchrun names it as the root cause
                 exit_now(EXIT_FAILED)
+
+
+class StopSignals:
+    """SIGTERM and SIGINT stop a run cleanly: the first asks every rank to stop after the current optimizer
+    step (the step loop all-reduces the request), then the final checkpoint and `summary.json` (status
+    `stopped`) are written and the process exits 128 + the signal. A second signal leaves at once.
+
+    Under torchrun the agent also sends SIGTERM to the ranks left when one of them fails: when a peer's failure
+    is recorded in the store, the signal is that failure's, not a stop, and the rank leaves at once.
+    Install from the main thread (Python delivers signals there).
+    """
+
+    def __init__(self, *, control: ControlPlane, on_failure: Callable[[int], None],
+                 on_second: Callable[[int], None]) -> None:
+        """`on_failure(signum)`: a peer failed (records it and leaves); `on_second(signum)`: leave now."""
+        self.control = control
+        self.on_failure = on_failure
+        self.on_second = on_second
+        self.signum: Optional[int] = None
+
+    def install(self) -> "StopSignals":
+        import signal
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+        return self
+
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.signum is not None else 0
+
+    def _handle(self, signum, frame) -> None:
+        import signal as signals
+
+        if self.control.aborted() is not None:
+            self.on_failure(signum)
+        elif self.signum is not None:
+            self.on_second(signum)
+        else:
+            self.signum = signum
+            print(f"{signals.Signals(signum).name}: stopping after this step (final checkpoint and summary); "
+                  "send it again to stop at once", file=sys.stderr, flush=True)

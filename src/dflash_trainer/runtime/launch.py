@@ -31,7 +31,9 @@ from dflash_trainer.eval.drafter_eval import warn_regen_mismatch
 from dflash_trainer.rundir import claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv, choose_device, dist_env, init_distributed
-from dflash_trainer.runtime.failures import AbortWatchdog, exit_now, fail_rank, is_secondary, stop_after_peer_failure
+from dflash_trainer.runtime.failures import (
+    AbortWatchdog, StopSignals, exit_now, fail_rank, is_secondary, stop_after_peer_failure,
+)
 from dflash_trainer.runtime.jobs import STOP, StoreJobSource
 from dflash_trainer.runtime.pool import BufferedPool, PoolReport
 from dflash_trainer.runtime.roles import Placement, plan_placement
@@ -77,13 +79,17 @@ def run_training(config: Config) -> int:
     control = ControlPlane(store, rank=env.rank, stall_timeout_s=config.pipeline.timeout_s)
     holder: dict[str, Any] = {}
     watchdog = AbortWatchdog(control, rank=env.rank).start() if env.distributed else None
-    if env.distributed:
-        signal.signal(signal.SIGTERM, _on_sigterm(holder, control, env.rank))
+    stop = StopSignals(control=control, on_failure=_peer_failed(holder, control),
+                       on_second=_stop_now(holder)).install()
+    holder["stop"] = stop
     started = time.time()
     try:
         setup = _setup(config, env, device, control, holder)
-        summary = _run_role(setup, control)
+        summary = _run_role(setup, control, stop)
         if summary is not None:
+            if stop.requested():
+                summary["status"] = "stopped"
+                summary["stopped_by"] = signal.Signals(stop.signum).name
             summary["elapsed_s"] = round(time.time() - started, 3)
             write_summary_file(setup.run_dir, summary)
             print_summary(summary, setup.run_dir)
@@ -109,7 +115,7 @@ def run_training(config: Config) -> int:
         watchdog.stop()
     if env.distributed:
         dist.destroy_process_group()
-    return 0
+    return stop.exit_code
 
 
 # -- setup ------------------------------------------------------------------------------------------
@@ -186,14 +192,14 @@ def _epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: in
 # -- roles ------------------------------------------------------------------------------------------
 
 
-def _run_role(setup: RunSetup, control: ControlPlane) -> Optional[dict]:
+def _run_role(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Optional[dict]:
     """Returns the run summary on the leader (the first drafter rank), None elsewhere."""
     role = setup.placement.role
     if role.runs_target and not role.runs_drafter:
         stats = _run_target(setup, control)
         control.set_value(f"target_stats/{setup.env.rank}", json.dumps(dataclasses.asdict(stats)))
         return None
-    result, target_stats, pool = _run_drafter(setup, control)
+    result, target_stats, pool = _run_drafter(setup, control, stop)
     leader = setup.placement.rank == setup.placement.drafter_ranks[0]
     if not leader:
         if target_stats is not None:  # a colocated rank reports its target half too
@@ -252,7 +258,8 @@ def _run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
     )
 
 
-def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, Optional[TargetStats], BufferedPool]:
+def _run_drafter(setup: RunSetup, control: ControlPlane, stop: StopSignals,
+                 ) -> tuple[TrainResult, Optional[TargetStats], BufferedPool]:
     config, placement, device = setup.config, setup.placement, setup.device
     rank = setup.env.rank
     colocated = placement.colocated
@@ -285,6 +292,7 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
         total_steps=planned_steps(config, remaining_jobs, len(placement.drafter_ranks), resume.state.step if resume else 0),
         resume=resume, target_config=target_model_config(config.target),
         dummy_batch=from_wire(allocate(_wire_spec(setup), device), empty),  # zeros: no token, no loss
+        stop_requested=stop.requested,
     )
     target_stats: Optional[TargetStats] = None
     receiver = None
@@ -353,12 +361,13 @@ def _run_drafter(setup: RunSetup, control: ControlPlane) -> tuple[TrainResult, O
     model = trainer.full_model()
     if trainer.is_leader:
         result.export_dir = str(trainer.export(setup.run_dir / "export", model))
-        if tracker is not None and result.state.step > 0 and config.eval.at_end:
+        at_end = config.eval.at_end and not result.state.stop_requested  # stopping: be quick (a grace period runs)
+        if tracker is not None and result.state.step > 0 and at_end:
             result.eval = tracker.finish(model, result.state.step, export=lambda out: trainer.export(out, model), sink=trainer.sink)
         elif tracker is not None and tracker.history:
             result.eval = tracker.summary(tracker.history[-1].step)
         if client is not None:
-            result.eval = client.finish(trainer, result.state.step, model, at_end=config.eval.at_end, sink=trainer.sink)
+            result.eval = client.finish(trainer, result.state.step, model, at_end=at_end, sink=trainer.sink)
     if receiver is not None:
         receiver.join(config.pipeline.timeout_s)
     if target_stats is not None:
@@ -376,14 +385,25 @@ def _tau_tracker(setup: RunSetup, target, capture, head):
                             device=setup.device)
 
 
-def _on_sigterm(holder: dict, control: ControlPlane, rank: int):
-    """torchrun's agent ends the surviving ranks with SIGTERM when one dies (kill -9 leaves no word of its own):
-    record the failure in the summary unless a more precise one is there, then leave."""
+def _peer_failed(holder: dict, control: ControlPlane):
+    """A signal after a peer's failure was recorded: the summary names that failure (unless a more precise
+    one is there), and the rank leaves."""
 
-    def handler(signum, frame) -> None:
+    def leave(signum: int) -> None:
         info = control.aborted()
-        cause = info.cause if info else "terminated by SIGTERM (a rank died or the job was stopped)"
-        write_failed_summary(holder.get("run_dir"), info.rank if info else -1, cause, keep_existing=True)
+        write_failed_summary(holder.get("run_dir"), info.rank, info.cause, keep_existing=True)
         exit_now(128 + signum)
 
-    return handler
+    return leave
+
+
+def _stop_now(holder: dict):
+    """A second stop signal: leave at once, saying so in the summary (no checkpoint since the last one)."""
+
+    def leave(signum: int) -> None:
+        if holder.get("run_dir") is not None:
+            write_summary_file(holder["run_dir"], {"status": "stopped", "stopped_by": signal.Signals(signum).name,
+                                                   "note": "stopped at once by a second signal: no final checkpoint"})
+        exit_now(128 + signum)
+
+    return leave

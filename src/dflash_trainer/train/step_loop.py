@@ -8,7 +8,8 @@ backward on the *unnormalised* weighted loss sum, then all ranks all-reduce one 
 - whether any rank saw NaN/inf: then every rank skips the step together;
 - whether every rank ran dry: then the run ends together (a partial last step is still taken);
 - the fraction of the time budget spent (the mean over ranks: one value everywhere, for the schedule);
-  once it reaches 1, this is the last step everywhere.
+  once it reaches 1, this is the last step everywhere;
+- whether a rank was asked to stop (SIGTERM, Ctrl-C): then this is the last step everywhere.
 A job is committed (enters the ledger) when the optimizer step that used it completes.
 """
 
@@ -84,6 +85,9 @@ class LoopState:
     time_fraction: float = 0.0
     """Fraction of the time budget spent by the last step (the same on every rank; 0 without a budget)."""
 
+    stop_requested: bool = False
+    """A rank was asked to stop (a signal): the run stopped after the last step."""
+
     @property
     def out_of_time(self) -> bool:
         return self.time_fraction >= 1.0
@@ -91,7 +95,7 @@ class LoopState:
 
 _STATS = ("loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite")
 """Device-side sums per step; the host-side counts (`_COUNTS`) join them in the one all-reduce."""
-_COUNTS = ("batches", "tokens", "time_fraction")
+_COUNTS = ("batches", "tokens", "time_fraction", "stop")
 
 
 class StepLoop(Generic[B]):
@@ -115,9 +119,11 @@ class StepLoop(Generic[B]):
         max_nonfinite_steps: int = 10,
         dummy_batch: Optional[B] = None,
         time_budget_s: Optional[float] = None,
+        stop_requested: Callable[[], bool] = lambda: False,
     ) -> None:
         """`dummy_batch` (FSDP2 only): a batch with no supervised token, run by a rank that has no batch;
-        `time_budget_s`: the run stops once it has trained this long (counted from `run`)."""
+        `time_budget_s`: the run stops once it has trained this long (counted from `run`); `stop_requested()`:
+        True once this rank is asked to stop (every rank then stops after the same step)."""
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer
@@ -133,6 +139,7 @@ class StepLoop(Generic[B]):
         self.max_nonfinite_steps = max_nonfinite_steps
         self.dummy_batch = dummy_batch
         self.time_budget_s = time_budget_s
+        self.stop_requested = stop_requested
         self._started = time.monotonic()
         self.world = dist.get_world_size(group) if group is not None else 1
         self.state = LoopState(step=start_step)
@@ -149,7 +156,7 @@ class StepLoop(Generic[B]):
             if record is None:
                 break
             on_step(record)
-            if self.state.out_of_time:
+            if self.state.out_of_time or self.state.stop_requested:
                 break
         return self.state
 
@@ -159,7 +166,7 @@ class StepLoop(Generic[B]):
         wait = 0.0
         stats = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
         slots = torch.zeros(2, self.slots, dtype=torch.float64, device=self.device)  # (2, B-1) correct, count
-        counts = [0.0, 0.0, 0.0]  # batches, tokens, time fraction (host values)
+        counts = [0.0, 0.0, 0.0, 0.0]  # batches, tokens, time fraction, stop (host values)
         releases: list[Callable[[], None]] = []
         keys: list[tuple[int, int]] = []
         self.optimizer.zero_grad(set_to_none=True)  # the first backward writes the gradients (no add, no fill)
@@ -198,6 +205,7 @@ class StepLoop(Generic[B]):
             slots += torch.stack([out.slot_correct.detach().double(), out.slot_count.detach().double()])
         if self.time_budget_s is not None:
             counts[2] = (time.monotonic() - self._started) / self.time_budget_s
+        counts[3] = float(self.stop_requested())
         host_counts = torch.tensor(counts, dtype=torch.float64).to(self.device, non_blocking=True)  # one copy a step
         packed = torch.cat([stats, slots.reshape(-1), host_counts])
         if self.group is not None and self.world > 1:
@@ -216,6 +224,7 @@ class StepLoop(Generic[B]):
         rows = flat[n + 2 * self.slots + len(_COUNTS) + 1 :]
         job_ids = [(int(e), int(j)) for e, j in zip(rows[0::2], rows[1::2]) if j >= 0]
         self.state.time_fraction = values["time_fraction"] / self.world  # the mean: the same on every rank
+        self.state.stop_requested = values["stop"] > 0
         if values["batches"] == 0:
             for release in releases:
                 release()

@@ -87,8 +87,10 @@ class DrafterTrainer:
         target_config=None,
         on_step: Callable[[StepRecord], None] = lambda record: None,
         dummy_batch: Optional[HiddenStateBatch] = None,
+        stop_requested: Callable[[], bool] = lambda: False,
     ) -> None:
-        """`dummy_batch`: a batch with no supervised token (needed with `train.fsdp`; see `parallel.py`)."""
+        """`dummy_batch`: a batch with no supervised token (needed with `train.fsdp`; see `parallel.py`);
+        `stop_requested()`: True once this rank is asked to stop (a signal)."""
         self.config = config
         self.spec = spec
         self.head = head
@@ -145,6 +147,7 @@ class DrafterTrainer:
             max_nonfinite_steps=config.train.max_nonfinite_steps,
             dummy_batch=dummy_batch if self.sharded else None,
             time_budget_s=60.0 * config.train.max_minutes if config.train.max_minutes is not None else None,
+            stop_requested=stop_requested,
         )
         if resume is not None and is_leader:
             _truncate_metrics(run_dir / "metrics.jsonl", resume.state.step)
@@ -205,6 +208,8 @@ class DrafterTrainer:
             bar.close()
         if state.out_of_time:
             log.info("train.max_minutes=%s reached: stopped after step %d", self.config.train.max_minutes, state.step)
+        if state.stop_requested:
+            log.info("stopped on request after step %d", state.step)
         return TrainResult(
             state=state, ledger=self.ledger, elapsed_s=time.perf_counter() - start, step_time_s=busy,
             wait_time_s=wait, last_record=last, checkpoints=self.checkpoints,
