@@ -50,4 +50,5 @@ def test_sigkill_of_the_leader_drafter_ends_the_job(tmp_path):
     assert launch.elapsed_s < BOUND_S, f"took {launch.elapsed_s:.0f}s"
     root = launch.output.split("Root Cause (first observed failure):")[-1]
     assert "rank      : 1 (local_rank: 1)" in root and "Signal 9 (SIGKILL)" in root, root[:2000]
-    assert summary(run_dir)["status"] == "failed"  # written by the surviving target
+    s = summary(run_dir)  # written by the surviving target: it found the killed rank's process gone
+    assert s["status"] == "failed" and s["failed_rank"] == 1 and "died without a word" in s["cause"], s

@@ -67,3 +67,85 @@ def test_sigterm_to_torchrun_stops_every_rank_cleanly(tmp_path):
     out = _stop_after_steps(proc, run_dir, 3, signal.SIGTERM)
     assert proc.returncode != 0, out[-3000:]
     _assert_stopped(run_dir, "SIGTERM")
+
+
+# -- liveness: a frozen rank, a killed rank, a long pause ---------------------------------------------------
+
+
+def _worker_pid(launcher_pid: int, rank: int, timeout_s: float = 60.0) -> int:
+    """The pid of torchrun's worker with RANK=rank."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if ppid == launcher_pid and f"RANK={rank}".encode() in env:
+                return int(entry)
+        time.sleep(0.2)
+    raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
+
+
+def _torchrun(run_dir, nproc: int, *extra: str, fault: str | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "dflash_trainer", "train", "--config", "demo",
+           *overrides(run_dir, *extra)]
+    if fault is None:
+        return _start(cmd)
+    os.environ["DFLASH_TEST_FAULT"] = fault
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    finally:
+        del os.environ["DFLASH_TEST_FAULT"]
+
+
+def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
+    """kill -STOP of one drafter of a 1:2 split: the others see its heartbeat stop and end the job within
+    seconds of pipeline.liveness_timeout_s, the summary naming the frozen rank (not the 30-minute timeout)."""
+    run_dir = tmp_path / "run"
+    proc = _torchrun(run_dir, 3, *LONG, "pipeline.colocated=false", "pipeline.num_targets=1",
+                     "pipeline.liveness_timeout_s=4")
+    frozen = _worker_pid(proc.pid, 2)
+    try:
+        deadline = time.monotonic() + 120
+        while sum("loss" in r for r in metrics(run_dir)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(frozen, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while time.monotonic() < stopped_at + 60:
+            if (run_dir / "summary.json").is_file() and summary(run_dir).get("status") == "failed":
+                break
+            time.sleep(0.2)
+        took = time.monotonic() - stopped_at
+        s = summary(run_dir)
+        assert s["status"] == "failed" and s["failed_rank"] == 2 and "stopped answering" in s["cause"], s
+        assert took < 20, f"noticed after {took:.0f} s"
+    finally:
+        try:
+            os.kill(frozen, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+    assert proc.returncode != 0
+
+
+def test_a_long_pause_of_training_itself_is_not_silence(tmp_path):
+    """The heartbeat is a thread's: a main thread busy for longer than the liveness timeout (here a target
+    forward that sleeps 6 s) leaves the job running to its end."""
+    run_dir = tmp_path / "run"
+    proc = _torchrun(run_dir, 2, "pipeline.colocated=false", "pipeline.num_targets=1", "pipeline.liveness_timeout_s=2",
+                     "train.max_steps=3", "eval.at_end=false", fault="delay_target:6@0")
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    assert summary(run_dir)["status"] == "ok"

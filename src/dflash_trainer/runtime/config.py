@@ -23,6 +23,9 @@ class PipelineConfig:
     """Batches in flight between a target's forward and its sender thread."""
     deterministic: bool = False
     """One target, first-in first-out pool, RNG keyed by job (exact tests)."""
+    liveness_timeout_s: float = 30.0
+    """A rank whose heartbeat (a background thread's, every ~2 s) stops for this long ends the job, named as
+    the failing rank (frozen, stopped or killed); 0 disables. Long pauses of training itself do not count."""
     timeout_s: float = 1800.0
     """Bound on any single wait (store, pool, sender, collectives): a stuck pipeline fails after this long.
     Failures themselves end the job within seconds (abort flag, torchrun); tests shorten this bound."""
@@ -42,5 +45,7 @@ class PipelineConfig:
             raise ConfigError(
                 f"pipeline.min_ready ({self.min_ready}) must be <= pipeline.pool_capacity ({self.pool_capacity})"
             )
+        if not self.liveness_timeout_s >= 0:
+            raise ConfigError(f"pipeline.liveness_timeout_s must be >= 0 (0 disables), got {self.liveness_timeout_s}")
         if self.timeout_s <= 0:
             raise ConfigError(f"pipeline.timeout_s must be > 0, got {self.timeout_s}")

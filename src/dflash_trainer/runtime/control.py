@@ -165,10 +165,18 @@ class ControlPlane:
         key = self._key("value", name)
         return self._poll(f"value {name}", lambda: self._get_if_set(key)).decode()
 
+    # -- liveness --------------------------------------------------------------------------------
+    def beat(self) -> None:
+        self.store.add(self._key("beat", self.rank), 1)
+
+    def beats(self, rank: int) -> int:
+        return self._counter(self._key("beat", rank))
+
     # -- abort -----------------------------------------------------------------------------------
-    def abort(self, cause: str) -> None:
-        """Record this rank's failure (the first one wins: compare_set on an empty key)."""
-        info = json.dumps({"rank": self.rank, "cause": cause}).encode()
+    def abort(self, cause: str, *, rank: Optional[int] = None) -> None:
+        """Record a failure: this rank's, or `rank`'s when this rank found another one dead (the first record
+        wins: compare_set on an empty key)."""
+        info = json.dumps({"rank": self.rank if rank is None else rank, "cause": cause}).encode()
         try:
             self.store.compare_set(self._key("abort"), b"", info)
         except Exception:  # the store may be gone while the job is ending

@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
-from dflash_trainer.runtime.control import ControlPlane
+from dflash_trainer.runtime.control import AbortInfo, ControlPlane
 
 EXIT_FAILED = 1
 
@@ -83,7 +83,7 @@ class AbortWatchdog:
     grace, so that the failing rank is the first to exit)."""
 
     def __init__(self, control: ControlPlane, *, rank: int, poll_s: float = 0.25, grace_s: float = 2.0,
-                 on_abort: Callable[[str], None] = lambda cause: None) -> None:
+                 on_abort: Callable[[AbortInfo], None] = lambda info: None) -> None:
         self._control = control
         self._grace_s = grace_s
         self._rank = rank
@@ -106,7 +106,7 @@ class AbortWatchdog:
                 msg = f"rank {info.rank} failed: {info.cause}"
                 print(f"[rank {self._rank}] stopping: {msg}", file=sys.stderr, flush=True)
                 try:
-                    self._on_abort(msg)
+                    self._on_abort(info)
                 except Exception:
                     pass
                 time.sleep(self._grace_s)  # let the failing rank exit first: torchrun names it as the root cause
@@ -124,9 +124,11 @@ class StopSignals:
     """
 
     def __init__(self, *, control: ControlPlane, on_failure: Callable[[int], None],
-                 on_second: Callable[[int], None]) -> None:
-        """`on_failure(signum)`: a peer failed (records it and leaves); `on_second(signum)`: leave now."""
+                 on_second: Callable[[int], None], gone_peers: Callable[[], list[int]] = lambda: []) -> None:
+        """`on_failure(signum)`: a peer failed (records it and leaves); `on_second(signum)`: leave now;
+        `gone_peers()`: peers whose process is gone (a SIGTERM then comes from torchrun after their death)."""
         self.control = control
+        self.gone_peers = gone_peers
         self.on_failure = on_failure
         self.on_second = on_second
         self.signum: Optional[int] = None
@@ -148,6 +150,10 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         import signal as signals
 
+        if self.control.aborted() is None:
+            for rank in self.gone_peers()[:1]:
+                self.control.abort(f"rank {rank} died without a word: its process is gone (killed: SIGKILL or the "
+                                   "OOM killer; torchrun's log names the signal)", rank=rank)
         if self.control.aborted() is not None:
             self.on_failure(signum)
         elif self.signum is not None:

@@ -35,6 +35,7 @@ from dflash_trainer.runtime.failures import (
     AbortWatchdog, StopSignals, exit_now, fail_rank, is_secondary, stop_after_peer_failure,
 )
 from dflash_trainer.runtime.jobs import STOP, StoreJobSource
+from dflash_trainer.runtime.liveness import Liveness
 from dflash_trainer.runtime.pool import BufferedPool, PoolReport
 from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.runtime.split_eval import SplitEvalClient, SplitEvalServer, make_tau_tracker, split_eval_enabled
@@ -78,9 +79,17 @@ def run_training(config: Config) -> int:
     store, _ = init_distributed(env, device, config.pipeline.timeout_s)
     control = ControlPlane(store, rank=env.rank, stall_timeout_s=config.pipeline.timeout_s)
     holder: dict[str, Any] = {}
-    watchdog = AbortWatchdog(control, rank=env.rank).start() if env.distributed else None
-    stop = StopSignals(control=control, on_failure=_peer_failed(holder, control),
-                       on_second=_stop_now(holder)).install()
+    watchdog = liveness = None
+    if env.distributed:
+        # The summary names the failed rank even when this rank leaves through the watchdog (it found another
+        # rank's failure, or a silent rank, in the store).
+        watchdog = AbortWatchdog(control, rank=env.rank, on_abort=lambda info: write_failed_summary(
+            holder.get("run_dir"), info.rank, info.cause, keep_existing=True)).start()
+        if config.pipeline.liveness_timeout_s > 0:
+            liveness = Liveness(control, rank=env.rank, world_size=env.world_size,
+                                timeout_s=config.pipeline.liveness_timeout_s).start()
+    stop = StopSignals(control=control, on_failure=_peer_failed(holder, control), on_second=_stop_now(holder),
+                       gone_peers=liveness.gone_peers if liveness is not None else lambda: []).install()
     holder["stop"] = stop
     started = time.time()
     try:
@@ -111,6 +120,8 @@ def run_training(config: Config) -> int:
         first = control.aborted()
         write_failed_summary(holder.get("run_dir"), first.rank if first else env.rank, first.cause if first else cause)
         fail_rank(control, env.rank, error)
+    if liveness is not None:
+        liveness.finish()
     if watchdog is not None:
         watchdog.stop()
     if env.distributed:
