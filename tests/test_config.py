@@ -69,3 +69,15 @@ def test_cli_reports_config_errors(capsys):
 def test_bench_subcommand_points_to_the_scripts(capsys):
     assert main(["bench", "--config", "demo"]) == 2
     assert "bench/run.py" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  lr: [1\n", r"not valid YAML \(line 3, column 1\): did not find expected"),
+    ("- run\n- train\n", "the top level must be a mapping of sections"),
+    ("train:\n  lr: 1e-3\n  lr: 2e-3\n", r"not valid YAML \(line 3, column 3\): found duplicate key lr"),
+], ids=["syntax", "list", "duplicate-key"])
+def test_bad_recipe_files_are_named_errors(tmp_path, text, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"recipe {path}: {message}"):
+        load_config(str(path))

@@ -170,3 +170,27 @@ def test_weighted_mix_follows_shares_and_seed(tmp_path):
 def test_mix_counts():
     assert mix_counts([100, 100], [3.0, 1.0], 40) == [30, 10]
     assert mix_counts([10, 100], [1.0, 1.0], None) == [10, 10]
+
+
+def test_non_utf8_files_and_empty_parquet_are_named_errors(tmp_path):
+    """latin-1 text in a JSONL or a JSON array, and a 0-byte Parquet file: a DataError naming the file and the
+    fix, never replacement characters trained on; a JSON array cut inside a multi-byte character still reads."""
+    row = {"messages": [{"role": "user", "content": "café?"}, {"role": "assistant", "content": "oui"}]}
+    jsonl = tmp_path / "latin1.jsonl"
+    jsonl.write_bytes((json.dumps(row, ensure_ascii=False) + "\n").encode("latin-1"))
+    array = tmp_path / "latin1.json"
+    array.write_bytes(json.dumps([sharegpt_row(0), {"conversations": [
+        {"from": "human", "value": "café?"}, {"from": "gpt", "value": "oui"}]}], ensure_ascii=False).encode("latin-1"))
+    for path in (jsonl, array):
+        with pytest.raises(DataError, match=f"{path}: not UTF-8 text .*byte 0xe9.*iconv -f latin1 -t utf-8"):
+            load_source(DataSourceConfig(path=str(path)))
+    empty = tmp_path / "empty.parquet"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=f"{empty}: not a readable Parquet file"):
+        load_source(DataSourceConfig(path=str(empty)))
+    cut = tmp_path / "cut.json"
+    text = json.dumps([sharegpt_row(0), {"conversations": [{"from": "human", "value": "é" * 20}]}], ensure_ascii=False)
+    data = text.encode("utf-8")
+    cut.write_bytes(data[: data.index("é".encode()) + 7])  # ends inside an é
+    out = load_source(DataSourceConfig(path=str(cut)))
+    assert out.report.kept == 1 and out.report.dropped == {"truncated_record": 1}

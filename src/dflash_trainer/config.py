@@ -101,6 +101,23 @@ def list_recipes() -> list[str]:
     return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")) if CONFIGS_DIR.is_dir() else []
 
 
+def _load_recipe(path: Path):
+    """The recipe's YAML mapping; a syntax error, a duplicate key or another top level is a ConfigError."""
+    import yaml
+
+    try:
+        layer = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"recipe {path}: not valid YAML{at}: {problem}; fix the file") from None
+    if not OmegaConf.is_dict(layer):
+        raise ConfigError(f"recipe {path}: the top level must be a mapping of sections (run:, target:, ...), "
+                          f"not a list")
+    return layer
+
+
 def load_config(recipe: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults < recipe YAML < dotted overrides (`train.lr=3e-4`), validated."""
     try:
@@ -108,7 +125,7 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: Sequence[str
         layers = []
         if recipe is not None:
             path = resolve_recipe(recipe)
-            layer = OmegaConf.load(path)
+            layer = _load_recipe(path)
             if "run" not in layer or "name" not in layer.get("run", {}):
                 layer = OmegaConf.merge(layer, {"run": {"name": path.stem}})
             layers.append(layer)

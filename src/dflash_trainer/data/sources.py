@@ -17,6 +17,7 @@ never merged or reordered).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import logging
@@ -135,11 +136,22 @@ def normalize_row(row: Any, *, source: str, index: int, purpose: Optional[str] =
 # --------------------------------------------------------------------------------------------- files
 
 
+def _drop_cut_tail(error: UnicodeDecodeError):
+    """Decoding errors handler: drop a character that the end of the file cut in two; re-raise any other."""
+    if error.reason == "unexpected end of data":
+        return "", error.end
+    raise error
+
+
+_CUT_TAIL = "dflash_drop_cut_tail"
+codecs.register_error(_CUT_TAIL, _drop_cut_tail)
+
+
 def _iter_json_array(path: Path) -> Iterator[Any]:
     """Records of a JSON array, decoded one at a time. A cut-off last record raises `_Truncated`."""
     decoder = json.JSONDecoder()
-    # errors="replace": a file cut inside a multi-byte character must still decode up to the cut.
-    with open(path, encoding="utf-8", errors="replace") as f:
+    # A file cut inside a multi-byte character must still decode up to the cut (any other bad byte raises).
+    with open(path, encoding="utf-8", errors=_CUT_TAIL) as f:
         buf = f.read(_CHUNK_CHARS)
         pos = len(buf) - len(buf.lstrip())
         if buf[pos : pos + 1] != "[":
@@ -191,9 +203,14 @@ def _iter_jsonl(path: Path) -> Iterator[Any]:
 
 
 def _iter_parquet(path: Path) -> Iterator[Any]:
+    import pyarrow
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e}); check the file or point data.path elsewhere") from None
+    for batch in batches:
         yield from batch.to_pylist()
 
 
@@ -251,6 +268,16 @@ def _rows(path: Path, fmt: str) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
+def _named_decode_errors(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        byte = e.object[e.start : e.start + 1].hex()
+        raise DataError(f"{path}: not UTF-8 text ({e.reason}, byte 0x{byte}); convert it to UTF-8, e.g. "
+                        f"`iconv -f latin1 -t utf-8 {path.name} > converted{path.suffix}`") from None
+
+
+@contextlib.contextmanager
 def source_path(source: DataSourceConfig) -> Iterator[Path]:
     """The filesystem path of a source (the builtin `sharegpt` resolves to the package's file)."""
     if source.path == BUILTIN_SHAREGPT:
@@ -278,7 +305,7 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
     dropped: Counter[str] = Counter()
     read = 0
     stopped = False
-    with source_path(source) as path:
+    with source_path(source) as path, _named_decode_errors(path):
         rows = _rows(path, source.format)
         try:
             for index, row in enumerate(rows):
