@@ -180,3 +180,29 @@ def test_mismatched_drafter_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert str(export) in err
         assert re.search(message, err), (name, err)
+
+
+def test_damaged_exports_bad_out_and_non_utf8_prompts_are_named_errors(tmp_path, capsys):
+    _write_prompts(tmp_path / "p.jsonl")
+    base = ["target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu",
+            f"eval.prompts={tmp_path / 'p.jsonl'}", f"run.dir={tmp_path / 'run'}", "eval.num_prompts=1",
+            "eval.max_new_tokens=4", "data.max_length=64", "logging.progress=false"]
+    good = _export_for(tmp_path / "good")
+    empty_config = _export_for(tmp_path / "empty_config")
+    (empty_config / "config.json").write_text("")
+    list_config = _export_for(tmp_path / "list_config")
+    (list_config / "config.json").write_text("[1, 2]")
+    cut = _export_for(tmp_path / "cut")
+    (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:100])
+    cases = [
+        (["--drafter", str(empty_config)], r"empty_config/config.json is not a drafter export config \(JSONDecodeError"),
+        (["--drafter", str(list_config)], r"list_config/config.json is not a drafter export config .*a JSON list"),
+        (["--drafter", str(cut)], r"cut/model.safetensors is unreadable .*cut short or damaged"),
+        (["--drafter", str(good), "--out", str(tmp_path / "p.jsonl")], r"--out .*p.jsonl is a file"),
+    ]
+    for args, message in cases:
+        assert cli.main(["eval", *args, *base]) == 2, args
+        assert re.search(message, capsys.readouterr().err), args
+    (tmp_path / "latin1.jsonl").write_bytes('{"messages": [{"role": "user", "content": "café"}]}\n'.encode("latin-1"))
+    assert cli.main(["eval", "--drafter", str(good), *base, f"eval.prompts={tmp_path / 'latin1.jsonl'}"]) == 2
+    assert "latin1.jsonl is not UTF-8 text" in capsys.readouterr().err

@@ -146,3 +146,16 @@ def test_damaged_checkpoint_export_refused_and_resume_falls_back(tmp_path, capsy
     assert any("resuming from step_1" in r.getMessage() and "step_2 (drafter.safetensors" in r.getMessage()
                for r in caplog.records)
     assert summary(run)["status"] == "ok" and summary(run)["steps"] == 3
+
+
+def test_unwritable_checkpoints_folder_fails_at_start_not_at_the_first_save(tmp_path, capsys):
+    """checkpoints/ points where nobody can write (a link under /proc: refused even to root)."""
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink("/proc/version/checkpoints", run / "checkpoints")
+    assert train_in_process(run, "train.max_steps=2") == 2
+    err = capsys.readouterr().err
+    assert "cannot write checkpoints to" in err and "make it writable" in err
+    assert not (run / "metrics.jsonl").exists()  # refused before training

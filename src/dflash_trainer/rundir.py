@@ -55,4 +55,17 @@ def claim_run_dir(config: Config) -> Path:
         if found:
             for plan in (path / "plan").glob("epoch_*.json"):
                 plan.unlink()
-    return make_run_dir(config)
+    path = make_run_dir(config)
+    _check_writable(path / "checkpoints")  # now, not at the first checkpoint after hours of training
+    return path
+
+
+def _check_writable(folder: Path) -> None:
+    probe = folder / f".write-test-{time.time_ns()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write checkpoints to {str(folder)!r} ({e.strerror or e}); make it writable or set "
+                          "run.dir to a writable directory") from None

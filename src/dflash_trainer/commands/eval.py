@@ -33,6 +33,8 @@ def _out_dir(config: Config, args: Optional[argparse.Namespace]) -> Path:
     out = getattr(args, "out", None) or config.run.dir
     if not out:
         raise ConfigError("nowhere to write eval.json: pass --out DIR or set run.dir")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"--out {out} is a file: give a directory for eval.json")
     return Path(out)
 
 

@@ -85,6 +85,8 @@ def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_c
     state = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}  # host copy
     check_keys(set(state), spec.num_layers, "export")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"cannot export to {str(out)!r}: it is a file; give a directory")
     out.mkdir(parents=True, exist_ok=True)
     dtype = state["fc.weight"].dtype
     (out / CONFIG_NAME).write_text(json.dumps(export_config(spec, dtype=dtype, target_config=target_config), indent=2))
@@ -130,8 +132,19 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
     root = Path(path)
     if not (root / CONFIG_NAME).is_file() or not (root / WEIGHTS_NAME).is_file():
         raise ConfigError(f"{root} is not a drafter export: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
-    spec = spec_from_export(json.loads((root / CONFIG_NAME).read_text()))
-    state = load_file(str(root / WEIGHTS_NAME))
+    try:
+        config = json.loads((root / CONFIG_NAME).read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        spec = spec_from_export(config)
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{root / CONFIG_NAME} is not a drafter export config ({type(e).__name__}: {e}); "
+                          "export the drafter again") from None
+    try:
+        state = load_file(str(root / WEIGHTS_NAME))
+    except Exception as e:  # safetensors raises its own error type for a cut or corrupt file
+        raise ConfigError(f"{root / WEIGHTS_NAME} is unreadable ({e}): cut short or damaged; export the drafter "
+                          "again") from None
     check_keys(set(state), spec.num_layers, str(root))
     return spec, state
 

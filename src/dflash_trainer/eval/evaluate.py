@@ -54,8 +54,12 @@ def load_prompt_messages(path: str | Path, num_prompts: int) -> list[list[dict]]
     if not path.is_file():
         raise DataError(f"eval prompts file {path} not found; set eval.prompts to a JSONL of {{\"messages\": [...]}} rows")
     prompts: list[list[dict]] = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open(encoding="utf-8") as f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError as e:
+            raise DataError(f"eval prompts file {path} is not UTF-8 text ({e.reason}); convert it to UTF-8") from None
+        for line_no, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:

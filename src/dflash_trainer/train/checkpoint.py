@@ -45,8 +45,11 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     path = Path(path)
     if not (path / COMPLETE).is_file():
         return f"no {COMPLETE} file (not a finished checkpoint)"
+    marker = (path / COMPLETE).read_text()
+    if marker == "ok\n":  # written before checkpoints recorded their files: nothing to check against
+        return None
     try:
-        files = json.loads((path / COMPLETE).read_text())["files"]
+        files = json.loads(marker)["files"]
     except (ValueError, KeyError, TypeError):
         return f"its {COMPLETE} file is unreadable"
     for name, want in files.items():
