@@ -123,3 +123,26 @@ def test_reply_containing_end_of_turn_marker_is_dropped_not_mismasked(toks):
     c = conv(("user", "quote it"), ("assistant", "the marker <|im_end|> appears here"))
     with pytest.raises(Unmaskable, match="reply_not_found"):
         masked(toks["chatml"], c)
+
+
+def test_template_that_rewrites_earlier_turns_says_what_broke(caplog):
+    """A template that renders a turn differently once later turns follow cannot be masked turn by turn: the
+    row is dropped under the counted reason, and the first one is explained (which turn, where, the fix)."""
+    import logging
+
+    from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_one
+
+    tok = build_tiny_tokenizer("chatml")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if loop.last %}{{ m.content }}{% else %}[{{ m.content }}]"
+        "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(Unmaskable, match="template_not_prefix_stable") as info:
+        masked(tok, PLAIN)
+    assert "turn 1 (assistant)" in info.value.detail and "'Hello there<|im_end|>" in info.value.detail
+    assert "data.chat_template" in info.value.detail
+    settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tok, thinking=False), max_length=4096,
+                                min_supervised=1)
+    with caplog.at_level(logging.WARNING):
+        assert tokenize_one(PLAIN, tok, settings) == "template_not_prefix_stable"
+    assert any("dropped t:0 (template_not_prefix_stable): turn 1" in r.getMessage() for r in caplog.records)

@@ -33,11 +33,13 @@ _PROBE = "PROBE7f3aREPLY"
 
 
 class Unmaskable(Exception):
-    """A conversation that cannot be turned into a training sequence; `reason` is counted in reports."""
+    """A conversation that cannot be turned into a training sequence; `reason` is counted in reports, `detail`
+    says what in the conversation broke the rule (logged for the first one of each reason)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, detail: str = ""):
         super().__init__(reason)
         self.reason = reason
+        self.detail = detail
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +88,17 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
+def _prefix_detail(turn: int, history: str, full: str, prompt: str) -> str:
+    """What broke prefix stability at assistant turn `turn`: where the turns before it render differently."""
+    other, what = (full, "the whole conversation") if not full.startswith(history) else (prompt, "the serve prompt")
+    k = _common_prefix(history, other)
+    return (f"turn {turn} (assistant): the chat template renders the turns before it differently in {what} "
+            f"(from character {k}: {history[k:k + 40]!r} alone, {other[k:k + 40]!r} there). Templates that rewrite "
+            "earlier turns when later ones follow (Qwen3 drops earlier reasoning) cannot be masked turn by turn: "
+            "set data.chat_template to one that renders earlier turns the same way, or remove what it rewrites "
+            "(e.g. the reasoning of earlier replies)")
+
+
 def _token_boundaries(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     return sorted({0, len(text), *(end for _, end in offsets)})
@@ -108,7 +121,7 @@ def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
             break
         prompt = render(tokenizer, messages[:i], thinking=thinking, add_generation_prompt=True)
         if not full.startswith(history) or not prompt.startswith(history) or len(history) < cursor:
-            raise Unmaskable("template_not_prefix_stable")
+            raise Unmaskable("template_not_prefix_stable", _prefix_detail(i, history, full, prompt))
         gen = prompt[len(history):]
         matched = _common_prefix(gen, full[len(history):])
         if matched < len(gen):  # the turn in the text differs from the serve prompt: cut back to a token edge

@@ -13,6 +13,7 @@ are joined on return and terminated on every error, Ctrl-C included.
 from __future__ import annotations
 
 import multiprocessing
+import logging
 import os
 import pickle
 from collections import deque
@@ -63,12 +64,19 @@ Result = Union[TokenizedSequence, str]
 """A tokenized sequence, or the reason its conversation was dropped."""
 
 
+log = logging.getLogger(__name__)
+_explained: set[str] = set()
+
+
 def tokenize_one(conversation: Conversation, tokenizer: PreTrainedTokenizerFast, settings: TokenizeSettings) -> Result:
     try:
         return tokenize_conversation(conversation, tokenizer, thinking=settings.thinking,
                                      end_of_turn=settings.end_of_turn, max_length=settings.max_length,
                                      min_supervised=settings.min_supervised)
     except Unmaskable as e:
+        if e.detail and e.reason not in _explained:  # the first of each reason (per process), with what broke it
+            _explained.add(e.reason)
+            log.warning("dropped %s:%d (%s): %s", conversation.source, conversation.source_index, e.reason, e.detail)
         return e.reason
 
 
