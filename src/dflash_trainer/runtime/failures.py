@@ -113,6 +113,15 @@ class AbortWatchdog:
                 exit_now(EXIT_FAILED)
 
 
+def record_dead_peer(control: ControlPlane, gone_peers: Callable[[], list[int]]) -> None:
+    """When no failure is recorded yet but a peer's process is gone (killed without a word), record that peer's
+    death, so that the summary names it rather than this rank's consequence of it."""
+    if control.aborted() is None:
+        for rank in gone_peers()[:1]:
+            control.abort(f"rank {rank} died without a word: its process is gone (killed: SIGKILL or the OOM killer; "
+                          "torchrun's log names the signal)", rank=rank)
+
+
 class StopSignals:
     """SIGTERM and SIGINT stop a run cleanly: the first asks every rank to stop after the current optimizer
     step (the step loop all-reduces the request), then the final checkpoint and `summary.json` (status
@@ -150,10 +159,7 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         import signal as signals
 
-        if self.control.aborted() is None:
-            for rank in self.gone_peers()[:1]:
-                self.control.abort(f"rank {rank} died without a word: its process is gone (killed: SIGKILL or the "
-                                   "OOM killer; torchrun's log names the signal)", rank=rank)
+        record_dead_peer(self.control, self.gone_peers)
         if self.control.aborted() is not None:
             self.on_failure(signum)
         elif self.signum is not None:

@@ -32,7 +32,7 @@ from dflash_trainer.rundir import claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv, choose_device, dist_env, init_distributed
 from dflash_trainer.runtime.failures import (
-    AbortWatchdog, StopSignals, exit_now, fail_rank, is_secondary, stop_after_peer_failure,
+    AbortWatchdog, StopSignals, exit_now, fail_rank, is_secondary, record_dead_peer, stop_after_peer_failure,
 )
 from dflash_trainer.runtime.jobs import STOP, StoreJobSource
 from dflash_trainer.runtime.liveness import Liveness
@@ -112,6 +112,8 @@ def run_training(config: Config) -> int:
             raise
         if is_secondary(error, control, env.rank):
             # Failing *because* another rank did (Aborted, a broken connection): name that rank, not this one.
+            if liveness is not None:
+                record_dead_peer(control, liveness.gone_peers)
             first = control.aborted()
             write_failed_summary(holder.get("run_dir"), first.rank if first else -1,
                                   first.cause if first else f"a peer rank died ({cause})")
