@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "export": "write a training checkpoint in the DFlash inference format",
     "regenerate": "answer a dataset's prompts again with the target",
     "bench": "benchmark the pipeline on the GPU",
+    "report": "figures of a run in one self-contained HTML page (RUN_DIR/report/)",
 }
 
 
@@ -35,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--config", "-c", default=None, help="YAML recipe (path or name in configs/)")
+        if name == "report":
+            p.add_argument("run_dir", help="the run directory")
         p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted config overrides")
         if name == "train":
             p.add_argument("--resume", action="store_true", help="same as train.resume=latest")
@@ -48,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--out", required=False, help="output directory")
         if name == "regenerate":
             p.add_argument("--out", required=False, help="output dataset directory")
+        if name == "report":
+            p.add_argument("--out", default=None, help="directory for the report (default: RUN_DIR/report)")
         if name == "bench":
             p.add_argument("--out", default=None, help="directory for the result JSON")
     return parser
@@ -62,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "overwrite", False):
         overrides.append("train.overwrite=true")
     try:
-        config = load_config(args.config, overrides)
+        # the report reads everything from its run directory; every other command runs on a config
+        config = load_config(args.config, overrides) if args.command != "report" else None
         try:
             module = importlib.import_module(f"dflash_trainer.commands.{args.command}")
         except ModuleNotFoundError as e:

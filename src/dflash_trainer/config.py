@@ -52,6 +52,8 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "dflash-trainer"
     level: str = "INFO"
+    report: bool = True
+    """Write RUN_DIR/report/ (figures, index.html) at the end of a run (`dflash-train report RUN_DIR` does it any time)."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ from dflash_trainer.runtime.failures import (
 )
 from dflash_trainer.runtime.jobs import STOP, StoreJobSource
 from dflash_trainer.runtime.liveness import Liveness
-from dflash_trainer.runtime.pool import BufferedPool, PoolReport
+from dflash_trainer.runtime.pool import BufferedPool, DepthMeter, PoolReport
 from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.runtime.split_eval import SplitEvalClient, SplitEvalServer, make_tau_tracker, split_eval_enabled
 from dflash_trainer.runtime.summary import TargetStats, print_summary, run_summary, write_failed_summary, write_summary_file
@@ -102,6 +102,8 @@ def run_training(config: Config) -> int:
             summary["elapsed_s"] = round(time.time() - started, 3)
             write_summary_file(setup.run_dir, summary)
             print_summary(summary, setup.run_dir)
+            if config.logging.report:
+                _write_report(setup.run_dir)
             control.set_value("run_done", "1")
         else:
             control.wait_value("run_done")
@@ -305,7 +307,7 @@ def _run_drafter(setup: RunSetup, control: ControlPlane, stop: StopSignals,
         total_steps=planned_steps(config, remaining_jobs, len(placement.drafter_ranks), resume.state.step if resume else 0),
         resume=resume, target_config=target_model_config(config.target),
         dummy_batch=from_wire(allocate(_wire_spec(setup), device), empty),  # zeros: no token, no loss
-        stop_requested=stop.requested,
+        stop_requested=stop.requested, step_metrics=DepthMeter(pool.stats),
     )
     target_stats: Optional[TargetStats] = None
     receiver = None
@@ -396,6 +398,17 @@ def _tau_tracker(setup: RunSetup, target, capture, head):
         return None
     return make_tau_tracker(setup.config, target=target, capture=capture, head=head, run_dir=setup.run_dir,
                             device=setup.device)
+
+
+def _write_report(run_dir: Path) -> None:
+    """The run's report; a report that fails is a warning, never a failed run."""
+    from dflash_trainer.report.page import write_report
+
+    try:
+        print(f"report: {write_report(run_dir)}", flush=True)
+    except Exception as e:  # matplotlib missing or any drawing error: the run itself is done
+        log.warning("could not write the run report (%s: %s); `dflash-train report %s` retries", type(e).__name__, e,
+                    run_dir)
 
 
 def _peer_failed(holder: dict, control: ControlPlane):

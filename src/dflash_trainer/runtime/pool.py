@@ -37,6 +37,19 @@ class PoolStats:
     bucket_counts: dict[int, int] = field(default_factory=dict)
 
 
+class DepthMeter:
+    """The mean pool depth (ready slots seen by a take) since the last reading: a per-step metric."""
+
+    def __init__(self, stats: PoolStats) -> None:
+        self.stats = stats
+        self._takes = self._depth_sum = 0
+
+    def __call__(self) -> dict:
+        takes, depth_sum = self.stats.takes - self._takes, self.stats.depth_sum - self._depth_sum
+        self._takes, self._depth_sum = self.stats.takes, self.stats.depth_sum
+        return {"pool_depth": depth_sum / takes} if takes else {}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PoolReport:
     """A drafter's pool figures at the end of a run, sent to the leader (through the store) for the summary."""

@@ -58,6 +58,9 @@ def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStat
         "pool_occupied_max": max(p.occupied_max for p in pools),
         "pool_capacity": setup.config.pipeline.pool_capacity,
         "target_batches": {str(t.rank): t.batches for t in targets},
+        "rank_time": [{"rank": t.rank, "role": "target", "busy_s": t.busy_s, "wall_s": t.wall_s} for t in targets]
+        + [{"rank": setup.placement.drafter_ranks[0], "role": "drafter (leader)", "busy_s": result.step_time_s,
+            "wall_s": drafter_wall}],
         "target_slot_wait_s": sum(t.slot_wait_s for t in targets),
         "bytes_moved": sum(t.bytes_moved for t in targets),
         "final_loss": result.last_record.loss if result.last_record else None,

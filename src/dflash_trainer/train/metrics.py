@@ -1,4 +1,5 @@
-"""Metrics sinks: JSONL always, TensorBoard when asked; disabled sinks are null objects."""
+"""Metrics sinks: JSONL always, TensorBoard when asked; disabled sinks are null objects. And the reader of
+`metrics.jsonl` that resume and the run report share."""
 
 from __future__ import annotations
 
@@ -95,3 +96,29 @@ def build_sinks(run_dir: Path, *, tensorboard: bool, wandb: bool, enabled: bool,
         except ImportError:
             log.warning("logging.wandb=true but the wandb package is missing: pip install wandb")
     return MultiSink(sinks)
+
+
+def read_metrics(path: Path, *, upto: int | None = None) -> list[dict[str, Any]]:
+    """The rows of a `metrics.jsonl` as a run's history: a cut last line (a killed run) is left out, and where a
+    resumed run wrote a step again, the later row replaces the earlier one and the rows after it (the steps
+    that resume trained again). `upto`: only rows of steps <= upto."""
+    if not path.is_file():
+        return []
+    rows: list[dict[str, Any]] = []
+    last_step = 0  # of the training rows so far
+    for line in path.read_text().split("\n"):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the line a killed run was writing
+        step = row.get("step", 0)
+        if upto is not None and step > upto:
+            continue
+        if "loss" in row:  # a training step: a resume restarts the history at its step
+            if step <= last_step:
+                rows = [r for r in rows if r.get("step", 0) < step]
+            last_step = step
+        rows.append(row)
+    return rows

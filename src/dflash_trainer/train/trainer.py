@@ -28,7 +28,7 @@ from dflash_trainer.runtime.faults import maybe_fault
 from dflash_trainer.target.batch import HiddenStateBatch
 from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
-from dflash_trainer.train.metrics import build_sinks
+from dflash_trainer.train.metrics import build_sinks, read_metrics
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step
 from dflash_trainer.train.optim import build_optimizer
 from dflash_trainer.train.parallel import full_optimizer_state, full_weights, load_full_state, shard_drafter, want_sharding
@@ -88,9 +88,11 @@ class DrafterTrainer:
         on_step: Callable[[StepRecord], None] = lambda record: None,
         dummy_batch: Optional[HiddenStateBatch] = None,
         stop_requested: Callable[[], bool] = lambda: False,
+        step_metrics: Callable[[], dict] = dict,
     ) -> None:
         """`dummy_batch`: a batch with no supervised token (needed with `train.fsdp`; see `parallel.py`);
-        `stop_requested()`: True once this rank is asked to stop (a signal)."""
+        `stop_requested()`: True once this rank is asked to stop (a signal); `step_metrics()`: more figures for
+        each step's metrics row (the pipeline's, e.g. the pool depth)."""
         self.config = config
         self.spec = spec
         self.head = head
@@ -101,6 +103,7 @@ class DrafterTrainer:
         self.target_config = target_config
         self.total_steps = max(1, total_steps)
         self.on_step_extra = on_step
+        self.step_metrics = step_metrics
         self.signature = model_signature(spec)
         self.fingerprint = data_fingerprint(config, data_digest)
         torch.manual_seed(config.run.seed)
@@ -231,7 +234,7 @@ class DrafterTrainer:
             "grad_norm": record.grad_norm, "batches": record.batches, "tokens": record.tokens,
             "tokens_per_s": tokens_per_s, "step_time_s": record.step_time_s, "wait_time_s": record.wait_time_s,
             "skipped": record.skipped, "jobs": list(record.job_ids),
-            "slot_acc": [round(a, 4) for a in record.slot_accuracy],
+            "slot_acc": [round(a, 4) for a in record.slot_accuracy], **self.step_metrics(),
         }
         self.sink.log(record.step, values)
         if bar is not None:
@@ -295,9 +298,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop the rows a resumed run will write again (steps after its checkpoint), keeping the file's history."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in read_metrics(path, upto=step)))
     tmp.replace(path)
 
 

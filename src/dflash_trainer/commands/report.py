@@ -1,0 +1,22 @@
+"""`dflash-train report RUN_DIR [--out DIR]`: the run's figures and essentials in one self-contained page."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from dflash_trainer.config import Config
+from dflash_trainer.errors import ConfigError
+
+
+def run(config: Optional[Config], args) -> int:
+    from dflash_trainer.report.page import write_report
+
+    run_dir = args.run_dir
+    if not (Path(run_dir) / "metrics.jsonl").is_file() and not (Path(run_dir) / "summary.json").is_file():
+        raise ConfigError(f"{run_dir} holds no metrics.jsonl or summary.json: not a training run directory")
+    start = time.perf_counter()
+    index = write_report(run_dir, getattr(args, "out", None))
+    print(f"report: {index} (and one PNG per figure) [{time.perf_counter() - start:.1f}s]")
+    return 0

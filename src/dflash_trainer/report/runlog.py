@@ -1,0 +1,66 @@
+"""What a run directory says about its run, read for the report: config, summary, metrics, last evaluation.
+
+Every file may be missing or partial (a killed run has no summary, a cut last metrics line); the metrics are
+read as resume reads them (`train/metrics.py: read_metrics`), so a resumed run's repeated steps appear once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from dflash_trainer.train.metrics import read_metrics
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunLog:
+    run_dir: Path
+    config: dict[str, Any]
+    """The resolved `config.yaml` ({} when missing)."""
+    summary: dict[str, Any]
+    """`summary.json` ({} for a run that was killed before writing it)."""
+    steps: list[dict[str, Any]]
+    """One metrics row per optimizer step, in step order."""
+    evals: list[dict[str, Any]]
+    """The evaluation rows (`eval_tau`, `val_*`), in step order."""
+    last_eval: Optional[dict[str, Any]]
+    """`eval.json`: the last real-tau evaluation, with its acceptance histograms."""
+
+    def series(self, key: str, rows: Optional[list[dict[str, Any]]] = None) -> tuple[list[int], list[float]]:
+        """(steps, values) of the rows that hold `key` with a number."""
+        xs, ys = [], []
+        for row in self.steps if rows is None else rows:
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                xs.append(row["step"])
+                ys.append(float(value))
+        return xs, ys
+
+
+def _json(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_run(run_dir: str | Path) -> RunLog:
+    run_dir = Path(run_dir)
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        config = {}
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return RunLog(
+        run_dir=run_dir,
+        config=config if isinstance(config, dict) else {},
+        summary=_json(run_dir / "summary.json") or {},
+        steps=[r for r in rows if "loss" in r],
+        evals=[r for r in rows if "eval_tau" in r or "val_walk_tau" in r],
+        last_eval=_json(run_dir / "eval.json"),
+    )

@@ -1,0 +1,75 @@
+"""`dflash-train report RUN_DIR`: seven figures and a self-contained page, written at the end of a run, from a
+killed run's partial metrics, and from a resumed run's repeated steps."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from dflash_trainer.cli import main
+from dflash_trainer.report.figures import FIGURES
+from dflash_trainer.report.runlog import read_run
+from pipeline_helpers import train_in_process
+
+
+def _assert_report(out_dir, run_name: str) -> str:
+    from matplotlib.image import imread
+
+    page = (out_dir / "index.html").read_text()
+    assert f"DFlash run {run_name}" in page
+    assert len(re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{1000,}"', page)) == len(FIGURES) == 7
+    assert "http://" not in page and "https://" not in page  # self-contained: nothing to fetch
+    for name, _ in FIGURES:
+        image = imread(out_dir / f"{name}.png")  # (h, w, 4) floats
+        assert image.shape[0] > 300 and image.shape[1] > 600, name
+        assert float(np.std(image[..., :3])) > 0.05, f"{name} looks blank"
+    return page
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run = tmp_path_factory.mktemp("report") / "run"
+    assert train_in_process(run, "train.max_steps=12", "eval.interval=6", "train.checkpoint_interval=6") == 0
+    return run
+
+
+def test_train_writes_the_report_with_every_figure(trained):
+    page = _assert_report(trained / "report", trained.name)
+    assert "real tau (prompt lookup)" in page and "status</td><td>ok" in page
+    run = read_run(trained)
+    assert [r["step"] for r in run.steps] == list(range(1, 13))
+    assert all("pool_depth" in r for r in run.steps[1:])  # the pipeline's figure has its data
+    assert {r["role"] for r in run.summary["rank_time"]} == {"target", "drafter (leader)"}
+    assert len(run.evals) == 2 and run.last_eval["prompt_lookup_histogram"]
+
+
+def test_report_of_a_killed_run_with_a_cut_metrics_file(trained, tmp_path, capsys):
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "config.yaml").write_text((trained / "config.yaml").read_text())
+    text = (trained / "metrics.jsonl").read_text()
+    (killed / "metrics.jsonl").write_text(text[: len(text) // 2 + 7])  # mid-line; no summary, no eval.json
+    assert main(["report", str(killed), "--out", str(tmp_path / "out")]) == 0
+    assert "report:" in capsys.readouterr().out
+    page = _assert_report(tmp_path / "out", "killed")
+    assert "no summary (killed, or still running)" in page
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "not a training run directory" in capsys.readouterr().err
+
+
+def test_a_resumed_runs_repeated_steps_appear_once(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 5.0 - s / 10, "sim_tau": 1.0} for s in range(1, 7)]  # killed after step 6
+    rows.append({"step": 4, "eval_tau": 1.5})
+    rows += [{"step": s, "loss": 4.0 - s / 10, "sim_tau": 2.0} for s in range(5, 9)]  # resumed from step 4
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = read_run(run)
+    assert [r["step"] for r in log.steps] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert log.steps[4]["sim_tau"] == 2.0 and log.steps[3]["sim_tau"] == 1.0  # the resumed run's rows win
+    assert [r["step"] for r in log.evals] == [4]
+    assert main(["report", str(run)]) == 0
+    _assert_report(run / "report", "run")
