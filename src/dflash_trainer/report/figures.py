@@ -168,7 +168,8 @@ def pipeline(run: RunLog) -> tuple[Figure, str]:
             twin = ax.twinx()
             twin.plot(dx, _smooth(dy, _window(len(dy))), color=COLORS["train"], label="pool depth (ready batches)")
             twin.set_ylabel("ready batches at a take")
-            twin.legend(loc="upper right", fontsize=8)
+            twin.set_ylim(0, max(dy) * 1.15 + 0.5)
+            twin.legend(loc="lower right", fontsize=8)
         ax.legend(loc="upper left", fontsize=8)
     else:
         _empty(ax, "no step logged yet")

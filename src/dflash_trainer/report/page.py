@@ -21,7 +21,7 @@ td:first-child{color:#555}figure{margin:2em 0}img{max-width:100%;border:1px soli
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:,.4g}"
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     if isinstance(value, list):
         return ", ".join(map(str, value))
     return "-" if value is None else str(value)
