@@ -73,3 +73,9 @@ def test_a_resumed_runs_repeated_steps_appear_once(tmp_path):
     assert [r["step"] for r in log.evals] == [4]
     assert main(["report", str(run)]) == 0
     _assert_report(run / "report", "run")
+
+
+def test_no_report_when_turned_off(tmp_path):
+    run = tmp_path / "run"
+    assert train_in_process(run, "train.max_steps=2", "eval.at_end=false", "logging.report=false") == 0
+    assert (run / "summary.json").is_file() and not (run / "report").exists()
