@@ -73,8 +73,8 @@ def eager_decoding(fn):
     tap capture (`target.compile`): a compiled layer would recompile for every layer's cache state and every
     new length (on the GPU a 4-prompt evaluation of a 28-layer target hit 91 recompiles and did not finish in
     3 minutes). The stance is process-wide: this relies on evaluation running on the thread that trains (it
-    does, in every role), never beside a compiled training step. Entered once per decoding call: entering it
-    costs milliseconds, more than a small target's whole decode step."""
+    does, in every role), never beside a compiled training step. Entered once per decoding call rather than per
+    forward: entering it is not free."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
