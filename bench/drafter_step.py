@@ -158,7 +158,7 @@ def run_variant(spec_text: str, args, device: torch.device) -> dict:
         undo()
     batch = batches[args.warmup]
     plan = plan_blocks(input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
-                       num_blocks=config.num_blocks, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+                       num_blocks=config.batch.num_blocks, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
                        seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id)
     flops = drafter_step_flops(spec, anchor_pos=plan.anchor_pos[plan.block_valid], context_tokens=batch.num_tokens)
     result = {

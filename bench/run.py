@@ -157,7 +157,7 @@ def sharegpt_workload(num_jobs: int, config: Config, seq_len: int, vocab: int) -
 
     lengths = sharegpt_lengths(seq_len, 2 * config.drafter.block_size)
     plan = build_epoch_plan(lengths, epoch=0, seed=config.run.seed, num_buckets=config.data.num_buckets,
-                            token_budget=config.pipeline.token_budget, max_seqs=config.max_seqs)
+                            token_budget=config.pipeline.token_budget, max_seqs=config.batch.max_seqs)
     g = torch.Generator().manual_seed(0)
     dataset: dict[int, TokenizedSequence] = {}
     jobs = []
@@ -306,7 +306,7 @@ def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, 
     loop = drafter_loop(config, spec, head_from_model(target), device, compile_drafter=compile_drafter,
                         total_steps=len(warmup_jobs) + len(timed_jobs))
     capture = TapCapture(target, spec.tap_layer_ids)
-    buffers = allocate(WireSpec.from_config(config, hidden_size=spec.hidden_size, num_taps=spec.num_taps), device)
+    buffers = allocate(config.wire_spec(hidden=spec.hidden_size, num_taps=spec.num_taps), device)
 
     def step(job: Job, timer: StepTimer):
         def take():
@@ -358,7 +358,7 @@ def baseline_phase(config, target, spec, workload, warmup_jobs, timed_jobs, devi
     model = build_drafter(spec, "sdpa", device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, betas=tuple(config.train.betas))
     head = head_from_model(target)
-    wire = allocate(WireSpec.from_config(config, hidden_size=1, num_taps=1), device)  # ids, mask, cu_seqlens
+    wire = allocate(config.wire_spec(hidden=1, num_taps=1), device)  # ids, mask, cu_seqlens
     budget, h = config.pipeline.token_budget, spec.hidden_size
     autocast_dtype = torch.bfloat16
 
@@ -375,7 +375,7 @@ def baseline_phase(config, target, spec, workload, warmup_jobs, timed_jobs, devi
         del out
         timer.mark()
         plan = plan_blocks(input_ids=wire.input_ids, loss_mask=wire.loss_mask.view(torch.bool),
-                           cu_seqlens=wire.cu_seqlens, num_blocks=config.num_blocks, block_size=spec.block_size,
+                           cu_seqlens=wire.cu_seqlens, num_blocks=config.batch.num_blocks, block_size=spec.block_size,
                            mask_token_id=spec.mask_token_id, seed=config.run.seed, epoch=job.epoch, job_id=job.job_id)
         with torch.autocast(device_type=device.type, dtype=autocast_dtype):
             hidden = model.forward_train(taps=taps, cu_seqlens=wire.cu_seqlens, plan=plan,
@@ -406,7 +406,7 @@ class StepWork:
 
 def step_work(config, target, spec, jobs, workload, device) -> StepWork:
     """Re-samples each job's blocks after timing (same key, same device: the blocks the step trained on)."""
-    wire = allocate(WireSpec.from_config(config, hidden_size=1, num_taps=1), device)
+    wire = allocate(config.wire_spec(hidden=1, num_taps=1), device)
     target_total = drafter_total = padded = 0.0
     num_layers = max(spec.tap_layer_ids) + 1
     for job in jobs:
@@ -414,7 +414,7 @@ def step_work(config, target, spec, jobs, workload, device) -> StepWork:
         lengths = [s.num_tokens for s in sequences]
         padded += prepare_inputs(sequences, wire).padded_tokens
         plan = plan_blocks(input_ids=wire.input_ids, loss_mask=wire.loss_mask.view(torch.bool),
-                           cu_seqlens=wire.cu_seqlens, num_blocks=config.num_blocks, block_size=spec.block_size,
+                           cu_seqlens=wire.cu_seqlens, num_blocks=config.batch.num_blocks, block_size=spec.block_size,
                            mask_token_id=spec.mask_token_id, seed=config.run.seed, epoch=job.epoch, job_id=job.job_id)
         target_total += target_forward_flops(target.config, lengths, num_layers=num_layers, lm_head=False)
         drafter_total += drafter_step_flops(spec, anchor_pos=plan.anchor_pos[plan.block_valid],
@@ -561,7 +561,7 @@ def main(argv=None) -> int:
         gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
         model=args.model, workload=args.workload, workload_note=workload.note,
         command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        token_budget=config.pipeline.token_budget, num_blocks=config.num_blocks, block_size=spec.block_size,
+        token_budget=config.pipeline.token_budget, num_blocks=config.batch.num_blocks, block_size=spec.block_size,
         tap_layer_ids=list(spec.tap_layer_ids), drafter_layers=spec.num_layers, mask_token_id=spec.mask_token_id,
         steps=len(timed_jobs), warmup=len(warmup_jobs), compile_drafter=not args.no_compile,
         compile_target=args.compile_target, attention=config.drafter.attention, peak_tflops=args.peak_tflops,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dflash_trainer.runtime.faults import kill_tree
+from dflash_trainer.faults import kill_tree
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 _CACHE_DIR = tempfile.mkdtemp(prefix="dflash-test-tokenized-")
@@ -164,7 +164,7 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
     spec = drafter_spec(target_config, config.drafter, mask_token_id=mask_id)
     target = load_target(config.target, device, seed=config.run.seed)
     capture = TapCapture(target, spec.tap_layer_ids)
-    wire = WireSpec.from_config(config, hidden_size=spec.hidden_size, num_taps=spec.num_taps)
+    wire = config.wire_spec(hidden=spec.hidden_size, num_taps=spec.num_taps)
     losses: list[float] = []
     trainer = DrafterTrainer(
         config, spec=spec, head=head_from_model(target), device=device, group=None, is_leader=False,

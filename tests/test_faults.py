@@ -1,6 +1,6 @@
 """Fault tests (torchrun, gloo, CPU): an exception in any stage, or a rank killed with SIGKILL, ends the whole
 job non-zero within a bound, and the output (and summary.json, when the failing rank could write it)
-names the failing rank and its cause. Faults are injected with DFLASH_TEST_FAULT (runtime/faults.py)."""
+names the failing rank and its cause. Faults are injected with DFLASH_TEST_FAULT (faults.py)."""
 
 from __future__ import annotations
 

@@ -83,8 +83,8 @@ def test_header_round_trip_and_end_of_stream():
 
 def test_spec_from_config_and_mismatches():
     config = load_config(None, ["target.random_init=tiny", "pipeline.token_budget=4096", "drafter.kd_weight=0.5"])
-    spec = WireSpec.from_config(config, hidden_size=64, num_taps=5)
-    assert spec == WireSpec(token_budget=4096, max_seqs=config.max_seqs, num_taps=5, hidden=64,
+    spec = config.wire_spec(hidden=64, num_taps=5)
+    assert spec == WireSpec(token_budget=4096, max_seqs=config.batch.max_seqs, num_taps=5, hidden=64,
                             dtype=torch.bfloat16, has_last_hidden=True)
     wire = to_wire(make_batch(SPEC, 1))
     other = WireSpec(token_budget=24, max_seqs=3, num_taps=3, hidden=8, dtype=torch.bfloat16, has_last_hidden=True)

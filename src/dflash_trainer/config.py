@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dflash_trainer.data.config import DataConfig, RegenerateConfig
+from dflash_trainer.data.shape import BatchShape
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.config import EvalConfig
@@ -78,14 +79,19 @@ class Config:
             )
 
     @property
-    def num_blocks(self) -> int:
-        """Blocks per packed batch (fixed)."""
-        return self.drafter.blocks_for_budget(self.pipeline.token_budget)
+    def batch(self) -> BatchShape:
+        """The shape of every packed batch (token budget, max sequences, blocks)."""
+        return BatchShape.of(self.pipeline, self.drafter)
 
-    @property
-    def max_seqs(self) -> int:
-        """Most sequences a packed batch can hold: every kept sequence has >= 2 * block_size tokens."""
-        return max(1, self.pipeline.token_budget // (2 * self.drafter.block_size))
+    def wire_spec(self, *, hidden: int, num_taps: int):
+        """The `WireSpec` of this run's hidden-state batches (taps in the target dtype; the last hidden state
+        when distilling)."""
+        import torch
+
+        from dflash_trainer.target.batch import WireSpec
+
+        return WireSpec.of(self.batch, num_taps=num_taps, hidden=hidden, dtype=getattr(torch, self.target.dtype),
+                           has_last_hidden=self.drafter.kd_weight > 0)
 
 
 def resolve_recipe(recipe: str | os.PathLike) -> Path:

@@ -42,7 +42,7 @@ def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
     prepared = prepare_data(config, run_dir, tokenizer=tokenizer)
     plan = build_epoch_plan(prepared.train.lengths, epoch=0, seed=config.run.seed,
                             num_buckets=config.data.num_buckets, token_budget=config.pipeline.token_budget,
-                            max_seqs=config.max_seqs)
+                            max_seqs=config.batch.max_seqs)
     write_epoch_plan(run_dir, plan)
     summary = summary_json(prepared.summary, plan)
     write_summary(run_dir, summary)

@@ -44,7 +44,7 @@ class EpochPlan:
     token_budget: int
     """Tokens per packed batch (pipeline.token_budget)."""
     max_seqs: int
-    """Most sequences per batch (Config.max_seqs)."""
+    """Most sequences per batch (`BatchShape.max_seqs`)."""
     buckets: tuple[BucketInfo, ...]
     """Length buckets (equal sequence counts). A job's bucket is the bucket of its first, longest sequence."""
     jobs: tuple[Job, ...]

@@ -227,7 +227,7 @@ def _iter_hf_disk(path: Path) -> Iterator[Any]:
 
 def _regenerate_shards(path: Path) -> list[Path]:
     """The data shards of a regenerate directory (its failed.jsonl log holds no conversations)."""
-    from dflash_trainer.regen.shards import shard_paths
+    from dflash_trainer.data.shard_files import shard_paths
 
     shards = shard_paths(path)
     if not shards:

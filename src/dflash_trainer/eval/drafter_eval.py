@@ -20,11 +20,10 @@ from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.evaluate import EvalReport, encode_prompts, evaluate_tau
 from dflash_trainer.eval.proposers import DFlashBatchProposer
-from dflash_trainer.regen.local import stop_token_ids
-from dflash_trainer.regen.settings import check_regen_settings
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.load import find_decoder_layers
+from dflash_trainer.target.stop_tokens import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +57,6 @@ def eval_prompts_path(config: Any) -> Path:
         f"no eval prompts: eval.prompts is not set and {where}; set eval.prompts to a JSONL of "
         "{\"messages\": [...]} rows, or run.dir to a run directory made by `dflash-train plan`"
     )
-
-
-def warn_regen_mismatch(config: Any) -> list[str]:
-    """Log (and return) warnings when a regenerated training source used other thinking/temperature settings."""
-    warnings = []
-    for source in config.data.resolved_sources():
-        if Path(source.path).is_dir():
-            warnings += check_regen_settings(source.path, config.data.thinking, config.eval.temperature)
-    for warning in warnings:
-        log.warning(warning)
-    return warnings
 
 
 def evaluate_drafter(

@@ -165,7 +165,7 @@ def build_validator(config, *, capture: TapCapture, head: TargetHead, tokenizer,
     from dflash_trainer.data.config import DataSourceConfig
     from dflash_trainer.data.sources import load_source
     from dflash_trainer.data.tokenized import tokenize_all
-    from dflash_trainer.target.batch import WireSpec, allocate
+    from dflash_trainer.target.batch import allocate
     from dflash_trainer.train.micro_step import COMPUTE_DTYPES
 
     loaded = load_source(DataSourceConfig(path=str(conversations_path), format="messages"),
@@ -174,9 +174,9 @@ def build_validator(config, *, capture: TapCapture, head: TargetHead, tokenizer,
                            max_length=config.data.max_length, min_supervised=2).dataset
     if len(dataset) == 0:
         return None
-    wire = WireSpec.from_config(config, hidden_size=capture.hidden, num_taps=len(capture.tap_layer_ids))
+    wire = config.wire_spec(hidden=capture.hidden, num_taps=len(capture.tap_layer_ids))
     return HeldOutValidator(
-        capture=capture, dataset=dataset, buffers=allocate(wire, device), head=head, num_blocks=config.num_blocks,
+        capture=capture, dataset=dataset, buffers=allocate(wire, device), head=head, num_blocks=config.batch.num_blocks,
         gamma=config.drafter.loss_gamma, max_new_tokens=config.eval.max_new_tokens,
         compute_dtype=COMPUTE_DTYPES[config.train.dtype], chunk_rows=config.drafter.loss_chunk_rows,
     )

@@ -6,7 +6,7 @@ the HTTP path never loads torch models), `read_rows`, `check_regen_settings`, `R
 
 from dflash_trainer.regen.runner import RegenSummary, regenerate
 from dflash_trainer.regen.settings import RegenSettings, check_regen_settings, read_manifest, settings_from_config
-from dflash_trainer.regen.shards import read_rows
+from dflash_trainer.data.shard_files import read_rows
 
 __all__ = [
     "RegenSettings",

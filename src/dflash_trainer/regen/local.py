@@ -19,31 +19,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_trainer.data.types import Conversation, Message
 from dflash_trainer.eval.batched import decode_batch
+from dflash_trainer.target.stop_tokens import stop_token_ids
+
+_OPEN_THINK = re.compile(r"<think>\s*$")
 from dflash_trainer.regen.turns import RegenOutcome, TurnState, as_dicts, failed, start
 
 log = logging.getLogger(__name__)
 
 CHUNK_BATCHES = 4
 """Conversations per chunk = CHUNK_BATCHES * batch_size (more: better length sorting, more lost on a crash)."""
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>")
-"""End-of-turn tokens of the common chat template families; those the tokenizer knows stop generation."""
-_OPEN_THINK = re.compile(r"<think>\s*$")
-
-
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
-    """Token ids that end a reply: the tokenizer's eos, known end-of-turn tokens, the model's eos ids."""
-    vocab = tokenizer.get_vocab()
-    ids = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    model_eos = model.generation_config.eos_token_id
-    if model_eos is not None:
-        ids.update([model_eos] if isinstance(model_eos, int) else model_eos)
-    if not ids:
-        raise ValueError("the tokenizer has no eos token and no known end-of-turn token; set one in its config")
-    return sorted(ids)
-
-
 class LocalBackend:
     """Answers conversations with `model.generate`; greedy when temperature == 0, else sampling."""
 

@@ -7,11 +7,14 @@ warns when they differ from how the drafter will be evaluated (thinking on/off c
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from dflash_trainer.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 
@@ -108,4 +111,16 @@ def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: floa
             f"{data_dir} is a partial regeneration ({manifest.get('rows_done', '?')} rows done of "
             f"{manifest.get('rows_total', '?')}); rerun the same `dflash-train regenerate --out {data_dir}` to finish."
         )
+    return warnings
+
+
+def warn_regen_mismatch(config: Any) -> list[str]:
+    """Log (and return) warnings when a regenerated training source used other thinking/temperature settings
+    than evaluation (and serving) will."""
+    warnings = []
+    for source in config.data.resolved_sources():
+        if Path(source.path).is_dir():
+            warnings += check_regen_settings(source.path, config.data.thinking, config.eval.temperature)
+    for warning in warnings:
+        log.warning(warning)
     return warnings

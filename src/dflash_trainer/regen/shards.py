@@ -19,8 +19,9 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from dflash_trainer.data.shard_files import complete_lines, parse_row, shard_name, shard_paths
 from dflash_trainer.data.types import Message
 from dflash_trainer.errors import DataError
 from dflash_trainer.regen.settings import MANIFEST, RegenSettings, read_manifest, settings_differences
@@ -33,52 +34,6 @@ FAILED = "failed.jsonl"
 LOCK = ".lock"
 MANIFEST_EVERY_S = 10.0
 """Rewrite the manifest at least this often while rows arrive (and at every shard boundary)."""
-
-
-def shard_name(index: int) -> str:
-    return f"shard_{index:05d}.jsonl"
-
-
-def shard_paths(out_dir: Path) -> list[Path]:
-    """The shards in order; refuses gaps in the numbering (a shard deleted by hand)."""
-    paths = sorted(out_dir.glob("shard_*.jsonl"))
-    for i, path in enumerate(paths):
-        if path.name != shard_name(i):
-            raise DataError(f"{out_dir}: expected {shard_name(i)}, found {path.name}; shards must be numbered from 0")
-    return paths
-
-
-def _complete_lines(path: Path, repair: bool) -> list[str]:
-    """The file's complete lines; a last line without its newline is dropped (and cut off when `repair`)."""
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        if repair:
-            log.warning("%s: truncating a partially written last line (%d bytes)", path, len(data) - end)
-            with open(path, "r+b") as f:
-                f.truncate(end)
-        data = data[:end]
-    # split on "\n" only: str.splitlines also splits on U+2028, U+0085 and the like, which JSON leaves unescaped
-    # inside strings (ensure_ascii=False), and would cut a row in two
-    return data.decode("utf-8").split("\n")[:-1]
-
-
-def _parse(path: Path, lineno: int, line: str) -> dict[str, Any]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno}: not a JSON row ({e}); the file is corrupt, use a new --out dir") from None
-    if not isinstance(row, dict) or "id" not in row:
-        raise DataError(f"{path}:{lineno}: row without an id; not written by dflash-train regenerate")
-    return row
-
-
-def read_rows(out_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """The rows of a regenerate output directory in write order (read-only: a partial last line is skipped)."""
-    out = Path(out_dir)
-    for path in shard_paths(out):
-        for lineno, line in enumerate(_complete_lines(path, repair=False), 1):
-            yield _parse(path, lineno, line)
 
 
 def _atomic_write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -183,8 +138,8 @@ class RegenStore:
         paths = shard_paths(self.out_dir)
         for path in paths:
             count = 0
-            for lineno, line in enumerate(_complete_lines(path, repair=True), 1):
-                rid = _parse(path, lineno, line)["id"]
+            for lineno, line in enumerate(complete_lines(path, repair=True), 1):
+                rid = parse_row(path, lineno, line)["id"]
                 if rid in self.done_ids:
                     raise DataError(f"{path}:{lineno}: row {rid!r} appears twice; the directory was edited by hand")
                 self.done_ids.add(rid)
@@ -192,8 +147,8 @@ class RegenStore:
             self._shard_counts.append(count)
         failed_path = self.out_dir / FAILED
         if failed_path.is_file():
-            for lineno, line in enumerate(_complete_lines(failed_path, repair=True), 1):
-                entry = _parse(failed_path, lineno, line)
+            for lineno, line in enumerate(complete_lines(failed_path, repair=True), 1):
+                entry = parse_row(failed_path, lineno, line)
                 self.failed[entry["id"]] = entry.get("reason", "")
         for rid in self.done_ids:
             self.failed.pop(rid, None)

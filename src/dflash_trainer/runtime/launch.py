@@ -27,7 +27,7 @@ from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
-from dflash_trainer.eval.drafter_eval import warn_regen_mismatch
+from dflash_trainer.regen.settings import warn_regen_mismatch
 from dflash_trainer.rundir import claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv, choose_device, dist_env, init_distributed
@@ -198,7 +198,7 @@ def _epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: in
         return read_epoch_plan(run_dir, epoch)
     plan = build_epoch_plan(
         prepared.train.lengths, epoch=epoch, seed=config.run.seed, num_buckets=config.data.num_buckets,
-        token_budget=config.pipeline.token_budget, max_seqs=config.max_seqs,
+        token_budget=config.pipeline.token_budget, max_seqs=config.batch.max_seqs,
     )
     write_epoch_plan(run_dir, plan)
     return plan
@@ -245,7 +245,7 @@ def _load_checked_target(setup: RunSetup):
 
 
 def _wire_spec(setup: RunSetup) -> WireSpec:
-    return WireSpec.from_config(setup.config, hidden_size=setup.spec.hidden_size, num_taps=setup.spec.num_taps)
+    return setup.config.wire_spec(hidden=setup.spec.hidden_size, num_taps=setup.spec.num_taps)
 
 
 def _run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:

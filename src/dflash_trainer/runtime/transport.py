@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dflash_trainer.data.types import Job
 from dflash_trainer.runtime.control import Claim, ControlPlane
-from dflash_trainer.runtime.faults import maybe_fault
+from dflash_trainer.faults import maybe_fault
 from dflash_trainer.runtime.pool import BufferedPool
 from dflash_trainer.target.batch import HiddenStateBatch, WireBatch, recv_batch_into, send_batch, to_wire
 

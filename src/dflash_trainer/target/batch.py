@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from dflash_trainer.config import Config
+from dflash_trainer.data.shape import BatchShape
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,15 +66,9 @@ class WireSpec:
     """Whether batches carry the target's pre-norm last hidden state (distillation on)."""
 
     @classmethod
-    def from_config(cls, config: "Config", *, hidden_size: int, num_taps: int) -> "WireSpec":
-        return cls(
-            token_budget=config.pipeline.token_budget,
-            max_seqs=config.max_seqs,
-            num_taps=num_taps,
-            hidden=hidden_size,
-            dtype=getattr(torch, config.target.dtype),  # a validated name: bfloat16 | float16 | float32
-            has_last_hidden=config.drafter.kd_weight > 0,
-        )
+    def of(cls, batch: BatchShape, *, num_taps: int, hidden: int, dtype: torch.dtype, has_last_hidden: bool) -> "WireSpec":
+        return cls(token_budget=batch.token_budget, max_seqs=batch.max_seqs, num_taps=num_taps, hidden=hidden,
+                   dtype=dtype, has_last_hidden=has_last_hidden)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

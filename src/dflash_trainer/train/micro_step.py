@@ -51,7 +51,7 @@ def make_micro_step(
     def micro_step(batch: HiddenStateBatch) -> MicroResult:
         plan = plan_blocks(
             input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
-            num_blocks=config.num_blocks, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+            num_blocks=config.batch.num_blocks, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
             seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id,
         )
         taps = add_tap_noise(batch.taps, dcfg, progress=progress(), seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id)

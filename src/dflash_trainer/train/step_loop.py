@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash_trainer.runtime.faults import maybe_fault
+from dflash_trainer.faults import maybe_fault
 from dflash_trainer.train.optim import sync_scale_and_clip
 from dflash_trainer.train.parallel import set_gradient_sync
 

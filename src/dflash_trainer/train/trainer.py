@@ -24,7 +24,7 @@ from dflash_trainer.drafter.export import export_drafter, init_from_export
 from dflash_trainer.drafter.init import init_from_target, target_tensor_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
-from dflash_trainer.runtime.faults import maybe_fault
+from dflash_trainer.faults import maybe_fault
 from dflash_trainer.target.batch import HiddenStateBatch
 from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
@@ -50,7 +50,7 @@ def model_signature(spec: DrafterSpec) -> dict:
 def data_fingerprint(config: Config, data_digest: str) -> str:
     """The training data's content digest plus the settings the epoch plans derive from: a checkpoint resumes
     on the same data and plans, even if the code that tokenized the data changed meanwhile."""
-    parts = [data_digest, config.pipeline.token_budget, config.max_seqs, config.data.num_buckets, config.run.seed]
+    parts = [data_digest, config.pipeline.token_budget, config.batch.max_seqs, config.data.num_buckets, config.run.seed]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
