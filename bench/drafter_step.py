@@ -51,7 +51,7 @@ from dflash_trainer.drafter import loss as loss_module  # noqa: E402
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder  # noqa: E402
 from dflash_trainer.drafter.spec import drafter_spec  # noqa: E402
-from dflash_trainer.target.batch import WireHeader, WireSpec, allocate, from_wire  # noqa: E402
+from dflash_trainer.target.batch import WireHeader, allocate, from_wire, wire_spec  # noqa: E402
 from dflash_trainer.target.capture import prepare_inputs  # noqa: E402
 from dflash_trainer.target.head import TargetHead  # noqa: E402
 from dflash_trainer.target.load import target_model_config  # noqa: E402
@@ -89,7 +89,7 @@ def apply_patch(patch: str | None):
 def make_batches(args, config, spec, device, count: int):
     """`count` HiddenStateBatches over one shared wire buffer (same tokens, different job ids)."""
     workload = mfu_workload(1, args.seqs, args.seq_len, spec.mask_token_id)
-    wire = allocate(WireSpec.from_config(config, hidden_size=spec.hidden_size, num_taps=spec.num_taps), device)
+    wire = allocate(wire_spec(config, hidden=spec.hidden_size, num_taps=spec.num_taps), device)
     job = workload.jobs[0]
     inputs = prepare_inputs([workload.dataset[i] for i in job.sequence_ids], wire)
     wire.taps.normal_()

@@ -68,7 +68,7 @@ from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.loss import decay_weights  # noqa: E402
 from dflash_trainer.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec  # noqa: E402
-from dflash_trainer.target.batch import WireSpec, allocate  # noqa: E402
+from dflash_trainer.target.batch import allocate, wire_spec  # noqa: E402
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402
 from dflash_trainer.target.head import TargetHead, head_from_model  # noqa: E402
 from dflash_trainer.target.load import find_decoder_layers, load_target  # noqa: E402
@@ -306,7 +306,7 @@ def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, 
     loop = drafter_loop(config, spec, head_from_model(target), device, compile_drafter=compile_drafter,
                         total_steps=len(warmup_jobs) + len(timed_jobs))
     capture = TapCapture(target, spec.tap_layer_ids)
-    buffers = allocate(config.wire_spec(hidden=spec.hidden_size, num_taps=spec.num_taps), device)
+    buffers = allocate(wire_spec(config, hidden=spec.hidden_size, num_taps=spec.num_taps), device)
 
     def step(job: Job, timer: StepTimer):
         def take():
@@ -358,7 +358,7 @@ def baseline_phase(config, target, spec, workload, warmup_jobs, timed_jobs, devi
     model = build_drafter(spec, "sdpa", device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, betas=tuple(config.train.betas))
     head = head_from_model(target)
-    wire = allocate(config.wire_spec(hidden=1, num_taps=1), device)  # ids, mask, cu_seqlens
+    wire = allocate(wire_spec(config, hidden=1, num_taps=1), device)  # ids, mask, cu_seqlens
     budget, h = config.pipeline.token_budget, spec.hidden_size
     autocast_dtype = torch.bfloat16
 
@@ -406,7 +406,7 @@ class StepWork:
 
 def step_work(config, target, spec, jobs, workload, device) -> StepWork:
     """Re-samples each job's blocks after timing (same key, same device: the blocks the step trained on)."""
-    wire = allocate(config.wire_spec(hidden=1, num_taps=1), device)
+    wire = allocate(wire_spec(config, hidden=1, num_taps=1), device)
     target_total = drafter_total = padded = 0.0
     num_layers = max(spec.tap_layer_ids) + 1
     for job in jobs:

@@ -145,7 +145,7 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
     from dflash_trainer.data.prepare import prepare_data
     from dflash_trainer.data.tokenizer import load_tokenizer
     from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
-    from dflash_trainer.target.batch import WireSpec, allocate
+    from dflash_trainer.target.batch import allocate, wire_spec
     from dflash_trainer.target.capture import TapCapture
     from dflash_trainer.target.head import head_from_model
     from dflash_trainer.target.load import load_target, target_model_config
@@ -164,7 +164,7 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
     spec = drafter_spec(target_config, config.drafter, mask_token_id=mask_id)
     target = load_target(config.target, device, seed=config.run.seed)
     capture = TapCapture(target, spec.tap_layer_ids)
-    wire = config.wire_spec(hidden=spec.hidden_size, num_taps=spec.num_taps)
+    wire = wire_spec(config, hidden=spec.hidden_size, num_taps=spec.num_taps)
     losses: list[float] = []
     trainer = DrafterTrainer(
         config, spec=spec, head=head_from_model(target), device=device, group=None, is_leader=False,

@@ -26,6 +26,7 @@ from dflash_trainer.target.batch import (
     send_batch,
     send_end_of_stream,
     to_wire,
+    wire_spec,
 )
 
 SPEC = WireSpec(token_budget=24, max_seqs=3, num_taps=2, hidden=8, dtype=torch.bfloat16, has_last_hidden=True)
@@ -83,7 +84,7 @@ def test_header_round_trip_and_end_of_stream():
 
 def test_spec_from_config_and_mismatches():
     config = load_config(None, ["target.random_init=tiny", "pipeline.token_budget=4096", "drafter.kd_weight=0.5"])
-    spec = config.wire_spec(hidden=64, num_taps=5)
+    spec = wire_spec(config, hidden=64, num_taps=5)
     assert spec == WireSpec(token_budget=4096, max_seqs=config.batch.max_seqs, num_taps=5, hidden=64,
                             dtype=torch.bfloat16, has_last_hidden=True)
     wire = to_wire(make_batch(SPEC, 1))

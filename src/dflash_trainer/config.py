@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dflash_trainer.data.config import DataConfig, RegenerateConfig
-from dflash_trainer.data.shape import BatchShape
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.config import EvalConfig
@@ -26,6 +25,27 @@ from dflash_trainer.train.config import TrainConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 """Recipes shipped in the repository (a source checkout)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchShape:
+    """Shapes shared by the epoch plan, the target's send buffers and the drafter step (fixed for a run, so
+    buffers are preallocated and the step compiled once)."""
+
+    token_budget: int
+    """Token slots of a packed batch (`pipeline.token_budget`)."""
+    max_seqs: int
+    """Most sequences a batch can hold: every kept sequence has >= 2 * block_size tokens."""
+    num_blocks: int
+    """Drafter blocks per batch (`drafter.num_blocks`, default the recipe's 512 per 3072 tokens)."""
+
+    @staticmethod
+    def of(pipeline: PipelineConfig, drafter: DrafterConfig) -> "BatchShape":
+        return BatchShape(
+            token_budget=pipeline.token_budget,
+            max_seqs=max(1, pipeline.token_budget // (2 * drafter.block_size)),
+            num_blocks=drafter.blocks_for_budget(pipeline.token_budget),
+        )
 
 
 @dataclass
@@ -83,15 +103,6 @@ class Config:
         """The shape of every packed batch (token budget, max sequences, blocks)."""
         return BatchShape.of(self.pipeline, self.drafter)
 
-    def wire_spec(self, *, hidden: int, num_taps: int):
-        """The `WireSpec` of this run's hidden-state batches (taps in the target dtype; the last hidden state
-        when distilling)."""
-        import torch
-
-        from dflash_trainer.target.batch import WireSpec
-
-        return WireSpec.of(self.batch, num_taps=num_taps, hidden=hidden, dtype=getattr(torch, self.target.dtype),
-                           has_last_hidden=self.drafter.kd_weight > 0)
 
 
 def resolve_recipe(recipe: str | os.PathLike) -> Path:

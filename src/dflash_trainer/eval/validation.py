@@ -27,7 +27,7 @@ from dflash_trainer.data.tokenized import TokenizedDataset
 from dflash_trainer.drafter.anchors import plan_from_anchors, token_seq_ids, valid_anchor_mask
 from dflash_trainer.drafter.loss import drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.batch import WireBatch
+from dflash_trainer.target.batch import WireBatch, wire_spec
 from dflash_trainer.target.capture import TapCapture
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.worker import forward_job
@@ -166,7 +166,7 @@ def build_validator(config, *, capture: TapCapture, head: TargetHead, tokenizer,
     from dflash_trainer.data.sources import load_source
     from dflash_trainer.data.tokenized import tokenize_all
     from dflash_trainer.target.batch import allocate
-    from dflash_trainer.train.micro_step import COMPUTE_DTYPES
+    from dflash_trainer.target.load import DTYPES
 
     loaded = load_source(DataSourceConfig(path=str(conversations_path), format="messages"),
                          limit=config.eval.num_prompts)
@@ -174,9 +174,9 @@ def build_validator(config, *, capture: TapCapture, head: TargetHead, tokenizer,
                            max_length=config.data.max_length, min_supervised=2).dataset
     if len(dataset) == 0:
         return None
-    wire = config.wire_spec(hidden=capture.hidden, num_taps=len(capture.tap_layer_ids))
+    wire = wire_spec(config, hidden=capture.hidden, num_taps=len(capture.tap_layer_ids))
     return HeldOutValidator(
         capture=capture, dataset=dataset, buffers=allocate(wire, device), head=head, num_blocks=config.batch.num_blocks,
         gamma=config.drafter.loss_gamma, max_new_tokens=config.eval.max_new_tokens,
-        compute_dtype=COMPUTE_DTYPES[config.train.dtype], chunk_rows=config.drafter.loss_chunk_rows,
+        compute_dtype=DTYPES[config.train.dtype], chunk_rows=config.drafter.loss_chunk_rows,
     )

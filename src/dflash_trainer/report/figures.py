@@ -93,7 +93,7 @@ def slot_accuracy(run: RunLog) -> tuple[Figure, str]:
         picked = rows[::stride]
         grid = [r["slot_acc"] for r in picked]
         image = ax.imshow(grid, aspect="auto", origin="lower", vmin=0, vmax=1, cmap="viridis",
-                          extent=(0.5, len(grid[0]) + 0.5, picked[0]["step"], picked[-1]["step"]))
+                          extent=(0.5, len(grid[0]) + 0.5, picked[0]["step"], max(picked[-1]["step"], picked[0]["step"] + 1)))
         fig.colorbar(image, ax=ax, label="accuracy")
         ax.set(xlabel="block slot k (predicts anchor + k)", ylabel="optimizer step", title="Accuracy by slot, training")
         slots = range(1, len(rows[-1]["slot_acc"]) + 1)

@@ -41,7 +41,7 @@ from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.runtime.split_eval import SplitEvalClient, SplitEvalServer, make_tau_tracker, split_eval_enabled
 from dflash_trainer.runtime.summary import TargetStats, print_summary, run_summary, write_failed_summary, write_summary_file
 from dflash_trainer.runtime.transport import LocalProducer, P2PShipper, Receiver
-from dflash_trainer.target.batch import WireHeader, WireSpec, allocate, from_wire
+from dflash_trainer.target.batch import WireHeader, WireSpec, allocate, from_wire, wire_spec
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.head import head_from_model, load_target_head
@@ -245,7 +245,7 @@ def _load_checked_target(setup: RunSetup):
 
 
 def _wire_spec(setup: RunSetup) -> WireSpec:
-    return setup.config.wire_spec(hidden=setup.spec.hidden_size, num_taps=setup.spec.num_taps)
+    return wire_spec(setup.config, hidden=setup.spec.hidden_size, num_taps=setup.spec.num_taps)
 
 
 def _run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dflash_trainer.data.shape import BatchShape
+from dflash_trainer.config import BatchShape, Config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +105,13 @@ class WireBatch:
         """Payload tensors in the fixed send/receive order (PAYLOAD_ORDER)."""
         tensors = [self.cu_seqlens, self.input_ids, self.loss_mask, self.taps]
         return tensors + ([self.last_hidden] if self.last_hidden is not None else [])
+
+
+def wire_spec(config: Config, *, hidden: int, num_taps: int) -> WireSpec:
+    """The `WireSpec` of a run's hidden-state batches: taps in the target dtype, and the target's last hidden
+    state when distilling."""
+    return WireSpec.of(config.batch, num_taps=num_taps, hidden=hidden, dtype=getattr(torch, config.target.dtype),
+                       has_last_hidden=config.drafter.kd_weight > 0)
 
 
 def allocate(spec: WireSpec, device: torch.device | str) -> WireBatch:

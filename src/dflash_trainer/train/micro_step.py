@@ -14,9 +14,9 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.noise import add_tap_noise
 from dflash_trainer.target.batch import HiddenStateBatch
 from dflash_trainer.target.head import TargetHead
+from dflash_trainer.target.load import DTYPES
 from dflash_trainer.train.step_loop import MicroResult
 
-COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def compile_forward_train(model: DFlashDrafter, mode: Optional[str] = None) -> None:
@@ -39,7 +39,7 @@ def make_micro_step(
     """`progress()` is the fraction of training done (for the noise schedule)."""
     spec = model.spec
     dcfg = config.drafter
-    compute = COMPUTE_DTYPES[config.train.dtype]
+    compute = DTYPES[config.train.dtype]
     if compute == torch.float32:
         autocast = contextlib.nullcontext
         embed = head.embed_weight.float()  # fp32 compute: the frozen head in fp32 too

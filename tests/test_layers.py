@@ -1,0 +1,82 @@
+"""The package's layers: no module imports a higher layer, and the packages import each other without a circle.
+
+data < target < drafter < eval < train < regen, report < runtime < commands < cli. Below them all: the error
+types, the test fault hooks, and the configuration (each component's config section, and the root `config.py`
+that assembles them): any layer may read its config. Function-level imports count as much as top-level ones.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dflash_trainer"
+
+LAYERS = {
+    "base": 0,  # errors, faults, config, the *.config sections
+    "data": 1, "target": 2, "drafter": 3, "eval": 4, "train": 5, "regen": 6, "report": 6, "rundir": 6,
+    "runtime": 7, "commands": 8, "cli": 9, "__main__": 10,
+}
+BASE = {"errors", "faults", "config", "__init__"}
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a module name `dflash_trainer.a.b`: its package, or `base`."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "base"
+    if parts[0] in BASE or (len(parts) == 2 and parts[1] == "config"):
+        return "base"
+    return parts[0]
+
+
+def _imports() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(("dflash_trainer", *path.relative_to(PACKAGE).with_suffix("").parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dflash_trainer"):
+                edges[module].add(node.module)
+            elif isinstance(node, ast.Import):
+                edges[module].update(a.name for a in node.names if a.name.startswith("dflash_trainer"))
+    return edges
+
+
+def test_no_import_runs_up_a_layer():
+    upward = []
+    for module, targets in sorted(_imports().items()):
+        for target in sorted(targets):
+            a, b = _unit(module), _unit(target)
+            if a != b and LAYERS[b] >= LAYERS[a]:
+                upward.append(f"{module} -> {target} ({a}, layer {LAYERS[a]}, imports {b}, layer {LAYERS[b]})")
+    assert not upward, "\n".join(upward)
+
+
+def test_packages_import_each_other_without_a_circle():
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, targets in _imports().items():
+        for target in targets:
+            if _unit(module) != _unit(target):
+                graph[_unit(module)].add(_unit(target))
+    seen, stack = set(), []
+
+    def visit(node: str) -> None:
+        if node in stack:
+            raise AssertionError(f"import circle: {' -> '.join(stack[stack.index(node):] + [node])}")
+        if node in seen:
+            return
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            visit(nxt)
+        stack.pop()
+        seen.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+
+
+def test_the_layer_map_names_every_package():
+    units = {_unit(".".join(("dflash_trainer", *p.relative_to(PACKAGE).with_suffix("").parts)))
+             for p in PACKAGE.rglob("*.py")}
+    assert units <= set(LAYERS), units - set(LAYERS)
