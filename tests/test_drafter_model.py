@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.drafter.reference import reference_train
-from dflash_trainer.drafter.spec import default_tap_layer_ids, drafter_spec
+from dflash_trainer.drafter.spec import drafter_spec
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.checks import choose_tap_layer_ids
 from dflash_trainer.target.presets import preset_config
 from tests.drafter_helpers import packed_batch, single_thread, tiny_drafter  # noqa: F401 (fixture)
+from tests.drafter_reference import reference_train
 
 EXPORT_NAMES = {
     "fc.weight", "hidden_norm.weight", "norm.weight",
@@ -117,9 +118,9 @@ def test_tap_on_last_layer_refused_and_default_taps():
     target = preset_config("tiny")  # 6 layers: last is 5
     with pytest.raises(ConfigError, match="cannot be tapped"):
         drafter_spec(target, DrafterConfig(mask_token_id=1, tap_layer_ids=[1, 5]))
-    assert default_tap_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert choose_tap_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     # a drafter deeper than a shallow target has tappable layers taps them all (the last is never tapped)
     assert drafter_spec(target, DrafterConfig(num_layers=8), mask_token_id=0).tap_layer_ids == (0, 1, 2, 3, 4)
     assert drafter_spec(target, DrafterConfig(num_layers=2), mask_token_id=0).tap_layer_ids == (1, 3)
-    taps = default_tap_layer_ids(6, 5)
+    taps = choose_tap_layer_ids(6, 5)
     assert len(set(taps)) == len(taps) and max(taps) <= 4

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.drafter.spec import DrafterSpec, default_tap_layer_ids
+from dflash_trainer.drafter.spec import DrafterSpec
+from dflash_trainer.target.checks import choose_tap_layer_ids
 from dflash_trainer.errors import ConfigError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -99,7 +100,7 @@ def spec_from_export(config: dict) -> DrafterSpec:
     dflash = config.get("dflash_config") or {}
     num_layers = config["num_hidden_layers"]
     num_target_layers = config["num_target_layers"]
-    taps = dflash.get("target_layer_ids") or default_tap_layer_ids(num_target_layers, num_layers)
+    taps = dflash.get("target_layer_ids") or choose_tap_layer_ids(num_target_layers, num_layers)
     mask = dflash.get("mask_token_id", config.get("mask_token_id"))
     if mask is None:
         raise ConfigError("export config.json has no dflash_config.mask_token_id")

@@ -9,6 +9,7 @@ from transformers import Qwen3Config
 
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.checks import choose_tap_layer_ids
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,14 +86,6 @@ class DrafterSpec:
         )
 
 
-def default_tap_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Evenly spread taps, as the released drafters ([1, 9, 17, 25, 33] for 36 layers and 5 taps); the rule
-    lives with the target's start-time checks."""
-    from dflash_trainer.target.checks import choose_tap_layer_ids
-
-    return choose_tap_layer_ids(num_target_layers, num_taps)
-
-
 def first_spare_row(tokenizer) -> int:
     """The default mask token: the first embedding row past the tokenizer's vocabulary (Qwen3: 151669)."""
     return len(tokenizer)
@@ -109,8 +102,8 @@ def drafter_spec(
     num_target_layers = target_config.num_hidden_layers
     # By default one tap per drafter layer, as the released drafters, but no more than the target has layers
     # to tap (all but the last): an 8-layer drafter of a 6-layer target taps its 5 first layers.
-    taps = drafter.tap_layer_ids or default_tap_layer_ids(num_target_layers,
-                                                          min(drafter.num_layers, max(1, num_target_layers - 1)))
+    taps = drafter.tap_layer_ids or choose_tap_layer_ids(num_target_layers,
+                                                         min(drafter.num_layers, max(1, num_target_layers - 1)))
     heads = target_config.num_attention_heads
     rope = dict(getattr(target_config, "rope_parameters", None) or {})
     if "rope_theta" not in rope:
