@@ -30,6 +30,7 @@ from dflash_trainer.data.tokenized import (
 )
 from dflash_trainer.data.types import Conversation
 from dflash_trainer.errors import DataError
+from dflash_trainer.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class PreparedData:
     summary: DataSummary
 
 
-def _build(config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset, dict[str, Any]]:
+def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset, dict[str, Any]]:
     data = config.data
     loaded = load_conversations(data, seed=config.run.seed)
     train, held = split_eval(loaded.conversations, data.num_eval_conversations, seed=config.run.seed)
@@ -85,7 +86,7 @@ def _build(config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset
     return outcome.dataset, meta
 
 
-def prepare_data(config, run_dir: str | os.PathLike, *,
+def prepare_data(config: Config, run_dir: str | os.PathLike, *,
                  tokenizer: Optional[PreTrainedTokenizerFast] = None, write_files: bool = True) -> PreparedData:
     """Tokenized training set (from the cache when nothing changed) and the eval slice, written to the run dir."""
     check_lengths_fit(config.data.max_length, config.pipeline.token_budget)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from torch import nn
 
@@ -24,6 +24,7 @@ from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.load import find_decoder_layers
 from dflash_trainer.target.stop_tokens import stop_token_ids
+from dflash_trainer.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def check_drafter_fits(spec: DrafterSpec, target: nn.Module, *, where: str) -> N
                     where, spec.num_target_layers, num_layers)
 
 
-def eval_prompts_path(config: Any) -> Path:
+def eval_prompts_path(config: Config) -> Path:
     """`eval.prompts`, else `RUN_DIR/plan/eval.jsonl` (written by `dflash-train plan`/`train`)."""
     if config.eval.prompts:
         return Path(config.eval.prompts)
@@ -60,7 +61,7 @@ def eval_prompts_path(config: Any) -> Path:
 
 
 def evaluate_drafter(
-    config: Any,
+    config: Config,
     target: nn.Module,
     tokenizer,
     drafter: DFlashDrafter,

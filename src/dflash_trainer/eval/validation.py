@@ -31,6 +31,7 @@ from dflash_trainer.target.batch import WireBatch, wire_spec
 from dflash_trainer.target.capture import TapCapture
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.worker import forward_job
+from dflash_trainer.config import Config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,7 +158,7 @@ class HeldOutValidator:
         )
 
 
-def build_validator(config, *, capture: TapCapture, head: TargetHead, tokenizer, conversations_path,
+def build_validator(config: Config, *, capture: TapCapture, head: TargetHead, tokenizer, conversations_path,
                     device: torch.device) -> "HeldOutValidator | None":
     """A validator over the first `eval.num_prompts` conversations with a reply in `conversations_path` (a
     JSONL of `{"messages": [...]}` rows: `plan/eval.jsonl` or `eval.prompts`), the same conversations whose

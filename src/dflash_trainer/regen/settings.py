@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class RegenSettings:
         return asdict(self)
 
 
-def settings_from_config(config: Any) -> RegenSettings:
+def settings_from_config(config: Config) -> RegenSettings:
     """The settings of a `Config` (its `regenerate`, `target` and `data` sections)."""
     regen, target = config.regenerate, config.target
     if regen.backend == "openai":
@@ -114,7 +115,7 @@ def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: floa
     return warnings
 
 
-def warn_regen_mismatch(config: Any) -> list[str]:
+def warn_regen_mismatch(config: Config) -> list[str]:
     """Log (and return) warnings when a regenerated training source used other thinking/temperature settings
     than evaluation (and serving) will."""
     warnings = []

@@ -16,7 +16,7 @@ import logging
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -24,6 +24,7 @@ from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.train.micro_step import compile_forward_train
 from dflash_trainer.train.tau_eval import TauSummary, summary_values
+from dflash_trainer.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class EvalRequest:
         return EvalRequest(**json.loads(raw))
 
 
-def split_eval_enabled(config: Any) -> bool:
+def split_eval_enabled(config: Config) -> bool:
     """Identical on every rank: tau is measured periodically or at the end, and prompts are configured or
     held out (the held-out file itself is written by rank 0 before any role starts)."""
     if config.eval.interval == 0 and not config.eval.at_end:
@@ -55,7 +56,7 @@ def split_eval_enabled(config: Any) -> bool:
     return bool(config.eval.prompts) or config.data.num_eval_conversations > 0
 
 
-def make_tau_tracker(config: Any, *, target, capture, head: TargetHead, run_dir: Path, device: torch.device):
+def make_tau_tracker(config: Config, *, target, capture, head: TargetHead, run_dir: Path, device: torch.device):
     """A TauTracker over the run's held-out prompts (validated on their replies too, where they have some), or
     None (with a warning) when there are none."""
     from dflash_trainer.data.tokenizer import load_tokenizer

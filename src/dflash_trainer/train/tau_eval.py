@@ -13,7 +13,7 @@ import logging
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -21,6 +21,7 @@ from dflash_trainer.eval.drafter_eval import evaluate_drafter
 from dflash_trainer.eval.evaluate import EvalReport, load_prompt_messages
 from dflash_trainer.eval.validation import HeldOutValidator, ValidationReport
 from dflash_trainer.target.head import TargetHead
+from dflash_trainer.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class TauRecord:
 class TauTracker:
     """Runs `evaluate_drafter` on the held-out prompts; remembers the best tau and exports that drafter."""
 
-    def __init__(self, config: Any, *, target, tokenizer, head: TargetHead, prompts_path: Path, run_dir: Path,
+    def __init__(self, config: Config, *, target, tokenizer, head: TargetHead, prompts_path: Path, run_dir: Path,
                  validator: Optional[HeldOutValidator] = None) -> None:
         self.config = config
         self.validator = validator
