@@ -165,6 +165,122 @@ class _TargetCache:
         self.valid = self.valid[rows]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeSettings:
+    """How `decode_batch` decodes (the same for every row)."""
+
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    width: int
+    """Tokens fed per row and step: the block size (speculative), or 1."""
+    temperature: float
+    generator: Optional[torch.Generator]
+    banned: Optional[torch.Tensor]
+    """(n,) int64 token ids plain decoding never picks, or None."""
+    tap_layer_ids: tuple[int, ...]
+
+
+class _BatchDecode:
+    """The decoding state of one batch: device tensors per batch row, host lists per prompt. Rows whose prompt
+    is done stay in the batch (ignored) until a quarter of the batch is done, then leave it together."""
+
+    def __init__(self, target, prompts: Sequence[torch.Tensor], proposer: Optional[BatchProposer],
+                 settings: DecodeSettings, pad_token_id: int, on_step: Callable[[int], None]) -> None:
+        self.device = next(target.parameters()).device
+        self.proposer, self.settings, self.on_step = proposer, settings, on_step
+        self.hidden = proposer is not None and proposer.needs_taps
+        self.cache = _TargetCache(target)
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.lengths: list[list[int]] = [[] for _ in prompts]
+        self.reasons = ["max_new_tokens"] * len(prompts)
+        self.active = list(range(len(prompts)))  # batch row -> prompt index
+        self.finished: list[int] = []  # batch rows whose prompt is done (dropped at the next compaction)
+        self.slot = torch.arange(settings.width, device=self.device)
+        ids, valid, positions = _left_pad(prompts, pad_token_id, self.device)
+        out = self.cache.forward(ids, positions, valid, hidden=self.hidden, last_only=True)
+        self._observe(ids, positions, valid, out)
+        self.last = _pick(out.logits[:, -1], settings.temperature, settings.generator, settings.banned)  # (R,)
+        self.starts = valid.sum(1)  # (R,) position of each row's last committed token (not yet fed)
+        for row, token in enumerate(self.last.tolist()):  # host sync: the loop needs the first tokens
+            self.outputs[row].append(token)
+            if token in settings.stop_token_ids or settings.max_new_tokens <= 1:
+                self.reasons[row] = "eos" if token in settings.stop_token_ids else "max_new_tokens"
+                self.finished.append(row)
+        on_step(len(prompts))
+
+    def running(self) -> bool:
+        return len(self.finished) < len(self.active)
+
+    def _observe(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, out) -> None:
+        if self.proposer is not None:
+            taps = _taps(out.hidden_states, self.settings.tap_layer_ids) if self.hidden else None
+            self.proposer.observe(ContextUpdate(tokens=tokens, positions=positions, valid=valid, taps=taps))
+
+    def compact(self) -> None:
+        """Drop the finished rows once a quarter of the batch is done (a copy of every cache)."""
+        if not self.finished or len(self.finished) * 4 < len(self.active):
+            return
+        done = set(self.finished)
+        keep = [r for r in range(len(self.active)) if r not in done]
+        rows = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        self.cache.keep(rows)
+        self.last, self.starts = self.last[rows], self.starts[rows]
+        if self.proposer is not None:
+            self.proposer.keep(rows)
+        self.active = [self.active[r] for r in keep]
+        self.finished = []
+
+    def step(self) -> None:
+        """One target forward for every row: verify its drafts (or decode one token), commit, move on."""
+        s = self.settings
+        block_positions = self.starts[:, None] + self.slot  # (R, W)
+        if self.proposer is not None:
+            remaining = torch.tensor([s.max_new_tokens - len(self.outputs[p]) for p in self.active], device=self.device)
+            drafts = self.proposer.propose(self.last, self.starts, remaining.clamp(max=s.width - 1), s.width,
+                                           s.temperature, s.generator)
+            block = torch.cat([self.last[:, None], drafts.tokens], 1)  # (R, W)
+        else:
+            block = self.last[:, None]
+        out = self.cache.forward(block, block_positions, torch.ones_like(block, dtype=torch.bool), hidden=self.hidden)
+        if self.proposer is None:
+            accepted = torch.zeros_like(self.last)
+            bonus = _pick(out.logits[:, 0], s.temperature, s.generator, s.banned)
+        elif s.temperature <= 0:
+            accepted, bonus = accept_greedy(out.logits, drafts)
+        else:
+            accepted, bonus = accept_sampled(out.logits, drafts, s.temperature, s.generator)
+        if self.proposer is not None:
+            committed_slots = self.slot <= accepted[:, None]  # (R, W): the fed tokens that stay
+            self.cache.commit(committed_slots)
+            self._observe(block, block_positions, committed_slots, out)
+        # host sync: one copy of the step's results, the loop decides on the host what each row keeps
+        self._commit(torch.cat([block, accepted[:, None], bonus[:, None]], 1).tolist())
+        self.last = bonus
+        self.starts = self.starts + accepted + 1
+
+    def _commit(self, host: list[list[int]]) -> None:
+        """Each unfinished row keeps its accepted drafts and the bonus token, cut at a stop token or the budget."""
+        s, width = self.settings, self.settings.width
+        done = set(self.finished)
+        committed = 0
+        for r, row in enumerate(host):
+            if r in done:
+                continue
+            prompt = self.active[r]
+            kept = (row[1 : row[width] + 1] + [row[width + 1]])[: s.max_new_tokens - len(self.outputs[prompt])]
+            stop_at = next((i for i, t in enumerate(kept) if t in s.stop_token_ids), None)
+            if stop_at is not None:
+                kept = kept[: stop_at + 1]
+                self.reasons[prompt] = "eos"
+            self.outputs[prompt].extend(kept)
+            committed += len(kept)
+            if self.proposer is not None:
+                self.lengths[prompt].append(len(kept))
+            if self.reasons[prompt] == "eos" or len(self.outputs[prompt]) >= s.max_new_tokens:
+                self.finished.append(r)
+        self.on_step(committed)
+
+
 @torch.no_grad()
 @eager_decoding
 def decode_batch(
@@ -191,92 +307,17 @@ def decode_batch(
     """
     start_time = time.perf_counter()
     device = next(target.parameters()).device
-    stop = set(stop_token_ids)
     speculative = proposer is not None and block_size > 1
-    width = block_size if speculative else 1
     banned = None
     if banned_token_ids and not speculative:
         banned = torch.tensor(list(banned_token_ids), dtype=torch.int64, device=device)
-    hidden = speculative and proposer.needs_taps
-    rows = len(prompts)
-    outputs: list[list[int]] = [[] for _ in range(rows)]
-    lengths: list[list[int]] = [[] for _ in range(rows)]
-    reasons = ["max_new_tokens"] * rows
-    cache = _TargetCache(target)
-
-    ids, valid, positions = _left_pad(prompts, pad_token_id, device)
-    out = cache.forward(ids, positions, valid, hidden=hidden, last_only=True)
-    if speculative:
-        proposer.observe(ContextUpdate(tokens=ids, positions=positions, valid=valid,
-                                       taps=_taps(out.hidden_states, tap_layer_ids) if hidden else None))
-    last = _pick(out.logits[:, -1], temperature, generator, banned)  # (R,)
-    starts = valid.sum(1)  # (R,) position of each row's last committed token (not yet fed)
-    active = list(range(rows))  # batch row -> prompt index
-    finished: list[int] = []  # batch rows whose prompt is done (dropped at the next compaction)
-    for row, token in enumerate(last.tolist()):  # host sync: the loop needs the first tokens
-        outputs[row].append(token)
-        if token in stop or max_new_tokens <= 1:
-            reasons[row] = "eos" if token in stop else "max_new_tokens"
-            finished.append(row)
-    on_step(rows)
-    slot = torch.arange(width, device=device)
-    while len(finished) < len(active):
-        if finished and len(finished) * 4 >= len(active):  # drop finished rows in groups (a copy of the caches)
-            keep = [r for r in range(len(active)) if r not in set(finished)]
-            keep_t = torch.tensor(keep, dtype=torch.int64, device=device)
-            cache.keep(keep_t)
-            last, starts = last[keep_t], starts[keep_t]
-            if speculative:
-                proposer.keep(keep_t)
-            active = [active[r] for r in keep]
-            finished = []
-        remaining = torch.tensor([max_new_tokens - len(outputs[p]) for p in active], device=device)
-        block_positions = starts[:, None] + slot  # (R, W)
-        if speculative:
-            drafts = proposer.propose(last, starts, remaining.clamp(max=width - 1), width, temperature, generator)
-            block = torch.cat([last[:, None], drafts.tokens], 1)  # (R, W)
-        else:
-            block = last[:, None]
-        out = cache.forward(block, block_positions, torch.ones_like(block, dtype=torch.bool), hidden=hidden)
-        logits = out.logits  # (R, W, V)
-        if not speculative:
-            accepted = torch.zeros_like(last)
-            bonus = _pick(logits[:, 0], temperature, generator, banned)
-        elif temperature <= 0:
-            accepted, bonus = accept_greedy(logits, drafts)
-        else:
-            accepted, bonus = accept_sampled(logits, drafts, temperature, generator)
-        committed_slots = slot <= accepted[:, None]  # (R, W): the fed tokens that stay
-        if speculative:
-            cache.commit(committed_slots)
-            proposer.observe(ContextUpdate(tokens=block, positions=block_positions, valid=committed_slots,
-                                           taps=_taps(out.hidden_states, tap_layer_ids) if hidden else None))
-        # host sync: one copy of the step's results, the loop decides on the host what each row keeps
-        host = torch.cat([block, accepted[:, None], bonus[:, None]], 1).tolist()
-        step_tokens = 0
-        done_before = set(finished)
-        for r, row in enumerate(host):
-            if r in done_before:
-                continue
-            prompt = active[r]
-            n_acc = row[width]
-            new = row[1 : n_acc + 1] + [row[width + 1]]
-            budget = max_new_tokens - len(outputs[prompt])
-            kept = new[:budget]
-            for i, t in enumerate(kept):
-                if t in stop:
-                    kept = kept[: i + 1]
-                    reasons[prompt] = "eos"
-                    break
-            outputs[prompt].extend(kept)
-            step_tokens += len(kept)
-            if speculative:
-                lengths[prompt].append(len(kept))
-            if reasons[prompt] == "eos" or len(outputs[prompt]) >= max_new_tokens:
-                finished.append(r)
-        on_step(step_tokens)
-        last = bonus
-        starts = starts + accepted + 1
+    settings = DecodeSettings(max_new_tokens=max_new_tokens, stop_token_ids=frozenset(stop_token_ids),
+                              width=block_size if speculative else 1, temperature=temperature, generator=generator,
+                              banned=banned, tap_layer_ids=tuple(tap_layer_ids))
+    run = _BatchDecode(target, prompts, proposer if speculative else None, settings, pad_token_id, on_step)
+    while run.running():
+        run.compact()
+        run.step()
     seconds = time.perf_counter() - start_time
-    return [DecodeResult(output_ids=outputs[i], acceptance_lengths=lengths[i], stop_reason=reasons[i], seconds=seconds)
-            for i in range(rows)]
+    return [DecodeResult(output_ids=run.outputs[i], acceptance_lengths=run.lengths[i], stop_reason=run.reasons[i],
+                         seconds=seconds) for i in range(len(prompts))]
