@@ -93,9 +93,44 @@ class LoopState:
         return self.time_fraction >= 1.0
 
 
-_STATS = ("loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite")
-"""Device-side sums per step; the host-side counts (`_COUNTS`) join them in the one all-reduce."""
-_COUNTS = ("batches", "tokens", "time_fraction", "stop")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTotals:
+    """One optimizer step's sums over every drafter rank, read on the host after the step's one all-reduce
+    (the same values on every rank)."""
+
+    loss_sum: float
+    """Weighted loss, non-finite microbatches counted as 0 (see `nonfinite`)."""
+    weight_sum: float
+    tau_sum: float
+    blocks: float
+    nonfinite: float
+    """Microbatches whose loss was NaN/inf."""
+    slot_correct: tuple[float, ...]
+    """(B-1,) argmax hits per block slot."""
+    slot_count: tuple[float, ...]
+    batches: float
+    tokens: float
+    time_fraction: float
+    """Sum over ranks of the time budget's spent fraction."""
+    stop: float
+    """Ranks asked to stop."""
+
+    DEVICE_SUMS = ("loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite")
+    HOST_SUMS = ("batches", "tokens", "time_fraction", "stop")
+
+    @classmethod
+    def width(cls, slots: int) -> int:
+        """Length of the packed vector that is all-reduced."""
+        return len(cls.DEVICE_SUMS) + 2 * slots + len(cls.HOST_SUMS)
+
+    @classmethod
+    def unpack(cls, flat: Sequence[float], slots: int) -> "StepTotals":
+        """From the reduced vector [device sums, slot correct, slot count, host sums] read back on the host."""
+        n = len(cls.DEVICE_SUMS)
+        values = dict(zip(cls.DEVICE_SUMS, flat[:n]))
+        values.update(zip(cls.HOST_SUMS, flat[n + 2 * slots : cls.width(slots)]))
+        return cls(slot_correct=tuple(flat[n : n + slots]), slot_count=tuple(flat[n + slots : n + 2 * slots]),
+                   **values)
 
 
 class StepLoop(Generic[B]):
@@ -163,14 +198,57 @@ class StepLoop(Generic[B]):
     def step(self, take) -> Optional[StepRecord]:
         maybe_fault("drafter_step", self.state.step + 1)  # test-only hook
         start = time.perf_counter()
-        wait = 0.0
-        stats = torch.zeros(len(_STATS), dtype=torch.float64, device=self.device)
-        slots = torch.zeros(2, self.slots, dtype=torch.float64, device=self.device)  # (2, B-1) correct, count
-        counts = [0.0, 0.0, 0.0, 0.0]  # batches, tokens, time fraction, stop (host values)
-        releases: list[Callable[[], None]] = []
-        keys: list[tuple[int, int]] = []
         self.optimizer.zero_grad(set_to_none=True)  # the first backward writes the gradients (no add, no fill)
-        dry = False
+        packed, releases, keys, wait = self._microbatches(take)
+        if self.group is not None and self.world > 1:
+            dist.all_reduce(packed, group=self.group)
+        gathered = self._gather_jobs(keys)  # (world * grad_accum, 2)
+        weight_sum = packed[StepTotals.DEVICE_SUMS.index("weight_sum")]
+        grad_norm_t = sync_scale_and_clip(self.params, weight_sum, max_norm=self.grad_clip, group=self.group,
+                                          sharded=self.dummy_batch is not None)
+        # One host sync per step: every rank needs the same skip / stop decision, the ledger and the log values.
+        flat = torch.cat([packed, grad_norm_t.double().reshape(1), gathered.double().reshape(-1)]).tolist()
+        width = StepTotals.width(self.slots)
+        totals, grad_norm, rows = StepTotals.unpack(flat, self.slots), flat[width], flat[width + 1 :]
+        job_ids = [(int(e), int(j)) for e, j in zip(rows[0::2], rows[1::2]) if j >= 0]
+        self.state.time_fraction = totals.time_fraction / self.world  # the mean: the same on every rank
+        self.state.stop_requested = totals.stop > 0
+        if totals.batches == 0:
+            for release in releases:
+                release()
+            return None
+        skipped = totals.nonfinite > 0 or not math.isfinite(grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self._apply(skipped, int(totals.tokens))
+        # Skipped jobs are committed too: they were consumed, and a resume must not redo them.
+        self.state.committed.extend(job_ids)
+        for release in releases:
+            release()
+        return StepRecord(
+            step=self.state.step,
+            skipped=skipped,
+            # A NaN/inf loss is logged as such (NaN), not as the 0 it was zeroed to for the all-reduce.
+            loss=float("nan") if totals.nonfinite > 0 else totals.loss_sum / max(totals.weight_sum, 1e-12),
+            accuracy=sum(totals.slot_correct) / max(sum(totals.slot_count), 1.0),
+            slot_accuracy=tuple(c / max(n, 1.0) for c, n in zip(totals.slot_correct, totals.slot_count)),
+            sim_tau=totals.tau_sum / max(totals.blocks, 1.0),
+            grad_norm=float("nan") if totals.nonfinite > 0 else grad_norm,  # a NaN loss: no real gradient
+            lr=lr,
+            batches=int(totals.batches),
+            tokens=int(totals.tokens),
+            job_ids=tuple(j for _, j in job_ids),
+            step_time_s=time.perf_counter() - start,
+            wait_time_s=wait,
+        )
+
+    def _microbatches(self, take) -> tuple[torch.Tensor, list[Callable[[], None]], list[tuple[int, int]], float]:
+        """Forward + backward of up to `grad_accum` batches. Returns the vector to all-reduce (the layout of
+        `StepTotals`, on the device), the batches' releases, their (epoch, job id) and the host time spent
+        waiting for them."""
+        sums = torch.zeros(len(StepTotals.DEVICE_SUMS), dtype=torch.float64, device=self.device)
+        slots = torch.zeros(2, self.slots, dtype=torch.float64, device=self.device)  # (2, B-1) correct, count
+        host = dict.fromkeys(StepTotals.HOST_SUMS, 0.0)
+        releases, keys, wait, dry = [], [], 0.0, False
         for micro in range(self.grad_accum):
             set_gradient_sync(self.model, micro == self.grad_accum - 1)
             got = None
@@ -190,83 +268,37 @@ class StepLoop(Generic[B]):
             releases.append(release)
             keys.append(self.job_key(batch))
             out = self.micro_step(batch)
-            counts[0] += 1
-            counts[1] += out.num_tokens
-            finite = torch.isfinite(out.loss_sum).to(torch.float64)
-            stats += torch.stack(
-                [
-                    torch.nan_to_num(out.loss_sum.detach().double(), nan=0.0, posinf=0.0, neginf=0.0),
-                    out.weight_sum.detach().double(),
-                    out.tau_sum.detach().double(),
-                    out.num_blocks.detach().double(),
-                    1.0 - finite,
-                ]
-            )
+            host["batches"] += 1
+            host["tokens"] += out.num_tokens
+            sums += torch.stack([
+                torch.nan_to_num(out.loss_sum.detach().double(), nan=0.0, posinf=0.0, neginf=0.0),
+                out.weight_sum.detach().double(), out.tau_sum.detach().double(), out.num_blocks.detach().double(),
+                1.0 - torch.isfinite(out.loss_sum).to(torch.float64),
+            ])
             slots += torch.stack([out.slot_correct.detach().double(), out.slot_count.detach().double()])
         if self.time_budget_s is not None:
-            counts[2] = (time.monotonic() - self._started) / self.time_budget_s
-        counts[3] = float(self.stop_requested())
-        host_counts = torch.tensor(counts, dtype=torch.float64).to(self.device, non_blocking=True)  # one copy a step
-        packed = torch.cat([stats, slots.reshape(-1), host_counts])
-        if self.group is not None and self.world > 1:
-            dist.all_reduce(packed, group=self.group)
-        gathered = self._gather_jobs(keys)  # (world * grad_accum, 2)
-        grad_norm_t = sync_scale_and_clip(self.params, packed[_STATS.index("weight_sum")], max_norm=self.grad_clip,
-                                          group=self.group, sharded=self.dummy_batch is not None)
-        # One host sync per step: every rank needs the same skip / stop decision, the ledger and the log values.
-        flat = torch.cat([packed, grad_norm_t.double().reshape(1), gathered.double().reshape(-1)]).tolist()
-        n = len(_STATS)
-        values = dict(zip(_STATS, flat[:n]))
-        slot_correct = flat[n : n + self.slots]
-        slot_count = flat[n + self.slots : n + 2 * self.slots]
-        values.update(zip(_COUNTS, flat[n + 2 * self.slots : n + 2 * self.slots + len(_COUNTS)]))
-        grad_norm = flat[n + 2 * self.slots + len(_COUNTS)]
-        rows = flat[n + 2 * self.slots + len(_COUNTS) + 1 :]
-        job_ids = [(int(e), int(j)) for e, j in zip(rows[0::2], rows[1::2]) if j >= 0]
-        self.state.time_fraction = values["time_fraction"] / self.world  # the mean: the same on every rank
-        self.state.stop_requested = values["stop"] > 0
-        if values["batches"] == 0:
-            for release in releases:
-                release()
-            return None
-        weight_sum = max(values["weight_sum"], 1e-12)
-        skipped = values["nonfinite"] > 0 or not math.isfinite(grad_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        if skipped:
-            self.state.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            log.warning("non-finite loss or gradient: step skipped on all ranks (%d so far)", self.state.skipped_steps)
-            if self.state.skipped_steps > self.max_nonfinite_steps:
-                raise FloatingPointError(
-                    f"{self.state.skipped_steps} steps had NaN/inf loss or gradients (limit "
-                    f"train.max_nonfinite_steps={self.max_nonfinite_steps}): check the data and lower train.lr"
-                )
-        else:
+            host["time_fraction"] = (time.monotonic() - self._started) / self.time_budget_s
+        host["stop"] = float(self.stop_requested())
+        host_t = torch.tensor([host[k] for k in StepTotals.HOST_SUMS], dtype=torch.float64)
+        packed = torch.cat([sums, slots.reshape(-1), host_t.to(self.device, non_blocking=True)])  # one copy a step
+        return packed, releases, keys, wait
+
+    def _apply(self, skipped: bool, tokens: int) -> None:
+        """The optimizer step, or the skip of a step with NaN/inf (on every rank at once)."""
+        if not skipped:
             self.optimizer.step()
             self.scheduler.step()
             self.state.step += 1
-            self.state.tokens += int(values["tokens"])
-        # Skipped jobs are committed too: they were consumed, and a resume must not redo them.
-        self.state.committed.extend(job_ids)
-        for release in releases:
-            release()
-        blocks = max(values["blocks"], 1.0)
-        return StepRecord(
-            step=self.state.step,
-            skipped=skipped,
-            # A NaN/inf loss is logged as such (NaN), not as the 0 it was zeroed to for the all-reduce.
-            loss=float("nan") if values["nonfinite"] > 0 else values["loss_sum"] / weight_sum,
-            accuracy=sum(slot_correct) / max(sum(slot_count), 1.0),
-            slot_accuracy=tuple(c / max(n, 1.0) for c, n in zip(slot_correct, slot_count)),
-            sim_tau=values["tau_sum"] / blocks,
-            grad_norm=float("nan") if values["nonfinite"] > 0 else grad_norm,  # a NaN loss: no real gradient
-            lr=lr,
-            batches=int(values["batches"]),
-            tokens=int(values["tokens"]),
-            job_ids=tuple(j for _, j in job_ids),
-            step_time_s=time.perf_counter() - start,
-            wait_time_s=wait,
-        )
+            self.state.tokens += tokens
+            return
+        self.state.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        log.warning("non-finite loss or gradient: step skipped on all ranks (%d so far)", self.state.skipped_steps)
+        if self.state.skipped_steps > self.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"{self.state.skipped_steps} steps had NaN/inf loss or gradients (limit "
+                f"train.max_nonfinite_steps={self.max_nonfinite_steps}): check the data and lower train.lr"
+            )
 
     def _gather_jobs(self, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
         """(world * grad_accum, 2) int64 device tensor: (epoch, job_id) of this step's batches on all ranks,
