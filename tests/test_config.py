@@ -49,9 +49,9 @@ def test_unknown_recipe_is_clear():
 
 def test_default_num_blocks_follows_recipe_density():
     cfg = load_config(None, ["target.random_init=tiny", "pipeline.token_budget=3072"])
-    assert cfg.num_blocks == 512
+    assert cfg.batch.num_blocks == 512
     cfg = load_config(None, ["target.random_init=tiny", "drafter.num_blocks=7"])
-    assert cfg.num_blocks == 7
+    assert cfg.batch.num_blocks == 7
 
 
 def test_resolved_config_round_trips(tmp_path):
