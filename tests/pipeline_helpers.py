@@ -170,7 +170,7 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
         config, spec=spec, head=head_from_model(target), device=device, group=None, is_leader=False,
         run_dir=run_dir, data_digest=prepared.summary.content_sha256,
         total_steps=planned_steps(config, len(plan.jobs), 1, 0), target_config=target_config,
-        on_step=lambda record: losses.append(record.loss),
+        on_step=lambda trainer, record: losses.append(record.loss),
     )
     queue = [by_id[j] for j in job_order]
 

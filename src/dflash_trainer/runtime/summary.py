@@ -11,7 +11,7 @@ from dflash_trainer.runtime.pool import PoolReport
 from dflash_trainer.train.trainer import TrainResult
 
 if TYPE_CHECKING:
-    from dflash_trainer.runtime.launch import RunSetup
+    from dflash_trainer.runtime.setup import RunSetup
 
 
 @dataclass

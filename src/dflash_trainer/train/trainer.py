@@ -85,12 +85,13 @@ class DrafterTrainer:
         total_steps: int,
         resume: Optional[LoadedCheckpoint] = None,
         target_config=None,
-        on_step: Callable[[StepRecord], None] = lambda record: None,
+        on_step: Callable[["DrafterTrainer", StepRecord], None] = lambda trainer, record: None,
         dummy_batch: Optional[HiddenStateBatch] = None,
         stop_requested: Callable[[], bool] = lambda: False,
         step_metrics: Callable[[], dict] = dict,
     ) -> None:
-        """`dummy_batch`: a batch with no supervised token (needed with `train.fsdp`; see `parallel.py`);
+        """`on_step(trainer, record)`: called after each step (evaluation); `dummy_batch`: a batch with no
+        supervised token (needed with `train.fsdp`; see `parallel.py`);
         `stop_requested()`: True once this rank is asked to stop (a signal); `step_metrics()`: more figures for
         each step's metrics row (the pipeline's, e.g. the pool depth)."""
         self.config = config
@@ -106,18 +107,7 @@ class DrafterTrainer:
         self.step_metrics = step_metrics
         self.signature = model_signature(spec)
         self.fingerprint = data_fingerprint(config, data_digest)
-        torch.manual_seed(config.run.seed)
-        self.model = DFlashDrafter(
-            spec, attention=config.drafter.attention, flex_kernel_options=config.drafter.flex_kernel_options
-        ).to(device)
-        with torch.no_grad():
-            self.model.init_weights()
-        if config.drafter.init_from == "target":
-            names = target_tensor_names(self.model)
-            init_from_target(self.model, read_target_tensors(config.target, sorted(set(names.values())),
-                                                             seed=config.run.seed))
-        elif config.drafter.init_from:
-            init_from_export(self.model, config.drafter.init_from)
+        self.model = build_drafter(config, spec, device)
         world = dist.get_world_size(group) if group is not None else 1
         self.sharded = want_sharding(config.train.fsdp, self.model, device, world)
         if self.sharded:
@@ -204,7 +194,7 @@ class DrafterTrainer:
                 self.save_checkpoint(record.step)
             maybe_fault("kill", record.step)  # test-only hooks: SIGKILL this rank / the whole job
             maybe_fault("kill_job", record.step)
-            self.on_step_extra(record)
+            self.on_step_extra(self, record)
 
         state = self.loop.run(take, on_step)
         if bar is not None:
@@ -292,6 +282,21 @@ class DrafterTrainer:
 
     def close(self) -> None:
         self.sink.close()
+
+
+def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DFlashDrafter:
+    """The drafter to train, initialised from the seed, the target's layers or an export (`drafter.init_from`)."""
+    torch.manual_seed(config.run.seed)
+    model = DFlashDrafter(spec, attention=config.drafter.attention,
+                          flex_kernel_options=config.drafter.flex_kernel_options).to(device)
+    with torch.no_grad():
+        model.init_weights()
+    if config.drafter.init_from == "target":
+        names = target_tensor_names(model)
+        init_from_target(model, read_target_tensors(config.target, sorted(set(names.values())), seed=config.run.seed))
+    elif config.drafter.init_from:
+        init_from_export(model, config.drafter.init_from)
+    return model
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

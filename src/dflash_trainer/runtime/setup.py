@@ -1,0 +1,143 @@
+"""Every rank's setup for `dflash-train train`: the run dir, the resume point, the drafter's spec, the data and
+epoch plans, the placement and the drafters' group, as one `RunSetup` the roles read."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from dflash_trainer.config import Config
+from dflash_trainer.data.plan import build_epoch_plan, plan_dir, read_epoch_plan, write_epoch_plan, write_summary
+from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
+from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
+from dflash_trainer.data.types import Job
+from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
+from dflash_trainer.regen.settings import warn_regen_mismatch
+from dflash_trainer.rundir import claim_run_dir
+from dflash_trainer.runtime.control import ControlPlane
+from dflash_trainer.runtime.env import DistEnv
+from dflash_trainer.runtime.roles import Placement, plan_placement
+from dflash_trainer.target.batch import WireSpec, wire_spec
+from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
+from dflash_trainer.target.checks import check_target
+from dflash_trainer.target.load import load_target, target_model_config
+from dflash_trainer.train.checkpoint import read_ledger, resolve_resume
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSetup:
+    """What every rank knows once setup is done (identical on all ranks)."""
+
+    config: Config
+    env: DistEnv
+    device: torch.device
+    placement: Placement
+    run_dir: Path
+    spec: DrafterSpec
+    prepared: PreparedData
+    plans_jobs: tuple[tuple[Job, ...], ...]
+    """Every epoch's planned jobs."""
+    remaining: tuple[tuple[Job, ...], ...]
+    """Every epoch's jobs not yet committed (resume skips committed ones)."""
+    resume_path: Optional[Path]
+    drafter_group: Optional[dist.ProcessGroup]
+
+
+def setup_run(config: Config, env: DistEnv, device: torch.device, control: ControlPlane,
+              on_run_dir: Callable[[Path], None] = lambda path: None) -> RunSetup:
+    """Every rank's setup: placement, the run dir (rank 0 chooses, the others wait for it), the checkpoint to
+    resume, the drafter's spec, the data and epoch plans (rank 0 prepares, the others read the cache), the
+    drafters' process group. `on_run_dir(path)` learns the run dir as soon as it is known."""
+    placement = plan_placement(
+        rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, local_world_size=env.local_world_size,
+        pipeline=config.pipeline, num_devices=torch.cuda.device_count() if device.type == "cuda" else None,
+    )
+    if env.rank == 0:
+        run_dir = claim_run_dir(config)
+        control.set_value("run_dir", str(run_dir))
+    else:
+        run_dir = Path(control.wait_value("run_dir"))
+    on_run_dir(run_dir)
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir)))
+    # Before the data work: a wrong train.resume fails at once. Rank 0 checks the checkpoints (it reads them
+    # whole for their checksums) and tells the others which one.
+    resume_path = None
+    if config.train.resume:
+        if env.rank == 0:
+            resume_path = resolve_resume(run_dir, config.train.resume)
+            control.set_value("resume_path", str(resume_path))
+        else:
+            resume_path = Path(control.wait_value("resume_path"))
+    tokenizer = load_tokenizer(config.target, config.data.chat_template)
+    target_config = target_model_config(config.target)
+    spec = drafter_spec(target_config, config.drafter, mask_token_id=first_spare_row(tokenizer))
+    token = ordinary_token(tokenizer, spec.mask_token_id)
+    if token is not None and env.rank == 0:
+        log.warning("drafter.mask_token_id=%d is %r, an ordinary token of the tokenizer: the drafter's MASK slots "
+                    "and that token share an embedding. Use a spare embedding row (default: the first past the "
+                    "tokenizer, %d) or a reserved special token", spec.mask_token_id, token, len(tokenizer))
+
+    if env.rank == 0:
+        prepared = prepare_data(config, run_dir, tokenizer=tokenizer)
+        plans = [epoch_plan(config, run_dir, prepared, e) for e in range(config.train.num_epochs)]
+        write_summary(run_dir, summary_json(prepared.summary, plans[0]))
+        warn_regen_mismatch(config)  # data regenerated with other thinking/temperature than evaluation uses
+        control.set_value("data_ready", "1")
+    else:
+        control.wait_value("data_ready")
+        prepared = prepare_data(config, run_dir, tokenizer=tokenizer, write_files=False)
+        plans = [read_epoch_plan(run_dir, e) for e in range(config.train.num_epochs)]
+
+    ledger = read_ledger(resume_path) if resume_path else {}
+    remaining = tuple(
+        tuple(j for j in plan.jobs if j.job_id not in set(ledger.get(plan.epoch, []))) for plan in plans
+    )
+    group = None
+    if env.distributed:  # every rank takes part in creating the drafters' group
+        group = dist.new_group(list(placement.drafter_ranks))
+    log.info("rank %d: role %s, run dir %s, %d jobs to train", env.rank, placement.role.value, run_dir,
+             sum(len(r) for r in remaining))
+    return RunSetup(
+        config=config, env=env, device=device, placement=placement, run_dir=run_dir, spec=spec, prepared=prepared,
+        plans_jobs=tuple(p.jobs for p in plans), remaining=remaining, resume_path=resume_path, drafter_group=group,
+    )
+
+
+def epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int):
+    """Read the epoch's plan back when it exists (resume), else build and write it."""
+    if (plan_dir(run_dir) / f"epoch_{epoch}.json").is_file():
+        return read_epoch_plan(run_dir, epoch)
+    plan = build_epoch_plan(
+        prepared.train.lengths, epoch=epoch, seed=config.run.seed, num_buckets=config.data.num_buckets,
+        token_budget=config.pipeline.token_budget, max_seqs=config.batch.max_seqs,
+    )
+    write_epoch_plan(run_dir, plan)
+    return plan
+
+
+def load_checked_target(setup: RunSetup):
+    """The target, checked against the drafter's spec, and its tap capture (layers compiled when asked)."""
+    config, spec = setup.config, setup.spec
+    target = load_target(config.target, setup.device, seed=config.run.seed)
+    check_target(
+        target, tap_layer_ids=list(spec.tap_layer_ids), drafter_hidden_size=spec.hidden_size,
+        mask_token_id=spec.mask_token_id, max_length=config.data.max_length,
+    )
+    capture = TapCapture(target, spec.tap_layer_ids, capture_last_hidden=config.drafter.kd_weight > 0)
+    if config.target.compile and setup.device.type == "cuda":
+        # Each layer compiled (hooks and early exit stay eager); padded shapes vary by job, so dynamic.
+        compile_decoder_layers(target, upto=capture.stop_layer, dynamic=None)
+    return target, capture
+
+
+def run_wire_spec(setup: RunSetup) -> WireSpec:
+    """The shape of this run's hidden-state batches."""
+    return wire_spec(setup.config, hidden=setup.spec.hidden_size, num_taps=setup.spec.num_taps)

@@ -1,0 +1,40 @@
+"""A target rank's life in a split run: pull jobs, forward them to the last tap, send the batches."""
+
+from __future__ import annotations
+
+from dflash_trainer.runtime.control import ControlPlane
+from dflash_trainer.runtime.jobs import StoreJobSource
+from dflash_trainer.runtime.setup import RunSetup, load_checked_target, run_wire_spec
+from dflash_trainer.runtime.split_eval import SplitEvalServer, make_tau_tracker, split_eval_enabled
+from dflash_trainer.runtime.summary import TargetStats
+from dflash_trainer.runtime.transport import P2PShipper
+from dflash_trainer.target.head import head_from_model
+from dflash_trainer.target.sender import BatchSender
+from dflash_trainer.target.worker import run_target_worker
+
+
+def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
+    """Forward the jobs this rank pulls and send the batches to the drafters; the first target rank also
+    evaluates the drafters the leader sends it (between jobs, and after the last one until told to stop)."""
+    config = setup.config
+    target, capture = load_checked_target(setup)
+    shipper = P2PShipper(control, rank=setup.env.rank, drafter_ranks=setup.placement.drafter_ranks, device=setup.device)
+    sender = BatchSender.create(
+        run_wire_spec(setup), setup.device, depth=config.pipeline.target_postprocess_depth, ship=shipper.ship,
+        finish=shipper.finish, timeout_s=config.pipeline.timeout_s, name=f"target-sender-{setup.env.rank}",
+    )
+    jobs = StoreJobSource(control, setup.remaining)
+    server = None
+    if setup.env.rank == setup.placement.target_ranks[0] and split_eval_enabled(config):
+        tracker = make_tau_tracker(config, target=target, capture=capture, head=head_from_model(target),
+                                   run_dir=setup.run_dir, device=setup.device)
+        server = SplitEvalServer(control, tracker, device=setup.device) if tracker is not None else None
+    source = jobs if server is None else server.pausing(jobs)
+    report = run_target_worker(capture=capture, job_source=source, dataset=setup.prepared.train, sender=sender)
+    if server is not None:
+        server.serve_until_end()
+    return TargetStats(
+        rank=setup.env.rank, tokens=report.num_tokens, batches=len(report.batches),
+        busy_s=sum(b.forward_s for b in report.batches), wall_s=report.wall_s, bytes_moved=shipper.bytes_sent,
+        slot_wait_s=sum(b.slot_wait_s for b in report.batches),
+    )
