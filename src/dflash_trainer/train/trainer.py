@@ -120,12 +120,10 @@ class DrafterTrainer:
             min_lr_ratio=config.train.min_lr_ratio, time_fraction=self.time_fraction,
         )
         self.ledger: dict[int, list[int]] = {}
-        start_step = 0
         if resume is not None:
             self._restore(resume)
-            start_step = resume.state.step
         self.loop = StepLoop(
-            start_step=start_step,
+            start_step=resume.state.step if resume is not None else 0,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
