@@ -165,13 +165,29 @@ def test_tiny_overfit_loss_goes_down():
     assert losses[-1] < 0.3 * losses[0], losses
 
 
-def test_dpace_loss_trains():
+def test_dpace_weights_by_hand_and_the_loss_trains():
+    """D-PACE weight of slot k = sum over m >= k of the product of the smoothed confidences up to m; an invalid
+    slot counts with confidence 0. Then a few steps on the D-PACE loss lower it."""
+    from dflash_trainer.drafter.loss import dpace_weights
+
+    ce = torch.tensor([[0.0, math.log(2.0), math.log(4.0)], [0.0, 0.0, 0.0]])  # confidences 1, 1/2, 1/4
+    valid = torch.tensor([[True, True, True], [True, False, True]])
+    # alpha 0.5: smoothed 1, 0.75, 0.625 -> prefix products 1, 0.75, 0.46875 -> suffix sums
+    # second row: the invalid slot has confidence 0 -> smoothed 1, 0.5, 1 -> prefix 1, 0.5, 0.5
+    expected = torch.tensor([[2.21875, 1.21875, 0.46875], [2.0, 1.0, 0.5]])
+    torch.testing.assert_close(dpace_weights(ce, valid, 0.5), expected)
     drafter, _ = tiny_drafter()
     batch = packed_batch(drafter, num_blocks=12)
     head = torch.randn(drafter.spec.vocab_size, drafter.spec.hidden_size) * 0.2
-    out = run_loss(drafter, batch, head, chunk_rows=16, dpace=True, dpace_alpha=0.5)
-    out.loss_sum.backward()
-    assert float(out.weight_sum) > 0 and drafter.fc.weight.grad.abs().sum() > 0
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        out = run_loss(drafter, batch, head, chunk_rows=16, dpace=True, dpace_alpha=0.5)
+        optimizer.zero_grad()
+        (out.loss_sum / out.weight_sum).backward()
+        optimizer.step()
+        losses.append(float(out.ce_sum / out.weight_sum))
+    assert losses[-1] < losses[0] - 0.5, losses
 
 
 def test_noise_keyed_and_scheduled():

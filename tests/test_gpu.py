@@ -72,4 +72,11 @@ def test_colocated_training_and_eval_run_on_cuda(tmp_path):
     assert rc == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 6
-    assert summary["final_loss"] is not None and summary["eval"]["tau"] >= 1.0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 6 and all(isinstance(x, float) and x > 0 for x in losses)  # finite (NaN is logged null)
+    ev = summary["eval"]
+    # the batched evaluation, prompt lookup and the held-out validation (compiled training forward) all ran
+    assert ev["greedy_match_rate"] is not None and ev["prompt_lookup_tau"] >= 1.0
+    assert ev["val"]["anchors"] > 0 and ev["val"]["walk_steps"] > 0 and 1.0 <= ev["val"]["walk_tau"] <= 8.0
+    assert sum(ev["acceptance_histogram"]) > 0

@@ -24,3 +24,29 @@ def test_split_run_measures_tau_on_the_target_rank(tmp_path):
     best = json.loads((run_dir / "best" / "eval.json").read_text())
     assert best["tau"] == max(r["eval_tau"] for r in evals)
     assert (run_dir / "best" / "model.safetensors").is_file() and not (run_dir / ".eval").exists()
+    # the target rank measured what this process measures on the same export: tokens and acceptance are exact
+    assert _evaluate_here(run_dir, run_dir / "best") == (best["tau"], best["acceptance_histogram"])
+
+
+def _evaluate_here(run_dir, export):
+    import torch
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.drafter.export import load_drafter
+    from dflash_trainer.eval.drafter_eval import evaluate_drafter
+    from dflash_trainer.eval.evaluate import load_prompt_messages
+    from dflash_trainer.target.head import head_from_model
+    from dflash_trainer.target.load import load_target
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the torchrun ranks
+    try:
+        config = load_config(run_dir / "config.yaml")
+        target = load_target(config.target, "cpu", seed=config.run.seed)
+        prompts = load_prompt_messages(run_dir / "plan" / "eval.jsonl", config.eval.num_prompts)
+        report = evaluate_drafter(config, target, load_tokenizer(config.target), load_drafter(export).eval(), prompts,
+                                  head=head_from_model(target))
+    finally:
+        torch.set_num_threads(threads)
+    return report.tau, report.acceptance_histogram
