@@ -471,8 +471,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for the JSON result")
     p.add_argument("--no-baseline", action="store_true", help="skip the naive baseline")
     p.add_argument("--no-compile", action="store_true", help="fast path without torch.compile of the drafter")
-    p.add_argument("--compile-target", action="store_true",
-                   help="also torch.compile the target's decoder layers (off: compile time; see target_forward.py)")
+    p.add_argument("--eager-target", dest="compile_target", action="store_false",
+                   help="run the target's decoder layers eager (the default compiles them, as the trainer does)")
+    p.add_argument("--compile-target", dest="compile_target", action="store_true",
+                   help="the default: the target's decoder layers compiled, as `target.compile` does in training")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N target forwards and N whole steps (GPU time by kernel kind)")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
@@ -593,7 +595,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y-%m-%dT%H%M%S")
-    (out_dir / f"{stamp}-{args.model}-{args.workload}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / f"{stamp}-run-{args.model}-{args.workload}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return 0 if s_ours["status"] == "ok" and (s_base is None or s_base["status"] != "error") else 1
 

@@ -32,7 +32,7 @@ def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     missing = [k for k in REQUIRED if k not in last]
     assert not missing, missing
-    files = list(tmp_path.glob("*-tiny-mfu.json"))
+    files = list(tmp_path.glob("*-run-tiny-mfu.json"))
     assert len(files) == 1 and json.loads(files[0].read_text()) == last
     assert last["status"] == "ok" and last["baseline_status"] == "ok"
     assert last["workload"] == "mfu" and last["gpu"] == "cpu" and "--smoke" in last["command"]

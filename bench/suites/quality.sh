@@ -6,15 +6,12 @@
 # parts of an earlier call's data cache) to resume from it. Regeneration gets REGEN_S seconds (it resumes on
 # the next call); the arms train on what is there. Writes under $OUT: the data cache parts and
 # results.tar.gz (result JSONs, logs, metrics, summaries; no weights).
-set -uo pipefail
-cd "$(dirname "$0")/../.."
 T0=$SECONDS
+source "$(dirname "$0")/common.sh"
 ARMS=$1; PARALLEL=${2:-4}; shift $(( $# >= 2 ? 2 : $# ))
-OUT=${OUT:-/tmp/out}; REGEN_S=${REGEN_S:-240}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-W=/tmp/quality; mkdir -p "$W" "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$W/gpu.txt" 2>&1
+REGEN_S=${REGEN_S:-240}
+W=/tmp/quality; mkdir -p "$W"
+cp "$LOGS/gpu.txt" "$W/"
 COMMON=(--target .practice/model --cache "$W/cache")  # regenerates unless .quality holds a cache
 if ls .quality/quality-cache.tar.gz.part* >/dev/null 2>&1; then
   python3 bench/quality.py "${COMMON[@]}" --unpack .quality --data-only --no-regen > "$W/unpack.log" 2>&1

@@ -20,7 +20,6 @@ SUBCOMMANDS = {
     "eval": "measure acceptance length (tau) by speculative decoding",
     "export": "write a training checkpoint in the DFlash inference format",
     "regenerate": "answer a dataset's prompts again with the target",
-    "bench": "benchmark the pipeline on the GPU",
     "report": "figures of a run in one self-contained HTML page (RUN_DIR/report/)",
 }
 
@@ -53,8 +52,6 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--out", required=False, help="output dataset directory")
         if name == "report":
             p.add_argument("--out", default=None, help="directory for the report (default: RUN_DIR/report)")
-        if name == "bench":
-            p.add_argument("--out", default=None, help="directory for the result JSON")
     return parser
 
 

@@ -1,0 +1,35 @@
+# Sourced by every suite: install the carried wheels, set the environment, and `step NAME LIMIT_S CMD...`,
+# which runs CMD with a time limit, logs it to $LOGS/NAME.log and prints its tail. A suite ends with
+# `finish`: the logs and result JSONs go into $OUT/results.tar.gz (a device call brings back few files).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT=${OUT:-/tmp/out}
+LOGS=/tmp/suite-logs
+RESULTS=/tmp/suite-results
+mkdir -p "$OUT" "$LOGS" "$RESULTS"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export NCCL_NVLS_ENABLE=0  # no NVLink multicast on the device machines (device KINDS.md)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LOGS/gpu.txt" 2>&1
+
+step() {  # step NAME LIMIT_S CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s"; tail -n 25 "$LOGS/$name.log"
+}
+
+finish() {
+  tar czf "$OUT/results.tar.gz" -C /tmp suite-logs suite-results 2>/dev/null
+  ls -la "$OUT"
+}
+
+# A real training run: 1.7B-shape random target, ShareGPT lengths (tiny tokenizer), 120 steps, eval at the end.
+TRAIN=(python3 -m dflash_trainer train --config demo run.device=cuda target.random_init=qwen3-1.7b
+  target.dtype=bfloat16 train.dtype=bfloat16 drafter.attention=flex drafter.num_layers=5 drafter.block_size=16
+  drafter.tap_layer_ids=null pipeline.token_budget=12288 data.max_length=3072 data.max_conversations=3000
+  train.num_epochs=1 train.max_steps=120 train.log_interval=1 train.checkpoint_interval=100000
+  logging.progress=false logging.report=false eval.num_prompts=4 eval.max_new_tokens=64)
