@@ -1,8 +1,7 @@
 """Tokenize conversations in worker processes on a cache miss.
 
-Rendering the chat template is Python and runs in one thread (about 9 ms a conversation with the tiny
-tokenizer: ~14 minutes for 90K conversations, bench/RESULTS.md), so a large dataset is split into chunks
-that spawned processes tokenize. The result is identical to one process: chunks are consumed in their order.
+Rendering the chat template is Python and runs in one thread (minutes for a large dataset; bench/RESULTS.md),
+so a large dataset is split into chunks that spawned processes tokenize. The result is identical to one process: chunks are consumed in their order.
 
 Pool invariant: at most `num_workers` processes; at most `2 * num_workers` chunks submitted and not yet
 consumed (bounded memory); every wait for a chunk is bounded by `chunk_timeout_s`; a worker's exception is

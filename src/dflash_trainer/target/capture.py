@@ -5,7 +5,7 @@ Right padding with the default positions `0..S-1` gives every real token exactly
 causal context it has when the sequence runs alone: in a causal decoder token t sees only tokens <= t, and
 the padding comes after every real token of its row. The pad rows compute values nobody reads. A padding
 mask would change nothing we read, but it takes every attention backend off its causal fast path (a masked
-kernel with no causal tile skipping: 131 of 405 ms per forward on the 8B ShareGPT mix, bench/RESULTS.md).
+kernel with no causal tile skipping: a large part of the forward; bench/RESULTS.md).
 Jobs are length-bucketed, so little is padded. `real_index` lists the flat `b * S + t` positions of the real
 tokens, sequence after sequence: that is the packed order.
 

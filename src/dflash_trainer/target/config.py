@@ -25,10 +25,9 @@ class TargetConfig:
     trust_remote_code: bool = False
     compile: bool = True
     """torch.compile each decoder layer of the target up to the last tap, with automatic dynamic shapes
-    (CUDA only; ignored on the CPU; evaluation's decoding runs the layers eager). On an H200 it pays for
-    ~30 s of compile time: 8B-shape forward MFU 80% vs 61% eager on fixed 3072-token rows, +13% tokens/s in
-    a real 1.7B-shape training run on ShareGPT (bench/RESULTS.md). Turn it off for a model that
-    torch.compile cannot trace."""
+    (CUDA only; ignored on the CPU; evaluation's decoding runs the layers eager). It costs compile time once
+    and pays back in a long run (figures in bench/RESULTS.md). Turn it off for a model that torch.compile
+    cannot trace, or a target too small for its forward to matter."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

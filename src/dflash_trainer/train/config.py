@@ -30,7 +30,7 @@ class TrainConfig:
     """Compute dtype of the drafter (weights and optimizer state stay fp32)."""
     compile: bool = True
     """torch.compile the drafter's training forward on CUDA (uncompiled flex attention materialises the
-    scores: ~10x slower and 5x the memory at the 8B shape). No effect on CPU."""
+    scores: many times slower, and far more memory). No effect on CPU."""
     fsdp: Optional[bool] = None
     """Shard the drafter with FSDP2 over the drafter ranks. None: when its weights and Adam state (16 bytes
     per parameter) would take more than a quarter of a GPU; true/false: always/never (CPU: only if true)."""
