@@ -14,11 +14,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dflash_trainer"
 
 LAYERS = {
-    "base": 0,  # errors, faults, config, the *.config sections
+    "base": 0,  # errors, faults, config, layout (the run dir), the *.config sections
     "data": 1, "target": 2, "drafter": 3, "eval": 4, "train": 5, "regen": 6, "report": 6, "rundir": 6,
     "runtime": 7, "commands": 8, "cli": 9, "__main__": 10,
 }
-BASE = {"errors", "faults", "config", "__init__"}
+BASE = {"errors", "faults", "config", "layout", "__init__"}
 
 
 def _unit(module: str) -> str:

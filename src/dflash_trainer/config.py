@@ -171,7 +171,9 @@ def to_yaml(config: Config) -> str:
 
 
 def save_config(config: Config, run_dir: str | os.PathLike) -> Path:
-    path = Path(run_dir) / "config.yaml"
+    from dflash_trainer.layout import RunDir
+
+    path = RunDir(run_dir).config
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_yaml(config))
     return path

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dflash_trainer.config import Config, save_config
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.layout import RunDir
 
 
 def make_run_dir(config: Config) -> Path:
@@ -31,11 +32,6 @@ def make_run_dir(config: Config) -> Path:
     return path
 
 
-TRAINING_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "export", "best", "eval.json", "tensorboard",
-                    ".eval", ".best.tmp")
-"""What a training run leaves in its run dir (besides `config.yaml` and `plan/`)."""
-
-
 def claim_run_dir(config: Config) -> Path:
     """The run dir for `dflash-train train`: a fresh one, or one that holds only a plan (`dflash-train plan`);
     one that holds a training run only with `train.resume` (continue it) or `train.overwrite` (its outputs and
@@ -43,7 +39,8 @@ def claim_run_dir(config: Config) -> Path:
     append to the first run's metrics."""
     path = Path(config.run.dir).expanduser() if config.run.dir else None
     if path is not None and not config.train.resume:
-        found = [name for name in TRAINING_OUTPUTS if (path / name).exists()]
+        layout = RunDir(path)
+        found = [p.name for p in layout.training_outputs() if p.exists()]
         if found and not config.train.overwrite:
             raise ConfigError(
                 f"run.dir={str(path)!r} holds a training run ({', '.join(found)}): add --resume to continue it, set "
@@ -53,10 +50,10 @@ def claim_run_dir(config: Config) -> Path:
             target = path / name
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         if found:
-            for plan in (path / "plan").glob("epoch_*.json"):
+            for plan in layout.plan.glob("epoch_*.json"):
                 plan.unlink()
     path = make_run_dir(config)
-    _check_writable(path / "checkpoints")  # now, not at the first checkpoint after hours of training
+    _check_writable(RunDir(path).checkpoints)  # now, not at the first checkpoint after hours of training
     return path
 
 

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Optional
 
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.layout import RunDir
 
 
 def run(config: Optional[Config], args) -> int:
     from dflash_trainer.report.page import write_report
 
     run_dir = args.run_dir
-    if not (Path(run_dir) / "metrics.jsonl").is_file() and not (Path(run_dir) / "summary.json").is_file():
+    layout = RunDir(run_dir)
+    if not layout.metrics.is_file() and not layout.summary.is_file():
         raise ConfigError(f"{run_dir} holds no metrics.jsonl or summary.json: not a training run directory")
     start = time.perf_counter()
     index = write_report(run_dir, getattr(args, "out", None))

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from dflash_trainer.data.bucketing import assign_buckets, pack_first_fit_decreasing
 from dflash_trainer.data.tokenized import conversation_from_json, conversation_to_json
 from dflash_trainer.data.types import Conversation, Job
+from dflash_trainer.layout import RunDir, write_atomic
 from dflash_trainer.errors import ConfigError, DataError
 
 JOB_ID_STRIDE = 10**6
@@ -99,25 +100,12 @@ def build_epoch_plan(lengths: Sequence[int], *, epoch: int, seed: int, num_bucke
                      jobs=jobs)
 
 
-def plan_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "plan"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_epoch_plan(run_dir: str | os.PathLike, plan: EpochPlan) -> Path:
-    path = plan_dir(run_dir) / f"epoch_{plan.epoch}.json"
-    _write_atomic(path, json.dumps(asdict(plan), separators=(",", ":")))
-    return path
+    return write_atomic(RunDir(run_dir).epoch_plan(plan.epoch), json.dumps(asdict(plan), separators=(",", ":")))
 
 
 def read_epoch_plan(run_dir: str | os.PathLike, epoch: int) -> EpochPlan:
-    path = plan_dir(run_dir) / f"epoch_{epoch}.json"
+    path = RunDir(run_dir).epoch_plan(epoch)
     if not path.is_file():
         raise DataError(f"no epoch plan {path}; run `dflash-train plan` or start training to write it")
     d = json.loads(path.read_text())
@@ -142,17 +130,14 @@ def split_eval(conversations: Sequence[Conversation], num_eval: int, *, seed: in
 
 
 def write_eval_conversations(run_dir: str | os.PathLike, conversations: Sequence[Conversation]) -> Path:
-    path = plan_dir(run_dir) / "eval.jsonl"
-    _write_atomic(path, "".join(json.dumps(conversation_to_json(c)) + "\n" for c in conversations))
-    return path
+    text = "".join(json.dumps(conversation_to_json(c)) + "\n" for c in conversations)
+    return write_atomic(RunDir(run_dir).eval_conversations, text)
 
 
 def read_eval_conversations(run_dir: str | os.PathLike) -> list[Conversation]:
-    path = plan_dir(run_dir) / "eval.jsonl"
+    path = RunDir(run_dir).eval_conversations
     return [conversation_from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
-    path = plan_dir(run_dir) / "summary.json"
-    _write_atomic(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    return path
+    return write_atomic(RunDir(run_dir).plan_summary, json.dumps(summary, indent=2, sort_keys=True) + "\n")

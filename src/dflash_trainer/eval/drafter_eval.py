@@ -14,10 +14,10 @@ from typing import Sequence
 
 from torch import nn
 
-from dflash_trainer.data.plan import plan_dir
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.layout import RunDir
 from dflash_trainer.eval.evaluate import EvalReport, encode_prompts, evaluate_tau
 from dflash_trainer.eval.proposers import DFlashBatchProposer
 from dflash_trainer.target.checks import check_target
@@ -48,7 +48,7 @@ def eval_prompts_path(config: Config) -> Path:
     if config.eval.prompts:
         return Path(config.eval.prompts)
     if config.run.dir:
-        path = plan_dir(config.run.dir) / "eval.jsonl"
+        path = RunDir(config.run.dir).eval_conversations
         if path.is_file():
             return path
         where = f"{path} does not exist"

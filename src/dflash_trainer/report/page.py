@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from dflash_trainer.layout import RunDir
 from dflash_trainer.report.figures import draw_all
 from dflash_trainer.report.runlog import RunLog, read_run
 
@@ -62,7 +63,7 @@ def essentials(run: RunLog) -> list[tuple[str, str]]:
 def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> Path:
     """Write the report of the run in `run_dir` to `out_dir` (default RUN_DIR/report); returns index.html."""
     run = read_run(run_dir)
-    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    out = Path(out_dir) if out_dir is not None else RunDir(run_dir).report
     out.mkdir(parents=True, exist_ok=True)
     sections = []
     for name, fig, caption in draw_all(run):

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
+from dflash_trainer.layout import RunDir
 from dflash_trainer.train.metrics import read_metrics
 
 
@@ -52,15 +53,16 @@ def _json(path: Path) -> Optional[dict[str, Any]]:
 def read_run(run_dir: str | Path) -> RunLog:
     run_dir = Path(run_dir)
     try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        config = yaml.safe_load(RunDir(run_dir).config.read_text()) or {}
     except (OSError, yaml.YAMLError):
         config = {}
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    layout = RunDir(run_dir)
+    rows = read_metrics(layout.metrics)
     return RunLog(
         run_dir=run_dir,
         config=config if isinstance(config, dict) else {},
-        summary=_json(run_dir / "summary.json") or {},
+        summary=_json(layout.summary) or {},
         steps=[r for r in rows if "loss" in r],
         evals=[r for r in rows if "eval_tau" in r or "val_walk_tau" in r],
-        last_eval=_json(run_dir / "eval.json"),
+        last_eval=_json(layout.eval_json),
     )

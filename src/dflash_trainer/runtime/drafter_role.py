@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from dflash_trainer.layout import RunDir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.failures import StopSignals
 from dflash_trainer.runtime.feed import make_feed
@@ -108,7 +109,7 @@ def run_drafter(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Dr
         result.checkpoints = trainer.checkpoints
     model = trainer.full_model()
     if is_leader:
-        result.export_dir = str(trainer.export(setup.run_dir / "export", model))
+        result.export_dir = str(trainer.export(RunDir(setup.run_dir).export, model))
         result.eval = evaluations.finish(trainer, result, model)
     target_stats = feed.close(config.pipeline.timeout_s)
     trainer.close()

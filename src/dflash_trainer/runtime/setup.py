@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.config import Config
-from dflash_trainer.data.plan import build_epoch_plan, plan_dir, read_epoch_plan, write_epoch_plan, write_summary
+from dflash_trainer.data.plan import build_epoch_plan, read_epoch_plan, write_epoch_plan, write_summary
 from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
+from dflash_trainer.layout import RunDir
 from dflash_trainer.regen.settings import warn_regen_mismatch
 from dflash_trainer.rundir import claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
@@ -113,7 +114,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
 
 def epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int):
     """Read the epoch's plan back when it exists (resume), else build and write it."""
-    if (plan_dir(run_dir) / f"epoch_{epoch}.json").is_file():
+    if RunDir(run_dir).epoch_plan(epoch).is_file():
         return read_epoch_plan(run_dir, epoch)
     plan = build_epoch_plan(
         prepared.train.lengths, epoch=epoch, seed=config.run.seed, num_buckets=config.data.num_buckets,

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from dflash_trainer.layout import RunDir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.train.micro_step import compile_forward_train
@@ -89,7 +90,7 @@ class SplitEvalClient:
         self.last: Optional[TauSummary] = None
 
     def request(self, trainer, step: int, model) -> None:
-        path = self.run_dir / ".eval" / f"step_{step}"
+        path = RunDir(self.run_dir).eval_exports / f"step_{step}"
         trainer.export(path, model)
         self.posted += 1
         self.steps[self.posted] = step
@@ -112,7 +113,7 @@ class SplitEvalClient:
         while self.collected < self.posted:
             self._collect(sink)  # waits (bounded by pipeline.timeout_s) for the server
         self.control.set_value(f"eval_request/{self.posted + 1}", EvalRequest(end=True).encode())
-        shutil.rmtree(self.run_dir / ".eval", ignore_errors=True)
+        shutil.rmtree(RunDir(self.run_dir).eval_exports, ignore_errors=True)
         return self.last
 
 

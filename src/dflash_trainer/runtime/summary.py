@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from dflash_trainer.layout import RunDir, write_atomic
 from dflash_trainer.runtime.pool import PoolReport
 from dflash_trainer.train.trainer import TrainResult
 
@@ -73,17 +74,14 @@ def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStat
 
 
 def write_summary_file(run_dir: Path, summary: dict) -> None:
-    path = Path(run_dir) / "summary.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(path)
+    write_atomic(RunDir(run_dir).summary, json.dumps(summary, indent=2))
 
 
 def write_failed_summary(run_dir: Optional[Path], rank: int, cause: str, *, keep_existing: bool = False) -> None:
     """`summary.json` with status failed; `keep_existing`: leave a failure summary already written alone."""
     if run_dir is None:
         return
-    path = Path(run_dir) / "summary.json"
+    path = RunDir(run_dir).summary
     try:
         if keep_existing and path.is_file() and json.loads(path.read_text()).get("status") == "failed":
             return

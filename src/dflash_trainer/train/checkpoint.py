@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.layout import RunDir
 
 COMPLETE = "COMPLETE"
 _CHUNK = 16 * 2**20
@@ -81,7 +82,7 @@ class CheckpointState:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def _fsync_dir(path: Path) -> None:

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from dflash_trainer.layout import RunDir
+
 log = logging.getLogger(__name__)
 
 
@@ -84,10 +86,10 @@ def build_sinks(run_dir: Path, *, tensorboard: bool, wandb: bool, enabled: bool,
     """Sinks for rank 0 (`enabled`); other ranks get a null sink."""
     if not enabled:
         return NullSink()
-    sinks: list[NullSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    sinks: list[NullSink] = [JsonlSink(RunDir(run_dir).metrics)]
     if tensorboard:
         try:
-            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+            sinks.append(TensorBoardSink(RunDir(run_dir).tensorboard))
         except ImportError:
             log.warning("logging.tensorboard=true but the tensorboard package is missing: pip install tensorboard")
     if wandb:

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from dflash_trainer.eval.drafter_eval import evaluate_drafter
+from dflash_trainer.layout import RunDir, write_atomic
 from dflash_trainer.eval.evaluate import EvalReport, load_prompt_messages
 from dflash_trainer.eval.validation import HeldOutValidator, ValidationReport
 from dflash_trainer.target.head import TargetHead
@@ -75,7 +76,7 @@ class TauTracker:
         self.tokenizer = tokenizer
         self.head = head
         self.prompts = load_prompt_messages(prompts_path, config.eval.num_prompts)
-        self.run_dir = Path(run_dir)
+        self.layout = RunDir(run_dir)
         self.history: list[TauRecord] = []
         self.best: Optional[TauRecord] = None
         self.last_report: Optional[EvalReport] = None
@@ -116,16 +117,15 @@ class TauTracker:
         """The latest evaluation (also written to `RUN_DIR/eval.json`) and the best so far."""
         report = self.last_report
         val = {"val": asdict(self.last_val)} if self.last_val is not None else {}
-        (self.run_dir / "eval.json").write_text(json.dumps({"step": step, **report.to_json(), **val}, indent=2))
+        write_atomic(self.layout.eval_json, json.dumps({"step": step, **report.to_json(), **val}, indent=2))
         return TauSummary(step=step, tau=report.tau, greedy_match_rate=report.greedy_match_rate, best_tau=self.best.tau,
-                          best_step=self.best.step, best_dir=str(self.run_dir / "best"),
+                          best_step=self.best.step, best_dir=str(self.layout.best),
                           acceptance_histogram=list(report.acceptance_histogram),
                           prompt_lookup_tau=report.prompt_lookup_tau,
                           val=asdict(self.last_val) if self.last_val is not None else None)
 
     def _save_best(self, export: Callable[[Path], object], step: int, report: EvalReport) -> None:
-        best = self.run_dir / "best"
-        tmp = self.run_dir / ".best.tmp"
+        best, tmp = self.layout.best, self.layout.best_tmp
         shutil.rmtree(tmp, ignore_errors=True)
         export(tmp)
         (tmp / "eval.json").write_text(json.dumps({"step": step, **report.to_json()}, indent=2))

@@ -25,6 +25,7 @@ from dflash_trainer.drafter.init import init_from_target, target_tensor_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.faults import maybe_fault
+from dflash_trainer.layout import RunDir, write_atomic
 from dflash_trainer.target.batch import HiddenStateBatch
 from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
@@ -141,7 +142,7 @@ class DrafterTrainer:
             stop_requested=stop_requested,
         )
         if resume is not None and is_leader:
-            _truncate_metrics(run_dir / "metrics.jsonl", resume.state.step)
+            _truncate_metrics(RunDir(run_dir).metrics, resume.state.step)
         self.sink = build_sinks(
             run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb, enabled=is_leader,
             wandb_project=config.logging.wandb_project, config=asdict(config),
@@ -301,9 +302,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop the rows a resumed run will write again (steps after its checkpoint), keeping the file's history."""
     if not path.is_file():
         return
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in read_metrics(path, upto=step)))
-    tmp.replace(path)
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in read_metrics(path, upto=step)))
 
 
 def planned_steps(config: Config, remaining_jobs: int, num_drafters: int, start_step: int) -> int:
