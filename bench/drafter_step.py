@@ -51,7 +51,7 @@ from dflash_trainer.drafter import loss as loss_module  # noqa: E402
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder  # noqa: E402
 from dflash_trainer.drafter.spec import drafter_spec  # noqa: E402
-from dflash_trainer.target.batch import WireHeader, allocate, from_wire, wire_spec  # noqa: E402
+from dflash_trainer.transport.wire import WireHeader, allocate, from_wire, wire_spec  # noqa: E402
 from dflash_trainer.target.capture import prepare_inputs  # noqa: E402
 from dflash_trainer.target.head import TargetHead  # noqa: E402
 from dflash_trainer.target.load import target_model_config  # noqa: E402

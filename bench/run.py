@@ -68,7 +68,7 @@ from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.loss import decay_weights  # noqa: E402
 from dflash_trainer.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec  # noqa: E402
-from dflash_trainer.target.batch import allocate, wire_spec  # noqa: E402
+from dflash_trainer.transport.wire import allocate, wire_spec  # noqa: E402
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402
 from dflash_trainer.target.head import TargetHead, head_from_model  # noqa: E402
 from dflash_trainer.target.load import find_decoder_layers, load_target  # noqa: E402

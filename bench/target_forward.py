@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from flops import target_forward_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
-from dflash_trainer.target.batch import WireSpec, allocate  # noqa: E402
+from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402
 from dflash_trainer.target.config import TargetConfig  # noqa: E402
 from dflash_trainer.target.load import find_decoder, load_target  # noqa: E402

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
-from dflash_trainer.target.batch import WireSpec, allocate  # noqa: E402
+from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
 from dflash_trainer.target.capture import TapCapture, prepare_inputs  # noqa: E402
 from dflash_trainer.target.config import TargetConfig  # noqa: E402
 from dflash_trainer.target.load import load_target  # noqa: E402

@@ -145,7 +145,7 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
     from dflash_trainer.data.prepare import prepare_data
     from dflash_trainer.data.tokenizer import load_tokenizer
     from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
-    from dflash_trainer.target.batch import allocate, wire_spec
+    from dflash_trainer.transport.wire import allocate, wire_spec
     from dflash_trainer.target.capture import TapCapture
     from dflash_trainer.target.head import head_from_model
     from dflash_trainer.target.load import load_target, target_model_config

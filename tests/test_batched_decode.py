@@ -166,7 +166,7 @@ def test_walk_tau_equals_real_decoding_on_greedy_replies():
     from dflash_trainer.data.tokenized import TokenizedDataset
     from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
     from dflash_trainer.eval.validation import HeldOutValidator
-    from dflash_trainer.target.batch import WireSpec, allocate
+    from dflash_trainer.transport.wire import WireSpec, allocate
     from dflash_trainer.target.capture import TapCapture
     from dflash_trainer.target.head import head_from_model
 

@@ -1,6 +1,6 @@
 """The package's layers: no module imports a higher layer, and the packages import each other without a circle.
 
-data < target < drafter < eval < train < regen, report < runtime < commands < cli. Below them all: the error
+data < transport < target < drafter < eval < train < regen, report < runtime < commands < cli. Below them all: the error
 types, the test fault hooks, and the configuration (each component's config section, and the root `config.py`
 that assembles them): any layer may read its config. Function-level imports count as much as top-level ones.
 """
@@ -15,8 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dflash_trainer"
 
 LAYERS = {
     "base": 0,  # errors, faults, config, layout (the run dir), the *.config sections
-    "data": 1, "target": 2, "drafter": 3, "eval": 4, "train": 5, "regen": 6, "report": 6, "rundir": 6,
-    "runtime": 7, "commands": 8, "cli": 9, "__main__": 10,
+    "data": 1, "transport": 2, "target": 3, "drafter": 4, "eval": 5, "train": 6, "regen": 7, "report": 7,
+    "rundir": 7, "runtime": 8, "commands": 9, "cli": 10, "__main__": 11,
 }
 BASE = {"errors", "faults", "config", "layout", "__init__"}
 

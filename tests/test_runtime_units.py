@@ -8,8 +8,9 @@ import torch.distributed as dist
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.runtime.config import PipelineConfig
-from dflash_trainer.runtime.control import Aborted, Claim, ControlPlane, StallTimeout
-from dflash_trainer.runtime.pool import BufferedPool
+from dflash_trainer.runtime.control import Aborted, ControlPlane, StallTimeout
+from dflash_trainer.transport.claims import Claim
+from dflash_trainer.transport.pool import BufferedPool
 from dflash_trainer.runtime.roles import Role, plan_placement
 
 
@@ -42,14 +43,14 @@ def test_roles_misconfigurations_fail_clearly(kwargs, match):
 def test_credits_never_overclaim_under_races():
     store = dist.HashStore()
     cp = ControlPlane(store, rank=0)
-    cp.grant_credits(7, 3)
-    cp.grant_credits(8, 1)
+    cp.claims.grant_credits(7, 3)
+    cp.claims.grant_credits(8, 1)
     got = []
     lock = threading.Lock()
 
     def worker():
         for _ in range(50):
-            d = cp.try_take_credit([7, 8])
+            d = cp.claims.try_take_credit([7, 8])
             if d is not None:
                 with lock:
                     got.append(d)
@@ -58,14 +59,14 @@ def test_credits_never_overclaim_under_races():
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert sorted(got) == [7, 7, 7, 8]
-    assert cp.free_credits(7) == 0 and cp.free_credits(8) == 0
+    assert cp.claims.free_credits(7) == 0 and cp.claims.free_credits(8) == 0
 
 
 def test_claims_arrive_in_order_and_cursor_hands_out_each_index_once():
     cp = ControlPlane(dist.HashStore(), rank=0)
     for j in range(3):
-        cp.post_claim(Claim(target_rank=0, drafter_rank=1, epoch=0, job_id=j))
-    assert [cp.wait_claim(1, i).job_id for i in (1, 2, 3)] == [0, 1, 2]
+        cp.claims.post_claim(Claim(target_rank=0, drafter_rank=1, epoch=0, job_id=j))
+    assert [cp.claims.wait_claim(1, i).job_id for i in (1, 2, 3)] == [0, 1, 2]
     assert [cp.next_job_index(0) for _ in range(3)] == [0, 1, 2]
     assert cp.next_job_index(1) == 0
 
@@ -76,13 +77,13 @@ def test_abort_flag_stops_waiters_and_first_cause_wins():
     ControlPlane(store, rank=2).abort("boom in target")
     ControlPlane(store, rank=3).abort("later failure")
     with pytest.raises(Aborted, match="rank 2 failed: boom in target"):
-        waiter.wait_claim(1, 1)
+        waiter.claims.wait_claim(1, 1)
 
 
 def test_stall_timeout_names_what_it_waited_for():
     cp = ControlPlane(dist.HashStore(), rank=0, stall_timeout_s=0.2)
     with pytest.raises(StallTimeout, match="claim 1 for drafter 4"):
-        cp.wait_claim(4, 1)
+        cp.claims.wait_claim(4, 1)
 
 
 def test_pool_min_ready_random_choice_and_capacity():

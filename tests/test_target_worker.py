@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dflash_trainer.data.types import Job, TokenizedSequence
-from dflash_trainer.target.batch import HiddenStateBatch, WireSpec, allocate
+from dflash_trainer.transport.wire import HiddenStateBatch, WireSpec, allocate
 from dflash_trainer.target.capture import TapCapture
-from dflash_trainer.target.sender import BatchSender, SenderError
+from dflash_trainer.transport.sender import BatchSender, SenderError
 from dflash_trainer.target.worker import ListJobSource, run_target_worker
 
 H, TAPS = 64, (1, 3)

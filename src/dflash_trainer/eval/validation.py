@@ -27,7 +27,7 @@ from dflash_trainer.data.tokenized import TokenizedDataset
 from dflash_trainer.drafter.anchors import plan_from_anchors, token_seq_ids, valid_anchor_mask
 from dflash_trainer.drafter.loss import drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.target.batch import WireBatch, wire_spec
+from dflash_trainer.transport.wire import WireBatch, wire_spec
 from dflash_trainer.target.capture import TapCapture
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.worker import forward_job
@@ -166,7 +166,7 @@ def build_validator(config: Config, *, capture: TapCapture, head: TargetHead, to
     from dflash_trainer.data.config import DataSourceConfig
     from dflash_trainer.data.sources import load_source
     from dflash_trainer.data.tokenized import tokenize_all
-    from dflash_trainer.target.batch import allocate
+    from dflash_trainer.transport.wire import allocate
     from dflash_trainer.target.load import DTYPES
 
     loaded = load_source(DataSourceConfig(path=str(conversations_path), format="messages"),

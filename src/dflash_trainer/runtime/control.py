@@ -1,4 +1,5 @@
-"""The control plane on the c10d store: job cursor, credits, claims, done counters, abort flag.
+"""The control plane on the c10d store: job cursor, done counters, values, liveness beats, abort flag; and the
+transport's credits and claims (`transport/claims.py`, as `ControlPlane.claims`).
 
 Nothing else runs a server: `torchrun` already hosts a TCPStore; one process uses a HashStore.
 
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch.distributed as dist
+
+from dflash_trainer.transport.claims import StoreClaims
 
 
 class Aborted(RuntimeError):
@@ -27,28 +30,6 @@ class Aborted(RuntimeError):
 
 class StallTimeout(RuntimeError):
     """A wait outlasted pipeline.stall_timeout_s: the pipeline is stuck."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Claim:
-    """A target's announcement that it will send one batch (or end of stream) to a drafter."""
-
-    target_rank: int
-    drafter_rank: int
-    epoch: int
-    job_id: int
-    """-1 for an end-of-stream claim."""
-    bucket_id: int = -1
-    num_tokens: int = 0
-    num_seqs: int = 0
-    end_of_stream: bool = False
-
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @staticmethod
-    def decode(raw: bytes) -> "Claim":
-        return Claim(**json.loads(raw.decode()))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,12 +55,17 @@ class ControlPlane:
         self.prefix = prefix
         self.poll_s = poll_s
         self.stall_timeout_s = stall_timeout_s
+        self.claims = StoreClaims(store, key=self._key, poll=self._poll)
+        """Claims and credits of the batches in flight (`transport/claims.py`)."""
 
     def _key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
 
     def _counter(self, key: str) -> int:
         return int(self.store.add(key, 0))
+
+    def _get_if_set(self, key: str) -> Optional[bytes]:
+        return self.store.get(key) if self.store.check([key]) else None
 
     def _poll(self, what: str, ready: Callable[[], Optional[object]]):
         """Call `ready` until it returns non-None; raise on abort or after the stall timeout."""
@@ -99,50 +85,6 @@ class ControlPlane:
     def next_job_index(self, epoch: int) -> int:
         """Index of the next unclaimed job of the epoch's (remaining) job list."""
         return int(self.store.add(self._key("epoch", epoch, "next"), 1)) - 1
-
-    # -- credits ---------------------------------------------------------------------------------
-    def grant_credits(self, drafter_rank: int, n: int = 1) -> None:
-        self.store.add(self._key("credits", drafter_rank, "granted"), n)
-
-    def free_credits(self, drafter_rank: int) -> int:
-        granted = self._counter(self._key("credits", drafter_rank, "granted"))
-        taken = self._counter(self._key("credits", drafter_rank, "taken"))
-        return granted - taken
-
-    def try_take_credit(self, drafter_ranks: Sequence[int], *, start: int = 0) -> Optional[int]:
-        """Take one credit from the drafter with the most free slots (ties: rotate from `start`).
-
-        Count-safe under races: a take that overshoots `granted` is undone and retried later.
-        """
-        order = [drafter_ranks[(start + i) % len(drafter_ranks)] for i in range(len(drafter_ranks))]
-        free = [(self.free_credits(d), -i, d) for i, d in enumerate(order)]
-        best_free, _, best = max(free)
-        if best_free <= 0:
-            return None
-        taken_key = self._key("credits", best, "taken")
-        taken = int(self.store.add(taken_key, 1))
-        if taken <= self._counter(self._key("credits", best, "granted")):
-            return best
-        self.store.add(taken_key, -1)
-        return None
-
-    def take_credit(self, drafter_ranks: Sequence[int], *, start: int = 0) -> int:
-        return self._poll("a free drafter slot", lambda: self.try_take_credit(drafter_ranks, start=start))
-
-    # -- claims ----------------------------------------------------------------------------------
-    def post_claim(self, claim: Claim) -> int:
-        index = int(self.store.add(self._key("claims", claim.drafter_rank, "n"), 1))
-        self.store.set(self._key("claims", claim.drafter_rank, index), claim.encode())
-        return index
-
-    def wait_claim(self, drafter_rank: int, index: int) -> Claim:
-        """The claim number `index` (1-based) addressed to `drafter_rank`."""
-        key = self._key("claims", drafter_rank, index)
-        raw = self._poll(f"claim {index} for drafter {drafter_rank}", lambda: self._get_if_set(key))
-        return Claim.decode(raw)
-
-    def _get_if_set(self, key: str) -> Optional[bytes]:
-        return self.store.get(key) if self.store.check([key]) else None
 
     # -- done counters ---------------------------------------------------------------------------
     def mark_done(self, name: str) -> int:

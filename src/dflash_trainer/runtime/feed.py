@@ -16,11 +16,11 @@ from typing import Callable, Optional, Protocol
 from dflash_trainer.data.types import Job
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.jobs import StoreJobSource
-from dflash_trainer.runtime.pool import BufferedPool
+from dflash_trainer.transport.pool import BufferedPool
 from dflash_trainer.runtime.setup import RunSetup, run_wire_spec
 from dflash_trainer.runtime.summary import TargetStats
-from dflash_trainer.runtime.transport import LocalProducer, Receiver
-from dflash_trainer.target.batch import HiddenStateBatch, allocate
+from dflash_trainer.transport.links import LocalProducer, Receiver
+from dflash_trainer.transport.wire import HiddenStateBatch, allocate
 from dflash_trainer.target.capture import TapCapture
 from dflash_trainer.target.worker import Interval, forward_job
 
@@ -93,10 +93,10 @@ class ColocatedFeed:
 class ReceivedFeed:
     def __init__(self, setup: RunSetup, control: ControlPlane) -> None:
         rank = setup.env.rank
-        self.pool = _pool(setup, control, on_release=lambda slot: control.grant_credits(rank, 1))
+        self.pool = _pool(setup, control, on_release=lambda slot: control.claims.grant_credits(rank, 1))
         buffers = [allocate(run_wire_spec(setup), setup.device) for _ in range(self.pool.capacity)]
-        control.grant_credits(rank, self.pool.capacity)
-        self._receiver = Receiver(control, self.pool, buffers, rank=rank,
+        control.claims.grant_credits(rank, self.pool.capacity)
+        self._receiver = Receiver(control.claims, self.pool, buffers, rank=rank,
                                   num_targets=len(setup.placement.target_ranks), device=setup.device).start()
 
     def take(self) -> Taken:

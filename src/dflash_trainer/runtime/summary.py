@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from dflash_trainer.layout import RunDir, write_atomic
-from dflash_trainer.runtime.pool import PoolReport
+from dflash_trainer.transport.pool import PoolReport
 from dflash_trainer.train.trainer import TrainResult
 
 if TYPE_CHECKING:

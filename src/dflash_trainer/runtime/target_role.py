@@ -7,9 +7,9 @@ from dflash_trainer.runtime.jobs import StoreJobSource
 from dflash_trainer.runtime.setup import RunSetup, load_checked_target, run_wire_spec
 from dflash_trainer.runtime.split_eval import SplitEvalServer, make_tau_tracker, split_eval_enabled
 from dflash_trainer.runtime.summary import TargetStats
-from dflash_trainer.runtime.transport import P2PShipper
+from dflash_trainer.transport.links import P2PShipper
 from dflash_trainer.target.head import head_from_model
-from dflash_trainer.target.sender import BatchSender
+from dflash_trainer.transport.sender import BatchSender
 from dflash_trainer.target.worker import run_target_worker
 
 
@@ -18,7 +18,7 @@ def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
     evaluates the drafters the leader sends it (between jobs, and after the last one until told to stop)."""
     config = setup.config
     target, capture = load_checked_target(setup)
-    shipper = P2PShipper(control, rank=setup.env.rank, drafter_ranks=setup.placement.drafter_ranks, device=setup.device)
+    shipper = P2PShipper(control.claims, rank=setup.env.rank, drafter_ranks=setup.placement.drafter_ranks, device=setup.device)
     sender = BatchSender.create(
         run_wire_spec(setup), setup.device, depth=config.pipeline.target_postprocess_depth, ship=shipper.ship,
         finish=shipper.finish, timeout_s=config.pipeline.timeout_s, name=f"target-sender-{setup.env.rank}",

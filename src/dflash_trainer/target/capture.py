@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dflash_trainer.data.types import TokenizedSequence
-from dflash_trainer.target.batch import WireBatch
+from dflash_trainer.transport.wire import WireBatch
 from dflash_trainer.target.checks import check_tap_layer_ids
 from dflash_trainer.target.load import find_decoder
 

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from dflash_trainer.target.batch import HiddenStateBatch, WireBatch, WireSpec, allocate
+from dflash_trainer.transport.wire import HiddenStateBatch, WireBatch, WireSpec, allocate
 
 POLL_S = 0.05
 """How often blocking waits wake up to re-check the stop flag and the sender's error."""

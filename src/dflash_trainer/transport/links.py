@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.data.types import Job
-from dflash_trainer.runtime.control import Claim, ControlPlane
+from dflash_trainer.transport.claims import Claim, StoreClaims
 from dflash_trainer.faults import maybe_fault
-from dflash_trainer.runtime.pool import BufferedPool
-from dflash_trainer.target.batch import HiddenStateBatch, WireBatch, recv_batch_into, send_batch, to_wire
+from dflash_trainer.transport.pool import BufferedPool
+from dflash_trainer.transport.p2p import recv_batch_into, send_batch
+from dflash_trainer.transport.wire import HiddenStateBatch, WireBatch, to_wire
 
 
 class _StreamScope:
@@ -49,9 +50,9 @@ class _StreamScope:
 class P2PShipper:
     """Target side: `ship` (credit, claim, send) and `finish` (end-of-stream claims), on the sender thread."""
 
-    def __init__(self, control: ControlPlane, *, rank: int, drafter_ranks: Sequence[int], device: torch.device,
+    def __init__(self, claims: StoreClaims, *, rank: int, drafter_ranks: Sequence[int], device: torch.device,
                  group: Optional[dist.ProcessGroup] = None) -> None:
-        self.control = control
+        self.claims = claims
         self.rank = rank
         self.drafter_ranks = tuple(drafter_ranks)
         self.group = group
@@ -61,8 +62,8 @@ class P2PShipper:
 
     def ship(self, batch: HiddenStateBatch) -> None:
         maybe_fault("sender", self.batches_sent + 1)  # test-only hook
-        drafter = self.control.take_credit(self.drafter_ranks, start=self.rank)
-        self.control.post_claim(Claim(
+        drafter = self.claims.take_credit(self.drafter_ranks, start=self.rank)
+        self.claims.post_claim(Claim(
             target_rank=self.rank, drafter_rank=drafter, epoch=batch.epoch, job_id=batch.job_id,
             bucket_id=batch.bucket_id, num_tokens=batch.num_tokens, num_seqs=batch.num_seqs,
         ))
@@ -73,7 +74,7 @@ class P2PShipper:
 
     def finish(self) -> None:
         for drafter in self.drafter_ranks:
-            self.control.post_claim(Claim(target_rank=self.rank, drafter_rank=drafter, epoch=-1, job_id=-1, end_of_stream=True))
+            self.claims.post_claim(Claim(target_rank=self.rank, drafter_rank=drafter, epoch=-1, job_id=-1, end_of_stream=True))
 
 
 class Receiver:
@@ -84,9 +85,9 @@ class Receiver:
     credits granted back) so targets that are still sending never block. Errors go to the pool.
     """
 
-    def __init__(self, control: ControlPlane, pool: BufferedPool, buffers: Sequence[WireBatch], *, rank: int,
+    def __init__(self, claims: StoreClaims, pool: BufferedPool, buffers: Sequence[WireBatch], *, rank: int,
                  num_targets: int, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.control = control
+        self.claims = claims
         self.pool = pool
         self.buffers = buffers
         self.rank = rank
@@ -115,7 +116,7 @@ class Receiver:
         try:
             index, ended = 1, 0
             while ended < self.num_targets:
-                claim = self.control.wait_claim(self.rank, index)
+                claim = self.claims.wait_claim(self.rank, index)
                 index += 1
                 if claim.end_of_stream:
                     ended += 1
