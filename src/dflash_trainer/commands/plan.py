@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional
 
 from dflash_trainer.config import Config
-from dflash_trainer.data.plan import build_epoch_plan, check_lengths_fit, write_epoch_plan, write_summary
+from dflash_trainer.data.plan import check_lengths_fit, plan_epoch, write_epoch_plan, write_summary
 from dflash_trainer.data.prepare import prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer
 from dflash_trainer.rundir import make_run_dir
@@ -40,9 +40,7 @@ def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     run_dir = make_run_dir(config)
     prepared = prepare_data(config, run_dir, tokenizer=tokenizer)
-    plan = build_epoch_plan(prepared.train.lengths, epoch=0, seed=config.run.seed,
-                            num_buckets=config.data.num_buckets, token_budget=config.pipeline.token_budget,
-                            max_seqs=config.batch.max_seqs)
+    plan = plan_epoch(config, prepared.train.lengths, 0)
     write_epoch_plan(run_dir, plan)
     summary = summary_json(prepared.summary, plan)
     write_summary(run_dir, summary)

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from dflash_trainer.data.bucketing import assign_buckets, pack_first_fit_decreasing
 from dflash_trainer.data.tokenized import conversation_from_json, conversation_to_json
 from dflash_trainer.data.types import Conversation, Job
+from dflash_trainer.config import Config
 from dflash_trainer.layout import RunDir, write_atomic
 from dflash_trainer.errors import ConfigError, DataError
 
@@ -100,6 +101,12 @@ def build_epoch_plan(lengths: Sequence[int], *, epoch: int, seed: int, num_bucke
                      jobs=jobs)
 
 
+def plan_epoch(config: Config, lengths: Sequence[int], epoch: int) -> EpochPlan:
+    """The epoch plan of a run's config (its seed, buckets and batch shape) over sequences of `lengths`."""
+    return build_epoch_plan(lengths, epoch=epoch, seed=config.run.seed, num_buckets=config.data.num_buckets,
+                            token_budget=config.batch.token_budget, max_seqs=config.batch.max_seqs)
+
+
 def write_epoch_plan(run_dir: str | os.PathLike, plan: EpochPlan) -> Path:
     return write_atomic(RunDir(run_dir).epoch_plan(plan.epoch), json.dumps(asdict(plan), separators=(",", ":")))
 
@@ -120,7 +127,7 @@ def read_epoch_plan(run_dir: str | os.PathLike, epoch: int) -> EpochPlan:
 # ---------------------------------------------------------------------------------------- eval slice
 
 
-def split_eval(conversations: Sequence[Conversation], num_eval: int, *, seed: int
+def hold_out(conversations: Sequence[Conversation], num_eval: int, *, seed: int
                ) -> tuple[list[Conversation], list[Conversation]]:
     """(train, eval): `num_eval` conversations drawn from `seed`, both in their original order."""
     num_eval = min(num_eval, len(conversations))

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from transformers import PreTrainedTokenizerFast
 
-from dflash_trainer.data.plan import EpochPlan, check_lengths_fit, split_eval, write_eval_conversations
+from dflash_trainer.data.plan import EpochPlan, check_lengths_fit, hold_out, write_eval_conversations
 from dflash_trainer.data.sources import load_conversations
 from dflash_trainer.data.tokenize_pool import default_num_workers
 from dflash_trainer.data.tokenized import (
@@ -71,7 +71,7 @@ class PreparedData:
 def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset, dict[str, Any]]:
     data = config.data
     loaded = load_conversations(data, seed=config.run.seed)
-    train, held = split_eval(loaded.conversations, data.num_eval_conversations, seed=config.run.seed)
+    train, held = hold_out(loaded.conversations, data.num_eval_conversations, seed=config.run.seed)
     outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
                            min_supervised=2 * config.drafter.block_size,
                            num_workers=data.num_workers or default_num_workers())

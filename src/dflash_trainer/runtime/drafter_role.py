@@ -13,7 +13,7 @@ from dflash_trainer.runtime.feed import make_feed
 from dflash_trainer.runtime.jobs import STOP
 from dflash_trainer.transport.pool import DepthMeter, PoolReport
 from dflash_trainer.runtime.setup import RunSetup, load_checked_target, run_wire_spec
-from dflash_trainer.runtime.split_eval import SplitEvalClient, make_tau_tracker, split_eval_enabled
+from dflash_trainer.runtime.remote_eval import SplitEvalClient, make_tau_tracker, eval_enabled
 from dflash_trainer.runtime.summary import TargetStats
 from dflash_trainer.transport.wire import WireHeader, allocate, from_wire
 from dflash_trainer.target.head import head_from_model, load_target_head
@@ -34,13 +34,13 @@ class DrafterOutcome:
 
 class Evaluations:
     """Evaluation every `eval.interval` steps and at the end: in place on a colocated leader (a tracker over its
-    own target), through the first target rank in a split run (`split_eval.py`), or none. Every drafter rank
+    own target), through the first target rank in a split run (`remote_eval.py`), or none. Every drafter rank
     holds one (FSDP2 gathers the model on all of them); only the leader evaluates."""
 
     def __init__(self, setup: RunSetup, control: ControlPlane, *, target, capture, head, is_leader: bool) -> None:
         config = setup.config
         self.config = config
-        self.enabled = split_eval_enabled(config)  # the same on every drafter rank
+        self.enabled = eval_enabled(config)  # the same on every drafter rank
         colocated = setup.placement.colocated
         self.tracker = None
         if is_leader and colocated and (config.eval.interval > 0 or config.eval.at_end):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.config import Config
-from dflash_trainer.data.plan import build_epoch_plan, read_epoch_plan, write_epoch_plan, write_summary
+from dflash_trainer.data.plan import plan_epoch, read_epoch_plan, write_epoch_plan, write_summary
 from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
@@ -116,10 +116,7 @@ def epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int
     """Read the epoch's plan back when it exists (resume), else build and write it."""
     if RunDir(run_dir).epoch_plan(epoch).is_file():
         return read_epoch_plan(run_dir, epoch)
-    plan = build_epoch_plan(
-        prepared.train.lengths, epoch=epoch, seed=config.run.seed, num_buckets=config.data.num_buckets,
-        token_budget=config.pipeline.token_budget, max_seqs=config.batch.max_seqs,
-    )
+    plan = plan_epoch(config, prepared.train.lengths, epoch)
     write_epoch_plan(run_dir, plan)
     return plan
 

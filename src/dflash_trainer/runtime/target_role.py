@@ -5,7 +5,7 @@ from __future__ import annotations
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.jobs import StoreJobSource
 from dflash_trainer.runtime.setup import RunSetup, load_checked_target, run_wire_spec
-from dflash_trainer.runtime.split_eval import SplitEvalServer, make_tau_tracker, split_eval_enabled
+from dflash_trainer.runtime.remote_eval import SplitEvalServer, make_tau_tracker, eval_enabled
 from dflash_trainer.runtime.summary import TargetStats
 from dflash_trainer.transport.links import P2PShipper
 from dflash_trainer.target.head import head_from_model
@@ -25,7 +25,7 @@ def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
     )
     jobs = StoreJobSource(control, setup.remaining)
     server = None
-    if setup.env.rank == setup.placement.target_ranks[0] and split_eval_enabled(config):
+    if setup.env.rank == setup.placement.target_ranks[0] and eval_enabled(config):
         tracker = make_tau_tracker(config, target=target, capture=capture, head=head_from_model(target),
                                    run_dir=setup.run_dir, device=setup.device)
         server = SplitEvalServer(control, tracker, device=setup.device) if tracker is not None else None

@@ -49,7 +49,7 @@ class EvalRequest:
         return EvalRequest(**json.loads(raw))
 
 
-def split_eval_enabled(config: Config) -> bool:
+def eval_enabled(config: Config) -> bool:
     """Identical on every rank: tau is measured periodically or at the end, and prompts are configured or
     held out (the held-out file itself is written by rank 0 before any role starts)."""
     if config.eval.interval == 0 and not config.eval.at_end:
