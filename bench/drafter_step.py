@@ -6,19 +6,18 @@
 
 One step = the trainer's `StepLoop.step` on one packed batch: block sampling, mask building, the compiled
 drafter forward (flex attention), the chunked frozen-head loss, backward, gradient scaling and clipping,
-fused AdamW (`bench/run.py: drafter_loop`). The batch is the `mfu` workload of `bench/run.py` (4 x 3072
+fused AdamW (`bench/common.py: drafter_loop`). The batch is the `mfu` workload (`bench/common.py`; 4 x 3072
 tokens, 2048 blocks of 16; 10% of each sequence is prompt) with random taps in bf16; the frozen embedding
 and LM head are random (V x H, bf16). Each step gets a new job id, so new anchors.
 
-Variants (`--variant NAME` or `--variant "NAME: key=value ..."` with config overrides, repeatable; the
-first is the reference of the speedup column):
-  ours        the trainer's path as configured (the default)
-  eager ce    the head's CE kernel uncompiled (fp32 logits copy, separate passes)
-  sdpa eager  no torch.compile and dense-mask SDPA (the naive drafter; ~90 GB at the 8B shape)
-  chunk 4096  drafter.loss_chunk_rows=4096
-  cuda graphs the compiled forward (and its backward) in torch.compile's mode="reduce-overhead"
-  create_block_mask  full-attention BlockMasks from create_block_mask (every pair evaluated) instead of
-              from the key intervals
+Variants are config overrides (`--variant NAME` or `--variant "NAME: key=value ..."`, repeatable; the
+first is the reference of the speedup column). The named ones:
+  ours               the trainer's path as configured (the default)
+  eager ce           drafter.loss_kernel=eager: the head's CE kernel uncompiled (fp32 logits copy, separate passes)
+  sdpa eager         drafter.attention=sdpa train.compile=false: the naive drafter (~90 GB at the 8B shape)
+  chunk 4096         drafter.loss_chunk_rows=4096
+  cuda graphs        train.compile_mode=reduce-overhead: the compiled forward (and its backward) as CUDA graphs
+  create_block_mask  drafter.mask_tiles=pairs: BlockMasks from create_block_mask (every pair evaluated)
 Model FLOPs: bench/flops.py (drafter_step_flops). The last line printed is JSON; `--out` also gets a file.
 """
 
@@ -26,64 +25,34 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import functools
 import json
-import os
 import sys
 import time
 import traceback
 from datetime import datetime, timezone
-from pathlib import Path
 
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
+from common import (add_shape_args, apply_smoke, bench_config, bench_device, device_name, drafter_loop, git_commit,
+                    log, mfu_workload, peak_gb, reset_memory, synchronize, write_result)
+import torch
+from flops import PEAK_TFLOPS, drafter_step_flops, mfu
+from kernel_profile import print_profile, profile_dict, profile_steps
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-import torch  # noqa: E402
-from flops import PEAK_TFLOPS, drafter_step_flops, mfu  # noqa: E402
-from kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402
-import run as run_module  # noqa: E402
-from run import bench_config, drafter_loop, git_commit, mfu_workload, peak_gb, reset_memory  # noqa: E402
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+from dflash_trainer.drafter.anchors import plan_blocks
+from dflash_trainer.drafter.spec import drafter_spec
+from dflash_trainer.target.capture import prepare_inputs
+from dflash_trainer.target.head import TargetHead
+from dflash_trainer.target.load import target_model_config
+from dflash_trainer.transport.wire import WireHeader, allocate, from_wire, wire_spec
 
-from dflash_trainer.drafter import loss as loss_module  # noqa: E402
-from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
-from dflash_trainer.drafter.attention_mask import FlexMaskBuilder  # noqa: E402
-from dflash_trainer.drafter.spec import drafter_spec  # noqa: E402
-from dflash_trainer.transport.wire import WireHeader, allocate, from_wire, wire_spec  # noqa: E402
-from dflash_trainer.target.capture import prepare_inputs  # noqa: E402
-from dflash_trainer.target.head import TargetHead  # noqa: E402
-from dflash_trainer.target.load import target_model_config  # noqa: E402
-from dflash_trainer.train.micro_step import compile_forward_train  # noqa: E402
-
-VARIANTS = {  # name -> (config overrides, compile the drafter, patch applied while the variant runs)
-    "ours": ([], True, None),
-    "eager ce": ([], True, "eager_ce"),
-    "sdpa eager": (["drafter.attention=sdpa"], False, None),
-    "chunk 4096": (["drafter.loss_chunk_rows=4096"], True, None),
-    "create_block_mask": ([], True, "create_block_mask"),
-    "cuda graphs": ([], True, "cuda_graphs"),
+VARIANTS = {  # name -> config overrides on the trainer's path
+    "ours": [],
+    "eager ce": ["drafter.loss_kernel=eager"],
+    "sdpa eager": ["drafter.attention=sdpa", "train.compile=false"],
+    "chunk 4096": ["drafter.loss_chunk_rows=4096"],
+    "create_block_mask": ["drafter.mask_tiles=pairs"],
+    "cuda graphs": ["train.compile_mode=reduce-overhead"],
 }
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def apply_patch(patch: str | None):
-    """Returns the undo function."""
-    if patch == "eager_ce":
-        saved = loss_module._ce_kernel
-        loss_module._ce_kernel = lambda device: loss_module._ce_and_logit_grad
-        return lambda: setattr(loss_module, "_ce_kernel", saved)
-    if patch == "cuda_graphs":
-        run_module.compile_forward_train = functools.partial(compile_forward_train, mode="reduce-overhead")
-        return lambda: setattr(run_module, "compile_forward_train", compile_forward_train)
-    if patch == "create_block_mask":
-        FlexMaskBuilder.from_intervals = False
-        return lambda: setattr(FlexMaskBuilder, "from_intervals", True)
-    return lambda: None
 
 
 def make_batches(args, config, spec, device, count: int):
@@ -98,18 +67,18 @@ def make_batches(args, config, spec, device, count: int):
     return [from_wire(wire, h) for h in headers]
 
 
-def variant(name: str) -> tuple[str, list[str], bool, str | None]:
-    """(name, overrides, compiled, patch) of a named variant or of "NAME: key=value key=value ..."."""
+def variant(name: str) -> tuple[str, list[str]]:
+    """(name, config overrides) of a named variant or of "NAME: key=value key=value ..."."""
     if name in VARIANTS:
-        return (name, *VARIANTS[name])
+        return name, VARIANTS[name]
     label, sep, rest = name.partition(":")
     if not sep or not rest.split():
         raise SystemExit(f"--variant {name!r}: not one of {sorted(VARIANTS)} and not 'NAME: key=value ...'")
-    return label.strip(), rest.split(), True, None
+    return label.strip(), rest.split()
 
 
 def run_variant(spec_text: str, args, device: torch.device) -> dict:
-    name, overrides, compiled, patch = variant(spec_text)
+    name, overrides = variant(spec_text)
     config = bench_config(args, device, tuple(overrides))
     torch.manual_seed(0)  # the same head and taps for every variant
     spec = drafter_spec(target_model_config(config.target), config.drafter)
@@ -120,49 +89,43 @@ def run_variant(spec_text: str, args, device: torch.device) -> dict:
                           final_norm=Qwen3RMSNorm(spec.hidden_size))
     total = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     batches = make_batches(args, config, spec, device, total)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    undo = apply_patch(patch)  # before the loop is built: some patches change how it compiles
-    try:
-        loop = drafter_loop(config, spec, head, device, compile_drafter=compiled and device.type == "cuda",
-                            total_steps=total)
-        reset_memory(device)
-        t0 = time.perf_counter()
-        for i in range(args.warmup):
-            record = loop.step(lambda i=i: (batches[i], lambda: None))
-            log(f"{name}: warmup step {i + 1}/{args.warmup} done at {time.perf_counter() - t0:.1f}s, loss {record.loss:.3f}")
-            if record.skipped:
-                raise FloatingPointError(f"{name}: non-finite loss or gradient at warmup step {i + 1}")
-        sync()  # timing boundary
-        warmup_s = time.perf_counter() - t0
-        events = []
-        t0 = time.perf_counter()
-        for i in range(args.warmup, args.warmup + args.steps):
-            start = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
-            start.record() if start else None
-            record = loop.step(lambda i=i: (batches[i], lambda: None))
-            if start:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                events.append((start, end))
-        sync()  # timing boundary
-        step_s = (time.perf_counter() - t0) / args.steps
-        gpu_s = sum(a.elapsed_time(b) for a, b in events) / 1e3 / args.steps if events else step_s
-        log(f"{name}: {args.steps} timed steps, {step_s * 1e3:.1f} ms each")
-        profile = None
-        if args.profile:
-            first = args.warmup + args.steps
-            profile = profile_steps(lambda i: loop.step(lambda: (batches[first + i], lambda: None)),
-                                    args.profile_steps, device)
-            print_profile(name, profile)
-    finally:
-        undo()
+    loop = drafter_loop(config, spec, head, device, total_steps=total)
+    reset_memory(device)
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        record = loop.step(lambda i=i: (batches[i], lambda: None))
+        log(f"{name}: warmup step {i + 1}/{args.warmup} done at {time.perf_counter() - t0:.1f}s, loss {record.loss:.3f}")
+        if record.skipped:
+            raise FloatingPointError(f"{name}: non-finite loss or gradient at warmup step {i + 1}")
+    synchronize(device)
+    warmup_s = time.perf_counter() - t0
+    events = []
+    t0 = time.perf_counter()
+    for i in range(args.warmup, args.warmup + args.steps):
+        start = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        start.record() if start else None
+        record = loop.step(lambda i=i: (batches[i], lambda: None))
+        if start:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            events.append((start, end))
+    synchronize(device)
+    step_s = (time.perf_counter() - t0) / args.steps
+    gpu_s = sum(a.elapsed_time(b) for a, b in events) / 1e3 / args.steps if events else step_s
+    log(f"{name}: {args.steps} timed steps, {step_s * 1e3:.1f} ms each")
+    profile = None
+    if args.profile:
+        first = args.warmup + args.steps
+        profile = profile_steps(lambda i: loop.step(lambda: (batches[first + i], lambda: None)),
+                                args.profile_steps, device)
+        print_profile(name, profile)
     batch = batches[args.warmup]
     plan = plan_blocks(input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
                        num_blocks=config.batch.num_blocks, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
                        seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id)
     flops = drafter_step_flops(spec, anchor_pos=plan.anchor_pos[plan.block_valid], context_tokens=batch.num_tokens)
     result = {
-        "variant": name, "overrides": overrides, "compiled": compiled, "patch": patch,
+        "variant": name, "overrides": overrides, "compiled": config.train.compile and device.type == "cuda",
         "step_ms": step_s * 1e3, "gpu_step_ms": gpu_s * 1e3, "step_tflop": flops / 1e12,
         "tflops": flops / step_s / 1e12, "mfu": mfu(flops, step_s), "peak_gpu_mem_gb": peak_gb(device),
         "warmup_s": warmup_s, "loss": record.loss, "profile": None if profile is None else profile_dict(profile),
@@ -172,37 +135,27 @@ def run_variant(spec_text: str, args, device: torch.device) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("qwen3-8b", "qwen3-1.7b", "tiny"), default="qwen3-8b")
+    add_shape_args(p)
     p.add_argument("--variant", action="append",
                    help=f"repeatable; one of {sorted(VARIANTS)} or 'NAME: key=value ...' (config overrides on "
                         "the trainer's path); default: ours. The first one is the reference")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seqs", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--blocks-per-seq", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="profile extra steps per variant and print kernel kinds")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--stall-dump-s", type=float, default=240.0,
                    help="print every thread's stack if the run is still going after this long (and every period after)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny preset, 2 x 128 tokens, 32 blocks, B=8")
     args = p.parse_args(argv)
     args.variant = args.variant or ["ours"]
+    apply_smoke(args)
     if args.smoke:
-        args.model, args.seqs, args.seq_len, args.blocks_per_seq, args.block_size = "tiny", 2, 128, 16, 8
-        args.drafter_layers, args.steps, args.warmup, args.profile_steps = 2, 2, 1, 1
+        args.profile_steps = 1
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     faulthandler.dump_traceback_later(args.stall_dump_s, repeat=True)  # a stall shows where it is
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: run with --smoke for the CPU code-path check", file=sys.stderr)
+    device = bench_device(args)
+    if device is None:
         return 2
     results = []
     for text in args.variant:
@@ -230,12 +183,10 @@ def main(argv=None) -> int:
         print(f"{r['variant']:<14}{r['step_ms']:>10.1f}{r['gpu_step_ms']:>10.1f}{r['step_tflop']:>8.1f}{r['mfu']:>8.1%}"
               f"{r['peak_gpu_mem_gb'] or 0:>10.1f}{r['warmup_s']:>10.1f}{rel:>9.2f}x  {r['loss']:.4f}")
     summary = {"bench": "drafter_step", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "commit": git_commit(), "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "commit": git_commit(), "gpu": device_name(device),
                "command": " ".join([sys.executable, *sys.argv]), "model": args.model,
                "peak_tflops": PEAK_TFLOPS, "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{datetime.now():%Y-%m-%dT%H%M%S}-drafter_step-{args.model}.json").write_text(json.dumps(summary, indent=2))
+    write_result(summary, "drafter_step", args.model, args.out)
     print(json.dumps(summary))
     return 0 if results and all("error" not in r for r in results) else 1
 

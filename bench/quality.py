@@ -31,9 +31,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+from common import ROOT, git_commit, write_result
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -164,16 +163,6 @@ def unpack(parts_dir: Path, cache: Path) -> bool:
     return True
 
 
-def commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run_overrides(args, run_dir: Path) -> list[str]:
     """What every run on the cache sets: the target, the data, the held-out prompts."""
     cache = Path(args.cache)
@@ -213,7 +202,7 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
     eval_json = json.loads((run_dir / "eval.json").read_text())
     tau, lookup, walk = ev.get("tau"), ev.get("prompt_lookup_tau"), val.get("walk_tau")
     return {
-        "bench": "quality", "name": name, "date": datetime.now().strftime("%Y-%m-%d"), "commit": commit(),
+        "bench": "quality", "name": name, "date": datetime.now().strftime("%Y-%m-%d"), "commit": git_commit()[:7],
         "recipe": args.recipe, "overrides": overrides, "target": str(args.target), "data": data_info,
         "steps": summary["steps"], "tokens_trained": summary["tokens_trained"], "train_wall_s": round(wall, 1),
         "tau": tau, "prompt_lookup_tau": lookup, "ratio": tau / lookup if tau and lookup else None,
@@ -223,13 +212,6 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
         "acceptance_histogram": ev.get("acceptance_histogram"), "val": val, "evals": evals,
         "final_sim_tau": summary.get("final_sim_tau"), "run_dir": str(run_dir),
     }
-
-
-def save(result: dict, *folders: Path | None) -> None:
-    stamp = datetime.now().strftime("%Y-%m-%dT%H%M%S")
-    for folder in (f for f in folders if f):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{stamp}-quality-{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 def run_parallel(args, arms: list[list[str]]) -> list[dict]:
@@ -333,7 +315,7 @@ def main(argv=None) -> int:
         for name, *overrides in arms:
             result = train_arm(args, name, overrides, data_info)
             results.append(result)
-            save(result, args.results, args.out)
+            write_result(result, "quality", result["name"], args.results, args.out)
             print(TABLE_HEADER)
             print(row(result), flush=True)
     print()

@@ -30,70 +30,45 @@ MFU (target + drafter model FLOPs, bench/flops.py, over 789 TFLOP/s), target_ms 
 (fractions of the step wall time outside the drafter step and outside the target forward: on one GPU
 the two halves take turns), peak GPU memory per phase, host RSS (drift = after the timed steps - after
 warmup, fast path), speedup = tokens/s ours / baseline.
-The last line printed is JSON, also written to `<out>/<date>-<model>-<workload>.json`.
+The last line printed is JSON, also written to `<out>/<date>T<time>-run-<model>-<workload>.json`.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
-import os
 import shlex
-import subprocess
 import sys
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Callable, Optional
 
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
+from common import (Workload, add_shape_args, apply_smoke, bench_config, bench_device, device_name, drafter_loop,
+                    git_commit, make_sequence, mfu_workload, peak_gb, prompt_tokens, reset_memory, rss_gb,
+                    synchronize, write_result)
+import torch
+import torch.nn.functional as F
+from flops import PEAK_TFLOPS, drafter_step_flops, mfu, target_forward_flops
+from kernel_profile import print_profile
+from kernel_profile import profile_steps as profile_steps_of
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from dflash_trainer.config import Config
+from dflash_trainer.data.types import Job, TokenizedSequence
+from dflash_trainer.drafter.anchors import plan_blocks
+from dflash_trainer.drafter.loss import decay_weights
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.spec import drafter_spec
+from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs
+from dflash_trainer.target.head import head_from_model
+from dflash_trainer.target.load import find_decoder_layers, load_target
+from dflash_trainer.target.worker import forward_job
+from dflash_trainer.transport.wire import allocate, wire_spec
 
-from flops import PEAK_TFLOPS, drafter_step_flops, mfu, target_forward_flops  # noqa: E402
-from kernel_profile import print_profile  # noqa: E402
-from kernel_profile import profile_steps as profile_steps_of  # noqa: E402
-
-from dflash_trainer.config import Config, load_config  # noqa: E402
-from dflash_trainer.data.types import Job, TokenizedSequence  # noqa: E402
-from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
-from dflash_trainer.drafter.loss import decay_weights  # noqa: E402
-from dflash_trainer.drafter.model import DFlashDrafter  # noqa: E402
-from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec  # noqa: E402
-from dflash_trainer.transport.wire import allocate, wire_spec  # noqa: E402
-from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402
-from dflash_trainer.target.head import TargetHead, head_from_model  # noqa: E402
-from dflash_trainer.target.load import find_decoder_layers, load_target  # noqa: E402
-from dflash_trainer.target.worker import forward_job  # noqa: E402
-from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step  # noqa: E402
-from dflash_trainer.train.optim import build_optimizer  # noqa: E402
-from dflash_trainer.train.schedule import build_scheduler  # noqa: E402
-from dflash_trainer.train.step_loop import StepLoop  # noqa: E402
-
-MODELS = {  # preset -> (tap layer ids or None for the default spread, mask token id = first spare row)
-    "qwen3-8b": ([1, 9, 17, 25, 33], 151669),
-    "qwen3-1.7b": (None, 151669),
-    "tiny": ([1, 3], 1024),
-}
 SHAREGPT_CONVERSATIONS = 1000
 """ShareGPT conversations read for the length distribution (the plan cycles if it runs out of jobs)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Workload:
-    """The batches both variants train on: jobs over a dataset of sequences (CPU tensors)."""
-
-    dataset: dict[int, TokenizedSequence]
-    jobs: tuple[Job, ...]
-    note: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,25 +93,6 @@ class PhaseResult:
 
 
 # ---------------------------------------------------------------------------------------------- data
-
-
-def prompt_tokens(n: int) -> int:
-    """Leading tokens of an n-token sequence with loss mask 0 (10%, a stand-in prompt)."""
-    return n // 10
-
-
-def make_sequence(n: int, vocab: int, generator: torch.Generator) -> TokenizedSequence:
-    loss_mask = torch.ones(n, dtype=torch.bool)
-    loss_mask[: prompt_tokens(n)] = False
-    return TokenizedSequence(input_ids=torch.randint(0, vocab, (n,), generator=generator), loss_mask=loss_mask)
-
-
-def mfu_workload(num_jobs: int, seqs: int, seq_len: int, vocab: int) -> Workload:
-    g = torch.Generator().manual_seed(0)
-    dataset = {i: make_sequence(seq_len, vocab, g) for i in range(num_jobs * seqs)}
-    jobs = tuple(Job(job_id=k, epoch=0, bucket_id=0, sequence_ids=tuple(range(k * seqs, (k + 1) * seqs)),
-                     num_tokens=seqs * seq_len) for k in range(num_jobs))
-    return Workload(dataset=dataset, jobs=jobs, note=f"{seqs} sequences of exactly {seq_len} tokens per batch")
 
 
 def sharegpt_lengths(cap: int, min_supervised: int) -> list[int]:
@@ -201,53 +157,6 @@ class StepTimer:
         return (sum(span(m[0], m[1]) for m in self.marks) / n, sum(span(m[1], m[2]) for m in self.marks) / n)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # timing boundary (outside the timed steps' own work)
-
-
-def rss_gb() -> Optional[float]:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
-
-
-def reset_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_gb(device: torch.device) -> Optional[float]:
-    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-
-
-def build_drafter(spec: DrafterSpec, attention: str, device: torch.device, flex_kernel_options=None) -> DFlashDrafter:
-    torch.manual_seed(0)
-    with torch.device(device):
-        return DFlashDrafter(spec, attention=attention, flex_kernel_options=flex_kernel_options)  # fp32 master weights
-
-
-def drafter_loop(config: Config, spec: DrafterSpec, head: TargetHead, device: torch.device, *,
-                 compile_drafter: bool, total_steps: int) -> StepLoop:
-    """The trainer's drafter side on one GPU: fp32 master weights, compiled forward, fused AdamW, clipping."""
-    model = build_drafter(spec, config.drafter.attention, device, config.drafter.flex_kernel_options)
-    if compile_drafter:
-        compile_forward_train(model)
-    optimizer = build_optimizer(model, config.train)
-    scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_ratio=config.train.warmup_ratio,
-                                min_lr_ratio=config.train.min_lr_ratio)
-    micro_step = make_micro_step(config, model, head, device=device, progress=lambda: 0.0)
-    return StepLoop(model=model, optimizer=optimizer, scheduler=scheduler, micro_step=micro_step,
-                    job_key=lambda b: (b.epoch, b.job_id), grad_accum=1, block_size=spec.block_size,
-                    grad_clip=config.train.grad_clip, group=None, device=device)
-
-
 def run_timed(step: Callable[[Job, StepTimer], Optional[torch.Tensor]], warmup_jobs, timed_jobs,
               device: torch.device) -> PhaseResult:
     """Warm up, then time `timed_jobs`; `step` runs one job and marks the timer (new step, target done, done)."""
@@ -295,16 +204,14 @@ def guarded(name: str, device: torch.device, fn: Callable[[], PhaseResult]) -> P
 # ------------------------------------------------------------------------------------------- phases
 
 
-def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, *, compile_drafter: bool,
-               compile_target: bool, profile_steps: int = 0) -> PhaseResult:
+def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, *, compile_target: bool, profile_steps: int = 0) -> PhaseResult:
     """Ours: TapCapture into wire buffers -> make_micro_step -> StepLoop (fused AdamW, clipping)."""
     layers = find_decoder_layers(target)
     if compile_target:  # undone below, so the baseline runs the target eager
         # As the trainer does (runtime/launch.py): automatic dynamic shapes, so a new padded shape recompiles
         # once into a shape-generic graph (the fixed-shape mfu workload compiles once, statically).
         compile_decoder_layers(target, upto=max(spec.tap_layer_ids), dynamic=None)
-    loop = drafter_loop(config, spec, head_from_model(target), device, compile_drafter=compile_drafter,
-                        total_steps=len(warmup_jobs) + len(timed_jobs))
+    loop = drafter_loop(config, spec, head_from_model(target), device, total_steps=len(warmup_jobs) + len(timed_jobs))
     capture = TapCapture(target, spec.tap_layer_ids)
     buffers = allocate(wire_spec(config, hidden=spec.hidden_size, num_taps=spec.num_taps), device)
 
@@ -355,7 +262,9 @@ def padding_mask(sequences, device: torch.device):
 def baseline_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device) -> PhaseResult:
     """Naive: full target forward with all hidden states, torch.cat of the taps, eager SDPA drafter,
     unchunked bf16 head + CE, default AdamW, no compile."""
-    model = build_drafter(spec, "sdpa", device)
+    torch.manual_seed(config.run.seed)
+    with torch.device(device):
+        model = DFlashDrafter(spec, attention="sdpa")  # fp32 master weights
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, betas=tuple(config.train.betas))
     head = head_from_model(target)
     wire = allocate(wire_spec(config, hidden=1, num_taps=1), device)  # ids, mask, cu_seqlens
@@ -423,17 +332,6 @@ def step_work(config, target, spec, jobs, workload, device) -> StepWork:
     return StepWork(target_flops=target_total / n, drafter_flops=drafter_total / n, padded_tokens=padded / n)
 
 
-def git_commit() -> str:
-    """$BENCH_COMMIT when set (the device machine's copy of the tree may carry a stale .git), else git's HEAD."""
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def phase_summary(r: PhaseResult, work: StepWork, peak: float) -> dict:
     ok = r.status == "ok"
     flops_target, flops_drafter = work.target_flops, work.drafter_flops
@@ -457,20 +355,14 @@ def phase_summary(r: PhaseResult, work: StepWork, peak: float) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
-    p.add_argument("--workload", choices=("mfu", "sharegpt"), default="mfu")
-    p.add_argument("--steps", type=int, default=10, help="timed steps of the fast path")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    add_shape_args(p)
+    p.add_argument("--workload", choices=("mfu", "sharegpt"), default="mfu",
+                   help="mfu: every sequence --seq-len tokens; sharegpt: ShareGPT lengths capped at --seq-len")
     p.add_argument("--baseline-steps", type=int, default=5, help="timed baseline steps (the first timed jobs)")
     p.add_argument("--baseline-warmup", type=int, default=1)
-    p.add_argument("--seqs", type=int, default=4, help="sequences per batch (token budget = seqs * seq-len)")
-    p.add_argument("--seq-len", type=int, default=3072, help="mfu: every sequence; sharegpt: the length cap")
-    p.add_argument("--blocks-per-seq", type=int, default=512, help="num_blocks = seqs * blocks-per-seq")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--drafter-layers", type=int, default=5)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="directory for the JSON result")
     p.add_argument("--no-baseline", action="store_true", help="skip the naive baseline")
-    p.add_argument("--no-compile", action="store_true", help="fast path without torch.compile of the drafter")
+    p.add_argument("--no-compile", action="store_true", help="fast path without torch.compile of the drafter "
+                   "(train.compile=false)")
     p.add_argument("--eager-target", dest="compile_target", action="store_false",
                    help="run the target's decoder layers eager (the default compiles them, as the trainer does)")
     p.add_argument("--compile-target", dest="compile_target", action="store_true",
@@ -478,30 +370,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N target forwards and N whole steps (GPU time by kernel kind)")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU, tiny preset, 2 x 128 tokens, 32 blocks, B=8, 2 drafter layers, SDPA, no compile: "
-                        "proves the code paths")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.model, args.seqs, args.seq_len, args.blocks_per_seq, args.block_size = "tiny", 2, 128, 16, 8
-        args.drafter_layers, args.steps, args.warmup, args.baseline_steps, args.baseline_warmup = 2, 2, 1, 2, 1
-        args.no_compile, args.compile_target = True, False
+    apply_smoke(args)
+    if args.smoke:  # the CPU also runs SDPA and no compile
+        args.baseline_steps, args.baseline_warmup, args.no_compile, args.compile_target = 2, 1, True, False
     return args
-
-
-def bench_config(args, device: torch.device, extra: tuple[str, ...] = ()) -> Config:
-    """The run's config from the command line's shape; `extra` overrides go last (they win)."""
-    taps, mask_token = MODELS[args.model]
-    overrides = [
-        f"run.device={device.type}", f"target.random_init={args.model}", "target.dtype=bfloat16",
-        f"drafter.num_layers={args.drafter_layers}", f"drafter.block_size={args.block_size}",
-        f"drafter.mask_token_id={mask_token}", f"drafter.num_blocks={args.seqs * args.blocks_per_seq}",
-        f"drafter.attention={'flex' if device.type == 'cuda' else 'sdpa'}", "train.dtype=bfloat16",
-        f"pipeline.token_budget={args.seqs * args.seq_len}",
-    ]
-    if taps is not None:
-        overrides.append(f"drafter.tap_layer_ids=[{','.join(map(str, taps))}]")
-    return load_config(None, [*overrides, *extra])
 
 
 def print_table(summary: dict) -> None:
@@ -524,11 +397,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rss_start = rss_gb()
     t_start = time.perf_counter()
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: run with --smoke for the CPU code-path check", file=sys.stderr)
+    device = bench_device(args)
+    if device is None:
         return 2
-    config = bench_config(args, device)
+    config = bench_config(args, device, ("train.compile=false",) if args.no_compile else ())
     target = load_target(config.target, device, seed=config.run.seed)
     spec = drafter_spec(target.config, config.drafter)
 
@@ -541,7 +413,7 @@ def main(argv=None) -> int:
     warmup_jobs, timed_jobs = workload.jobs[: args.warmup], workload.jobs[args.warmup :]
 
     ours = guarded("ours", device, lambda: fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs,
-                                                     device, compile_drafter=not args.no_compile,
+                                                     device,
                                                      compile_target=args.compile_target,
                                                      profile_steps=args.profile))
     baseline = None
@@ -560,12 +432,12 @@ def main(argv=None) -> int:
         speedup = s_ours["tokens_per_s"] / s_base["tokens_per_s"]
     result = dict(
         bench="run", date=datetime.now(timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
-        gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+        gpu=device_name(device), torch=torch.__version__,
         model=args.model, workload=args.workload, workload_note=workload.note,
         command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         token_budget=config.pipeline.token_budget, num_blocks=config.batch.num_blocks, block_size=spec.block_size,
         tap_layer_ids=list(spec.tap_layer_ids), drafter_layers=spec.num_layers, mask_token_id=spec.mask_token_id,
-        steps=len(timed_jobs), warmup=len(warmup_jobs), compile_drafter=not args.no_compile,
+        steps=len(timed_jobs), warmup=len(warmup_jobs), compile_drafter=config.train.compile,
         compile_target=args.compile_target, attention=config.drafter.attention, peak_tflops=args.peak_tflops,
         status=s_ours["status"], error=s_ours["error"],
         tokens_per_s=s_ours["tokens_per_s"], samples_per_s=s_ours["samples_per_s"], mfu=s_ours["mfu"],
@@ -592,10 +464,7 @@ def main(argv=None) -> int:
     print(f"model TFLOP per step: target {work.target_flops / 1e12:.1f}, drafter {work.drafter_flops / 1e12:.1f}; "
           f"target forward computes {work.padded_tokens:.0f} padded tokens per step; "
           f"host RSS {rss_start or 0:.2f} -> {rss_end or 0:.2f} GB; total {result['total_s']:.0f} s")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now().strftime("%Y-%m-%dT%H%M%S")
-    (out_dir / f"{stamp}-run-{args.model}-{args.workload}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, "run", f"{args.model}-{args.workload}", args.out)
     print(json.dumps(result))
     return 0 if s_ours["status"] == "ok" and (s_base is None or s_base["status"] != "error") else 1
 

@@ -26,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, git_commit, write_result
 
 GPU_OVERRIDES = [
     "run.device=cuda", "target.random_init=qwen3-8b", "target.dtype=bfloat16", "target.compile=true",
@@ -140,11 +140,9 @@ def main(argv=None) -> int:
               f"{fmt(r['I_tokens_per_s'], '.0f'):>10}{fmt(r['T_tokens_per_s'], '.0f'):>10}"
               f"{fmt(r['drafter_wait_frac'], '.2f'):>7}{fmt(r['target_idle_frac'], '.2f'):>7}  {r['status'] or r['rc']}")
     result = {"bench": "scaling", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "commit": os.environ.get("BENCH_COMMIT", "unknown"), "smoke": args.smoke, "gpus": args.gpus,
+              "commit": git_commit(), "smoke": args.smoke, "gpus": args.gpus,
               "steps": args.steps, "command": " ".join([sys.executable, *sys.argv]), "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{datetime.now():%Y-%m-%dT%H%M%S}-scaling-{args.gpus}.json").write_text(json.dumps(result, indent=2))
+    write_result(result, "scaling", str(args.gpus), args.out)
     print(json.dumps(result))
     return 0 if all(r["rc"] == 0 for r in results) else 1
 

@@ -131,7 +131,7 @@ def main() -> int:
                 rows.append(dict(budget=budget, compiled=compiled, mode=mode, ms=seconds * 1e3,
                                  tokens_per_s=sum(lengths) / seconds, padded_tokens=inputs.padded_tokens,
                                  mfu=flops / seconds / (args.peak_tflops * 1e12)))
-            del out, inputs
+            out = inputs = modes = None  # free this budget's buffers before the next one's
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

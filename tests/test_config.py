@@ -30,6 +30,9 @@ def test_demo_recipe_loads_and_overrides_apply():
         ("data.max_length=2", "data.max_length"),
         ("run.device=tpu", "run.device"),
         ("drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE=true", "drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE"),
+        ("drafter.loss_kernel=triton", "drafter.loss_kernel"),
+        ("drafter.mask_tiles=rows", "drafter.mask_tiles"),
+        ("train.compile_mode=fast", "train.compile_mode"),
     ],
 )
 def test_bad_config_names_the_key(override, key_in_message):

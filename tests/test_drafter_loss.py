@@ -202,3 +202,13 @@ def test_noise_keyed_and_scheduled():
     uni = add_tap_noise(taps, DrafterConfig(noise="uniform", noise_std=0.5), progress=0.3, seed=1, epoch=0, job_id=3)
     assert abs(float(uni.std()) - 0.5) < 0.05 and float(uni.abs().max()) <= 0.5 * math.sqrt(3)
     assert add_tap_noise(taps, DrafterConfig(), progress=0.0, seed=1, epoch=0, job_id=3) is taps
+
+
+def test_loss_kernel_eager_keeps_the_plain_kernel_on_cuda():
+    """`drafter.loss_kernel=eager` selects the uncompiled CE kernel even on CUDA; the CPU is always eager."""
+    from dflash_trainer.drafter.loss import _ce_and_logit_grad, _ce_kernel
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _ce_kernel(cuda, compiled=False) is _ce_and_logit_grad
+    assert _ce_kernel(cpu, compiled=True) is _ce_and_logit_grad
+    assert _ce_kernel(cuda, compiled=True) is not _ce_and_logit_grad  # wrapped by torch.compile (lazily)

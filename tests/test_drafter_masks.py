@@ -205,3 +205,20 @@ def test_tile_level_block_mask_equals_create_block_mask(tile, job_id):
     assert torch.equal(ours.to_dense(), ref.to_dense())
     if tile == 8:  # small tiles exercise full tiles too
         assert int(ours.full_kv_num_blocks.sum()) > 0
+
+
+def test_mask_tiles_pairs_builds_the_same_block_mask_through_create_block_mask():
+    """`drafter.mask_tiles=pairs` reaches the model's builder; both ways give the same tiles."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.train.trainer import build_drafter
+
+    drafter, _ = tiny_drafter()
+    config = load_config("demo", ["drafter.mask_tiles=pairs", f"drafter.num_layers={drafter.spec.num_layers}"])
+    pairs = build_drafter(config, drafter.spec, torch.device("cpu"))
+    assert not pairs._flex_masks.from_intervals and drafter._flex_masks.from_intervals
+    batch = packed_batch(drafter, num_blocks=28, job_id=2)
+    index = mask_index(batch.plan, batch.cu_seqlens, batch.taps.shape[0])
+    ours, ref = FlexMaskBuilder().build(index), pairs._flex_masks.build(index)
+    assert torch.equal(ours.kv_num_blocks, ref.kv_num_blocks)
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert torch.equal(ours.to_dense(), ref.to_dense())

@@ -147,10 +147,9 @@ class FlexMaskBuilder:
 
     tile = 128
     """BlockMask tile size (flex's default sparse block size)."""
-    from_intervals = True
-    """Full-attention masks from the key intervals (`tile_blocks`); False: `create_block_mask` (the reference)."""
-
-    def __init__(self) -> None:
+    def __init__(self, from_intervals: bool = True) -> None:
+        self.from_intervals = from_intervals
+        """Full-attention masks from the key intervals (`tile_blocks`); False: `create_block_mask` (every pair)."""
         self._buffers: Optional[MaskIndex] = None
         self._mods: dict = {}
 

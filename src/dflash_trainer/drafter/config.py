@@ -39,6 +39,12 @@ class DrafterConfig:
     torch's defaults. A speed knob only: the attention computed is the same."""
     loss_chunk_rows: int = 2048
     """Rows per chunk of the vocab projection + CE (bounds fp32 logits memory)."""
+    loss_kernel: str = "compiled"
+    """compiled | eager: the CE-and-gradient pass over each logits chunk, torch.compile'd on CUDA (one fused
+    pass) or eager (an fp32 copy and separate passes). A speed knob only: the values are the same."""
+    mask_tiles: str = "intervals"
+    """intervals | pairs: full-attention BlockMasks find their tiles from each query block's key intervals, or
+    from `create_block_mask` evaluating every (query, key) pair. A speed knob only: the mask is the same."""
     kd_weight: float = 0.0
     """Weight of distillation from the target's logits (0: CE only; 1: KD only)."""
     noise: str = "none"
@@ -76,6 +82,10 @@ class DrafterConfig:
             raise ConfigError(f"drafter.gamma must be > 0, got {self.gamma}")
         if self.attention not in ("auto", "flex", "sdpa"):
             raise ConfigError(f"drafter.attention must be auto, flex or sdpa, got {self.attention!r}")
+        if self.loss_kernel not in ("compiled", "eager"):
+            raise ConfigError(f"drafter.loss_kernel must be compiled or eager, got {self.loss_kernel!r}")
+        if self.mask_tiles not in ("intervals", "pairs"):
+            raise ConfigError(f"drafter.mask_tiles must be intervals or pairs, got {self.mask_tiles!r}")
         if self.loss_chunk_rows < 1:
             raise ConfigError(f"drafter.loss_chunk_rows must be >= 1, got {self.loss_chunk_rows}")
         if not 0.0 <= self.kd_weight <= 1.0:

@@ -107,11 +107,12 @@ def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 _compiled_ce = None
 
 
-def _ce_kernel(device: torch.device) -> Callable:
-    """`_ce_and_logit_grad`, compiled on CUDA: one fused pass over the logits for the reductions and one for
-    the gradient, instead of an fp32 copy and several separate passes over memory-bound logits."""
+def _ce_kernel(device: torch.device, compiled: bool) -> Callable:
+    """`_ce_and_logit_grad`, compiled on CUDA unless `compiled` is False: one fused pass over the logits for
+    the reductions and one for the gradient, instead of an fp32 copy and several separate passes over
+    memory-bound logits."""
     global _compiled_ce
-    if device.type != "cuda":
+    if device.type != "cuda" or not compiled:
         return _ce_and_logit_grad
     if _compiled_ce is None:
         _compiled_ce = torch.compile(_ce_and_logit_grad, dynamic=False)
@@ -128,11 +129,10 @@ class _FrozenHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, chunk_rows: int):
+    def forward(ctx, rows: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, chunk_rows: int, kernel: Callable):
         ce = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)  # (R,)
         hit = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)  # (R,)
         grad = torch.empty_like(rows)  # (R, H): dCE_r / d rows_r
-        kernel = _ce_kernel(rows.device)
         for start in range(0, rows.shape[0], chunk_rows):
             stop = min(start + chunk_rows, rows.shape[0])
             logits = F.linear(rows[start:stop].to(head.dtype), head)  # (r, V) head dtype
@@ -145,7 +145,7 @@ class _FrozenHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce: torch.Tensor, grad_hit):
         (grad,) = ctx.saved_tensors
-        return grad * grad_ce[:, None].to(grad.dtype), None, None, None
+        return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
 
 
 def drafter_loss(
@@ -159,8 +159,10 @@ def drafter_loss(
     teacher: Optional[Teacher] = None,
     dpace: bool = False,
     dpace_alpha: float = 0.5,
+    compiled_ce: bool = True,
 ) -> LossOutput:
-    """Loss sums for hidden (N, B, H) from `forward_train` with labels from `plan`; lm_head_weight (V, H)."""
+    """Loss sums for hidden (N, B, H) from `forward_train` with labels from `plan`; lm_head_weight (V, H).
+    `compiled_ce` False keeps the frozen-head CE kernel eager on CUDA (`drafter.loss_kernel`)."""
     n, b, h = hidden.shape
     rows = hidden[:, 1:].reshape(-1, h)  # (N*(B-1), H)
     labels = plan.labels[:, 1:].reshape(-1)  # (N*(B-1),)
@@ -175,7 +177,8 @@ def drafter_loss(
     ce_parts, kl_parts, hit_parts = [], [], []
     grad = torch.is_grad_enabled() and rows.requires_grad
     if grad and teacher_rows is None and not lm_head_weight.requires_grad:
-        ce_all, hit_all = _FrozenHeadCE.apply(rows, labels, lm_head_weight, chunk_rows)
+        ce_all, hit_all = _FrozenHeadCE.apply(rows, labels, lm_head_weight, chunk_rows,
+                                              _ce_kernel(rows.device, compiled_ce))
         ce_parts, kl_parts, hit_parts = [ce_all], [torch.zeros_like(ce_all)], [hit_all]
     for start in range(0, rows.shape[0] if not ce_parts else 0, chunk_rows):
         stop = min(start + chunk_rows, rows.shape[0])

@@ -180,7 +180,8 @@ class BlockResult:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, spec: DrafterSpec, *, attention: str = "auto", flex_kernel_options: Optional[dict] = None):
+    def __init__(self, spec: DrafterSpec, *, attention: str = "auto", flex_kernel_options: Optional[dict] = None,
+                 mask_tiles: str = "intervals"):
         super().__init__()
         self.spec = spec
         self.attention = attention
@@ -190,7 +191,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.rotary = RotaryTable(spec)
-        self._flex_masks = FlexMaskBuilder()  # stable mask_mod across batches (no recompiles)
+        # stable mask_mod across batches (no recompiles)
+        self._flex_masks = FlexMaskBuilder(from_intervals=mask_tiles == "intervals")
         self.init_weights()
 
     @torch.no_grad()

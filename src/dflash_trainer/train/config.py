@@ -8,6 +8,8 @@ from typing import Optional
 
 from dflash_trainer.errors import ConfigError
 
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 
 @dataclass
 class TrainConfig:
@@ -31,6 +33,9 @@ class TrainConfig:
     compile: bool = True
     """torch.compile the drafter's training forward on CUDA (uncompiled flex attention materialises the
     scores: many times slower, and far more memory). No effect on CPU."""
+    compile_mode: Optional[str] = None
+    """torch.compile's `mode` for that forward: null (the default) | reduce-overhead (CUDA graphs) |
+    max-autotune | max-autotune-no-cudagraphs."""
     fsdp: Optional[bool] = None
     """Shard the drafter with FSDP2 over the drafter ranks. None: when its weights and Adam state (16 bytes
     per parameter) would take more than a quarter of a GPU; true/false: always/never (CPU: only if true)."""
@@ -68,5 +73,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")
         if not self.grad_clip >= 0 or math.isinf(self.grad_clip):
             raise ConfigError(f"train.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"train.compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"train.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")

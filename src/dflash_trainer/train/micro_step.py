@@ -65,6 +65,7 @@ def make_micro_step(
             loss = drafter_loss(
                 hidden, plan, lm_head_weight=lm_head, gamma=dcfg.loss_gamma, chunk_rows=dcfg.loss_chunk_rows,
                 kd_weight=dcfg.kd_weight, teacher=teacher, dpace=dcfg.dpace, dpace_alpha=dcfg.dpace_alpha,
+                compiled_ce=dcfg.loss_kernel == "compiled",
             )
         loss.loss_sum.backward()
         return MicroResult(

@@ -114,7 +114,7 @@ class DrafterTrainer:
         if self.sharded:
             shard_drafter(self.model, group, device)
         if config.train.compile and device.type == "cuda":
-            compile_forward_train(self.model)
+            compile_forward_train(self.model, mode=config.train.compile_mode)
         self.optimizer = build_optimizer(self.model, config.train)
         self.scheduler = build_scheduler(
             self.optimizer, total_steps=self.total_steps, warmup_ratio=config.train.warmup_ratio,
@@ -286,7 +286,7 @@ class DrafterTrainer:
 def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DFlashDrafter:
     """The drafter to train, initialised from the seed, the target's layers or an export (`drafter.init_from`)."""
     torch.manual_seed(config.run.seed)
-    model = DFlashDrafter(spec, attention=config.drafter.attention,
+    model = DFlashDrafter(spec, attention=config.drafter.attention, mask_tiles=config.drafter.mask_tiles,
                           flex_kernel_options=config.drafter.flex_kernel_options).to(device)
     with torch.no_grad():
         model.init_weights()
