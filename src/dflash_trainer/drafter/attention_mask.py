@@ -147,6 +147,7 @@ class FlexMaskBuilder:
 
     tile = 128
     """BlockMask tile size (flex's default sparse block size)."""
+
     def __init__(self, from_intervals: bool = True) -> None:
         self.from_intervals = from_intervals
         """Full-attention masks from the key intervals (`tile_blocks`); False: `create_block_mask` (every pair)."""
