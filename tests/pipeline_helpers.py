@@ -145,12 +145,12 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
     from dflash_trainer.data.prepare import prepare_data
     from dflash_trainer.data.tokenizer import load_tokenizer
     from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
-    from dflash_trainer.transport.wire import allocate, wire_spec
     from dflash_trainer.target.capture import TapCapture
     from dflash_trainer.target.head import head_from_model
     from dflash_trainer.target.load import load_target, target_model_config
     from dflash_trainer.target.worker import forward_job
     from dflash_trainer.train.trainer import DrafterTrainer, planned_steps
+    from dflash_trainer.transport.wire import allocate, wire_spec
 
     config = load_config("demo", overrides(run_dir, *extra))
     assert config.train.grad_accum == 1

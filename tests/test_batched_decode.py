@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trainer.eval.batched import BlockDrafts, ContextUpdate, _TargetCache, accept_greedy, accept_sampled, decode_batch
+from dflash_trainer.eval.batched import (
+    BlockDrafts,
+    ContextUpdate,
+    _TargetCache,
+    accept_greedy,
+    accept_sampled,
+    decode_batch,
+)
 from dflash_trainer.eval.proposers import PromptLookupProposer
 from dflash_trainer.eval.speculative import speculative_generate, target_generate
 from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
@@ -166,9 +173,9 @@ def test_walk_tau_equals_real_decoding_on_greedy_replies():
     from dflash_trainer.data.tokenized import TokenizedDataset
     from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
     from dflash_trainer.eval.validation import HeldOutValidator
-    from dflash_trainer.transport.wire import WireSpec, allocate
     from dflash_trainer.target.capture import TapCapture
     from dflash_trainer.target.head import head_from_model
+    from dflash_trainer.transport.wire import WireSpec, allocate
 
     setup = fitted()
     spec = setup.drafter.spec

@@ -5,7 +5,6 @@ names the failing rank and its cause. Faults are injected with DFLASH_TEST_FAULT
 from __future__ import annotations
 
 import pytest
-
 from pipeline_helpers import summary, torchrun
 
 BOUND_S = 60.0

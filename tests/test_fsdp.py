@@ -7,11 +7,17 @@ import json
 from collections import Counter
 
 import torch
-from safetensors.torch import load_file
-
 from pipeline_helpers import (
-    assert_ok, checkpoints, committed_jobs, metrics, planned_jobs, summary, torchrun, train_in_process,
+    assert_ok,
+    checkpoints,
+    committed_jobs,
+    metrics,
+    planned_jobs,
+    summary,
+    torchrun,
+    train_in_process,
 )
+from safetensors.torch import load_file
 
 
 def test_fsdp_split_run_then_unsharded_resume(tmp_path, monkeypatch):

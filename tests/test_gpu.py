@@ -32,10 +32,11 @@ def _batch(spec, device, seqlens=(700, 900, 300), num_slots=2048, num_blocks=256
 
 
 def test_compiled_flex_matches_sdpa_forward_and_backward():
+    from transformers import Qwen3Config
+
     from dflash_trainer.drafter.config import DrafterConfig
     from dflash_trainer.drafter.model import DFlashDrafter
     from dflash_trainer.drafter.spec import drafter_spec
-    from transformers import Qwen3Config
 
     device = torch.device("cuda")
     target = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,

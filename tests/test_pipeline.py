@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-
 from pipeline_helpers import assert_ok, committed_jobs, inline_losses, metrics, planned_jobs, torchrun
 
 

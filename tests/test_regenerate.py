@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_openai_server import Behaviour, FakeServer
 
 from dflash_trainer.config import load_config
 from dflash_trainer.data.types import Conversation, Message
@@ -20,7 +21,6 @@ from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.regen import check_regen_settings, read_manifest, read_rows, regenerate
 from dflash_trainer.regen.openai import OpenAIBackend
 from dflash_trainer.regen.settings import RegenSettings
-from fake_openai_server import Behaviour, FakeServer
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)

@@ -8,11 +8,11 @@ import re
 
 import numpy as np
 import pytest
+from pipeline_helpers import train_in_process
 
 from dflash_trainer.cli import main
 from dflash_trainer.report.figures import FIGURES
 from dflash_trainer.report.runlog import read_run
-from pipeline_helpers import train_in_process
 
 
 def _assert_report(out_dir, run_name: str) -> str:

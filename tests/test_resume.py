@@ -8,9 +8,16 @@ from collections import Counter
 
 import pytest
 import torch
-
 from pipeline_helpers import (
-    assert_ok, checkpoints, committed_jobs, inline_losses, ledger, metrics, planned_jobs, torchrun, train_in_process,
+    assert_ok,
+    checkpoints,
+    committed_jobs,
+    inline_losses,
+    ledger,
+    metrics,
+    planned_jobs,
+    torchrun,
+    train_in_process,
 )
 
 SPLIT_1_2 = ("pipeline.colocated=false", "pipeline.num_targets=1", "train.checkpoint_interval=2")

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.runtime.config import PipelineConfig
 from dflash_trainer.runtime.control import Aborted, ControlPlane, StallTimeout
+from dflash_trainer.runtime.roles import Role, plan_placement
 from dflash_trainer.transport.claims import Claim
 from dflash_trainer.transport.pool import BufferedPool
-from dflash_trainer.runtime.roles import Role, plan_placement
 
 
 def test_roles_first_local_ranks_are_targets():

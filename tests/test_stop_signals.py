@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from pipeline_helpers import SRC, free_port, kill_tree, metrics, overrides, summary
 
 LONG = ("train.max_steps=100000", "train.num_epochs=50", "train.checkpoint_interval=100000", "train.log_interval=1")

@@ -9,10 +9,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target import checks
-from dflash_trainer.transport.wire import WireSpec, allocate
 from dflash_trainer.target.capture import TapCapture, prepare_inputs
 from dflash_trainer.target.checks import check_target, choose_tap_layer_ids, slow_path_warnings
 from dflash_trainer.target.load import find_decoder_layers
+from dflash_trainer.transport.wire import WireSpec, allocate
 
 H = 64  # tiny preset hidden size
 LENGTHS = (9, 17, 4, 17)

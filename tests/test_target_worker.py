@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dflash_trainer.data.types import Job, TokenizedSequence
-from dflash_trainer.transport.wire import HiddenStateBatch, WireSpec, allocate
 from dflash_trainer.target.capture import TapCapture
-from dflash_trainer.transport.sender import BatchSender, SenderError
 from dflash_trainer.target.worker import ListJobSource, run_target_worker
+from dflash_trainer.transport.sender import BatchSender, SenderError
+from dflash_trainer.transport.wire import HiddenStateBatch, WireSpec, allocate
 
 H, TAPS = 64, (1, 3)
 SPEC = WireSpec(token_budget=48, max_seqs=4, num_taps=len(TAPS), hidden=H, dtype=torch.float32, has_last_hidden=True)

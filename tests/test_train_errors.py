@@ -8,7 +8,6 @@ import json
 import logging
 
 import pytest
-
 from pipeline_helpers import committed_jobs, metrics, planned_jobs, summary, train_in_process
 
 
@@ -119,8 +118,9 @@ def test_a_second_run_into_a_run_dir_is_refused_unless_resumed_or_overwritten(tm
     assert "holds a training run" in err and "--resume" in err and "--overwrite" in err and "new directory" in err
     assert (run / "metrics.jsonl").read_text() == first  # nothing touched
     assert train_in_process(run, "train.max_steps=3", "eval.at_end=false", resume=True) == 0  # continues it
-    from dflash_trainer.cli import main
     from pipeline_helpers import overrides
+
+    from dflash_trainer.cli import main
 
     assert main(["train", "--config", "demo", *overrides(run, *quick, "train.lr=1e-3"), "--overwrite"]) == 0
     steps = [r["step"] for r in metrics(run) if "loss" in r]
@@ -129,8 +129,9 @@ def test_a_second_run_into_a_run_dir_is_refused_unless_resumed_or_overwritten(tm
 
 
 def test_damaged_checkpoint_export_refused_and_resume_falls_back(tmp_path, capsys, caplog):
-    from dflash_trainer.cli import main
     from pipeline_helpers import overrides
+
+    from dflash_trainer.cli import main
 
     run = tmp_path / "run"
     assert train_in_process(run, "train.max_steps=2", "train.checkpoint_interval=1", "eval.at_end=false") == 0

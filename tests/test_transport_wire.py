@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_trainer.config import load_config
+from dflash_trainer.transport.p2p import recv_batch_into, send_batch, send_end_of_stream
 from dflash_trainer.transport.wire import (
     END_OF_STREAM,
     H_MAGIC,
@@ -25,7 +26,6 @@ from dflash_trainer.transport.wire import (
     to_wire,
     wire_spec,
 )
-from dflash_trainer.transport.p2p import recv_batch_into, send_batch, send_end_of_stream
 
 SPEC = WireSpec(token_budget=24, max_seqs=3, num_taps=2, hidden=8, dtype=torch.bfloat16, has_last_hidden=True)
 

@@ -19,10 +19,12 @@ from dflash_trainer.data.tokenizer import load_tokenizer
 from dflash_trainer.drafter.export import load_drafter
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.drafter_eval import (  # noqa: F401 (evaluate_drafter re-exported for the trainer)
-    check_drafter_fits, eval_prompts_path, evaluate_drafter,
+    check_drafter_fits,
+    eval_prompts_path,
+    evaluate_drafter,
 )
-from dflash_trainer.regen.settings import warn_regen_mismatch
 from dflash_trainer.eval.evaluate import format_report, load_prompt_messages
+from dflash_trainer.regen.settings import warn_regen_mismatch
 from dflash_trainer.runtime.env import choose_device
 from dflash_trainer.target.head import head_from_model
 from dflash_trainer.target.load import load_target

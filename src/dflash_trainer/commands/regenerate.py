@@ -76,9 +76,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
     if not out:
         raise ConfigError("dflash-train regenerate needs --out DIR (the new dataset; train on it with data.path=DIR)")
     settings = settings_from_config(config)  # fails early on a missing model name
-    from dflash_trainer.data.sources import load_conversations
-
     from dflash_trainer.data.rules import REGENERATE
+    from dflash_trainer.data.sources import load_conversations
 
     loaded = load_conversations(config.data, seed=config.run.seed, purpose=REGENERATE)
     conversations = [limit_turns(c, config.regenerate.max_turns) for c in loaded.conversations]

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from transformers import PreTrainedTokenizerFast
 
+from dflash_trainer.config import Config
 from dflash_trainer.data.plan import EpochPlan, check_lengths_fit, hold_out, write_eval_conversations
 from dflash_trainer.data.sources import load_conversations
 from dflash_trainer.data.tokenize_pool import default_num_workers
@@ -30,7 +31,6 @@ from dflash_trainer.data.tokenized import (
 )
 from dflash_trainer.data.types import Conversation
 from dflash_trainer.errors import DataError
-from dflash_trainer.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ are joined on return and terminated on every error, Ctrl-C included.
 
 from __future__ import annotations
 
-import multiprocessing
 import logging
+import multiprocessing
 import os
 import pickle
 from collections import deque

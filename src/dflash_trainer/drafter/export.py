@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
-from dflash_trainer.target.checks import choose_tap_layer_ids
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.checks import choose_tap_layer_ids
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"

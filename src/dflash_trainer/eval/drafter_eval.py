@@ -14,17 +14,17 @@ from typing import Sequence
 
 from torch import nn
 
+from dflash_trainer.config import Config
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.layout import RunDir
 from dflash_trainer.eval.evaluate import EvalReport, encode_prompts, evaluate_tau
 from dflash_trainer.eval.proposers import DFlashBatchProposer
+from dflash_trainer.layout import RunDir
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.load import find_decoder_layers
 from dflash_trainer.target.stop_tokens import stop_token_ids
-from dflash_trainer.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -22,16 +22,16 @@ from typing import Sequence
 
 import torch
 
+from dflash_trainer.config import Config
 from dflash_trainer.data.plan import build_epoch_plan
 from dflash_trainer.data.tokenized import TokenizedDataset
 from dflash_trainer.drafter.anchors import plan_from_anchors, token_seq_ids, valid_anchor_mask
 from dflash_trainer.drafter.loss import drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
-from dflash_trainer.transport.wire import WireBatch, wire_spec
 from dflash_trainer.target.capture import TapCapture
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.worker import forward_job
-from dflash_trainer.config import Config
+from dflash_trainer.transport.wire import WireBatch, wire_spec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,8 +166,8 @@ def build_validator(config: Config, *, capture: TapCapture, head: TargetHead, to
     from dflash_trainer.data.config import DataSourceConfig
     from dflash_trainer.data.sources import load_source
     from dflash_trainer.data.tokenized import tokenize_all
-    from dflash_trainer.transport.wire import allocate
     from dflash_trainer.target.load import DTYPES
+    from dflash_trainer.transport.wire import allocate
 
     loaded = load_source(DataSourceConfig(path=str(conversations_path), format="messages"),
                          limit=config.eval.num_prompts)

@@ -4,9 +4,9 @@ Public surface: `regenerate` (runner), `LocalBackend` / `OpenAIBackend` (importe
 the HTTP path never loads torch models), `read_rows`, `check_regen_settings`, `RegenSettings`.
 """
 
+from dflash_trainer.data.shard_files import read_rows
 from dflash_trainer.regen.runner import RegenSummary, regenerate
 from dflash_trainer.regen.settings import RegenSettings, check_regen_settings, read_manifest, settings_from_config
-from dflash_trainer.data.shard_files import read_rows
 
 __all__ = [
     "RegenSettings",

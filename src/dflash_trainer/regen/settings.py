@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dflash_trainer.errors import ConfigError
 from dflash_trainer.config import Config
+from dflash_trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

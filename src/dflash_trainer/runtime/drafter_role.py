@@ -11,17 +11,17 @@ from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.failures import StopSignals
 from dflash_trainer.runtime.feed import make_feed
 from dflash_trainer.runtime.jobs import STOP
-from dflash_trainer.transport.pool import DepthMeter, PoolReport
+from dflash_trainer.runtime.remote_eval import SplitEvalClient, eval_enabled, make_tau_tracker
 from dflash_trainer.runtime.setup import RunSetup, load_checked_target, run_wire_spec
-from dflash_trainer.runtime.remote_eval import SplitEvalClient, make_tau_tracker, eval_enabled
 from dflash_trainer.runtime.summary import TargetStats
-from dflash_trainer.transport.wire import WireHeader, allocate, from_wire
 from dflash_trainer.target.head import head_from_model, load_target_head
 from dflash_trainer.target.load import target_model_config
 from dflash_trainer.train.checkpoint import LoadedCheckpoint, load_checkpoint
 from dflash_trainer.train.step_loop import StepRecord
 from dflash_trainer.train.tau_eval import TauSummary
 from dflash_trainer.train.trainer import DrafterTrainer, TrainResult, data_fingerprint, model_signature, planned_steps
+from dflash_trainer.transport.pool import DepthMeter, PoolReport
+from dflash_trainer.transport.wire import WireHeader, allocate, from_wire
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,13 +16,13 @@ from typing import Callable, Optional, Protocol
 from dflash_trainer.data.types import Job
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.jobs import StoreJobSource
-from dflash_trainer.transport.pool import BufferedPool
 from dflash_trainer.runtime.setup import RunSetup, run_wire_spec
 from dflash_trainer.runtime.summary import TargetStats
-from dflash_trainer.transport.links import LocalProducer, Receiver
-from dflash_trainer.transport.wire import HiddenStateBatch, allocate
 from dflash_trainer.target.capture import TapCapture
 from dflash_trainer.target.worker import Interval, forward_job
+from dflash_trainer.transport.links import LocalProducer, Receiver
+from dflash_trainer.transport.pool import BufferedPool
+from dflash_trainer.transport.wire import HiddenStateBatch, allocate
 
 Taken = Optional[tuple[HiddenStateBatch, Callable[[], None]]]
 """A batch and its release (call it once the optimizer step that used it is done), or None: no more batches."""

@@ -26,13 +26,25 @@ from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.drafter_role import run_drafter
 from dflash_trainer.runtime.env import choose_device, dist_env, init_distributed
 from dflash_trainer.runtime.failures import (
-    AbortWatchdog, StopSignals, exit_now, fail_rank, is_secondary, record_dead_peer, stop_after_peer_failure,
+    AbortWatchdog,
+    StopSignals,
+    exit_now,
+    fail_rank,
+    is_secondary,
+    record_dead_peer,
+    stop_after_peer_failure,
 )
 from dflash_trainer.runtime.liveness import Liveness
-from dflash_trainer.transport.pool import PoolReport
 from dflash_trainer.runtime.setup import RunSetup, setup_run
-from dflash_trainer.runtime.summary import TargetStats, print_summary, run_summary, write_failed_summary, write_summary_file
+from dflash_trainer.runtime.summary import (
+    TargetStats,
+    print_summary,
+    run_summary,
+    write_failed_summary,
+    write_summary_file,
+)
 from dflash_trainer.runtime.target_role import run_target
+from dflash_trainer.transport.pool import PoolReport
 
 log = logging.getLogger(__name__)
 

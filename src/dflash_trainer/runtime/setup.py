@@ -24,11 +24,11 @@ from dflash_trainer.rundir import claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv
 from dflash_trainer.runtime.roles import Placement, plan_placement
-from dflash_trainer.transport.wire import WireSpec, wire_spec
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.load import load_target, target_model_config
 from dflash_trainer.train.checkpoint import read_ledger, resolve_resume
+from dflash_trainer.transport.wire import WireSpec, wire_spec
 
 log = logging.getLogger(__name__)
 

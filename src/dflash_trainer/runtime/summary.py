@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from dflash_trainer.layout import RunDir, write_atomic
-from dflash_trainer.transport.pool import PoolReport
 from dflash_trainer.train.trainer import TrainResult
+from dflash_trainer.transport.pool import PoolReport
 
 if TYPE_CHECKING:
     from dflash_trainer.runtime.setup import RunSetup

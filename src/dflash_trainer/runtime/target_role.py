@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.jobs import StoreJobSource
+from dflash_trainer.runtime.remote_eval import SplitEvalServer, eval_enabled, make_tau_tracker
 from dflash_trainer.runtime.setup import RunSetup, load_checked_target, run_wire_spec
-from dflash_trainer.runtime.remote_eval import SplitEvalServer, make_tau_tracker, eval_enabled
 from dflash_trainer.runtime.summary import TargetStats
-from dflash_trainer.transport.links import P2PShipper
 from dflash_trainer.target.head import head_from_model
-from dflash_trainer.transport.sender import BatchSender
 from dflash_trainer.target.worker import run_target_worker
+from dflash_trainer.transport.links import P2PShipper
+from dflash_trainer.transport.sender import BatchSender
 
 
 def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:

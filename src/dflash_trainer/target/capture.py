@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from dflash_trainer.data.types import TokenizedSequence
-from dflash_trainer.transport.wire import WireBatch
 from dflash_trainer.target.checks import check_tap_layer_ids
 from dflash_trainer.target.load import find_decoder
+from dflash_trainer.transport.wire import WireBatch
 
 
 class _StopForward(Exception):

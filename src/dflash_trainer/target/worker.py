@@ -11,9 +11,9 @@ import torch
 
 from dflash_trainer.data.types import Job, TokenizedSequence
 from dflash_trainer.faults import inject_nan, maybe_fault
-from dflash_trainer.transport.wire import HiddenStateBatch, WireBatch, WireHeader, from_wire
 from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs
 from dflash_trainer.transport.sender import BatchSender
+from dflash_trainer.transport.wire import HiddenStateBatch, WireBatch, WireHeader, from_wire
 
 
 class JobSource(Protocol):

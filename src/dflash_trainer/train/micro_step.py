@@ -12,11 +12,10 @@ from dflash_trainer.drafter.anchors import plan_blocks
 from dflash_trainer.drafter.loss import Teacher, drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.noise import add_tap_noise
-from dflash_trainer.transport.wire import HiddenStateBatch
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.load import DTYPES
 from dflash_trainer.train.step_loop import MicroResult
-
+from dflash_trainer.transport.wire import HiddenStateBatch
 
 
 def compile_forward_train(model: DFlashDrafter, mode: Optional[str] = None) -> None:

@@ -26,16 +26,22 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.faults import maybe_fault
 from dflash_trainer.layout import RunDir, write_atomic
-from dflash_trainer.transport.wire import HiddenStateBatch
 from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
 from dflash_trainer.train.metrics import build_sinks, read_metrics
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step
 from dflash_trainer.train.optim import build_optimizer
-from dflash_trainer.train.parallel import full_optimizer_state, full_weights, load_full_state, shard_drafter, want_sharding
+from dflash_trainer.train.parallel import (
+    full_optimizer_state,
+    full_weights,
+    load_full_state,
+    shard_drafter,
+    want_sharding,
+)
 from dflash_trainer.train.schedule import build_scheduler
 from dflash_trainer.train.step_loop import LoopState, StepLoop, StepRecord
 from dflash_trainer.train.tau_eval import TauSummary
+from dflash_trainer.transport.wire import HiddenStateBatch
 
 log = logging.getLogger(__name__)
 

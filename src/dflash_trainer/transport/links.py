@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.data.types import Job
-from dflash_trainer.transport.claims import Claim, StoreClaims
 from dflash_trainer.faults import maybe_fault
-from dflash_trainer.transport.pool import BufferedPool
+from dflash_trainer.transport.claims import Claim, StoreClaims
 from dflash_trainer.transport.p2p import recv_batch_into, send_batch
+from dflash_trainer.transport.pool import BufferedPool
 from dflash_trainer.transport.wire import HiddenStateBatch, WireBatch, to_wire
 
 

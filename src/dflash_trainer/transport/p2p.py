@@ -8,7 +8,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dflash_trainer.transport.wire import END_OF_STREAM, HiddenStateBatch, WireBatch, decode_header, encode_header, from_wire
+from dflash_trainer.transport.wire import (
+    END_OF_STREAM,
+    HiddenStateBatch,
+    WireBatch,
+    decode_header,
+    encode_header,
+    from_wire,
+)
 
 
 def send_batch(wire: WireBatch, dst: int, group: Optional[dist.ProcessGroup] = None) -> None:
