@@ -122,7 +122,10 @@ def test_a_second_run_into_a_run_dir_is_refused_unless_resumed_or_overwritten(tm
 
     from dflash_trainer.cli import main
 
+    (run / "report").mkdir(exist_ok=True)
+    (run / "report" / "stale.png").write_bytes(b"")  # the old run's report goes with it
     assert main(["train", "--config", "demo", *overrides(run, *quick, "train.lr=1e-3"), "--overwrite"]) == 0
+    assert not (run / "report" / "stale.png").exists()
     steps = [r["step"] for r in metrics(run) if "loss" in r]
     assert steps == [1, 2] and summary(run)["steps"] == 2  # a fresh run: no rows of the first one
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]

@@ -104,4 +104,4 @@ class RunDir:
     def training_outputs(self) -> list[Path]:
         """What a training run leaves besides `config.yaml` and `plan/` (a new run may not mix with them)."""
         return [self.checkpoints, self.metrics, self.summary, self.export, self.best, self.eval_json,
-                self.tensorboard, self.eval_exports, self.best_tmp]
+                self.tensorboard, self.eval_exports, self.best_tmp, self.report]

@@ -52,11 +52,11 @@ def _json(path: Path) -> Optional[dict[str, Any]]:
 
 def read_run(run_dir: str | Path) -> RunLog:
     run_dir = Path(run_dir)
+    layout = RunDir(run_dir)
     try:
-        config = yaml.safe_load(RunDir(run_dir).config.read_text()) or {}
+        config = yaml.safe_load(layout.config.read_text()) or {}
     except (OSError, yaml.YAMLError):
         config = {}
-    layout = RunDir(run_dir)
     rows = read_metrics(layout.metrics)
     return RunLog(
         run_dir=run_dir,

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.config import Config
-from dflash_trainer.data.plan import plan_epoch, read_epoch_plan, write_epoch_plan, write_summary
+from dflash_trainer.data.plan import EpochPlan, plan_epoch, read_epoch_plan, write_epoch_plan, write_summary
 from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
@@ -98,9 +98,8 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
         plans = [read_epoch_plan(run_dir, e) for e in range(config.train.num_epochs)]
 
     ledger = read_ledger(resume_path) if resume_path else {}
-    remaining = tuple(
-        tuple(j for j in plan.jobs if j.job_id not in set(ledger.get(plan.epoch, []))) for plan in plans
-    )
+    committed = {plan.epoch: set(ledger.get(plan.epoch, [])) for plan in plans}
+    remaining = tuple(tuple(j for j in plan.jobs if j.job_id not in committed[plan.epoch]) for plan in plans)
     group = None
     if env.distributed:  # every rank takes part in creating the drafters' group
         group = dist.new_group(list(placement.drafter_ranks))
@@ -112,7 +111,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     )
 
 
-def epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int):
+def epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int) -> EpochPlan:
     """Read the epoch's plan back when it exists (resume), else build and write it."""
     if RunDir(run_dir).epoch_plan(epoch).is_file():
         return read_epoch_plan(run_dir, epoch)
@@ -121,7 +120,7 @@ def epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int
     return plan
 
 
-def load_checked_target(setup: RunSetup):
+def load_checked_target(setup: RunSetup) -> tuple[torch.nn.Module, TapCapture]:
     """The target, checked against the drafter's spec, and its tap capture (layers compiled when asked)."""
     config, spec = setup.config, setup.spec
     target = load_target(config.target, setup.device, seed=config.run.seed)
