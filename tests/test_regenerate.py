@@ -388,3 +388,77 @@ def test_check_regen_settings(tmp_path):
     assert len(warnings) == 2
     assert "thinking=off" in warnings[0] and "thinking=on" in warnings[0]
     assert "temperature=0.0" in warnings[1] and "0.6" in warnings[1]
+
+
+# ---------------------------------------------------------------- several replies per prompt
+
+
+def test_num_samples_rows_differ_and_resume(tmp_path, tiny_local, tiny_tokenizer):
+    """num_samples=3: three rows per conversation (`id`, `id#1`, `id#2`), sampled apart; a rerun adds none."""
+    import dataclasses
+
+    settings = dataclasses.replace(SETTINGS, backend="local", temperature=1.0, num_samples=3, seed=5)
+    convs = [conv(i, ("user", f"tell me about thing {i}"), ("assistant", "ORIGINAL")) for i in range(4)]
+    backend = local_backend(tiny_local, tiny_tokenizer, temperature=1.0, max_new_tokens=12, seed=5)
+    summary = regenerate(convs, backend=backend, out_dir=tmp_path, settings=settings, progress=False)
+    assert (summary.rows_total, summary.rows_done, summary.complete) == (12, 12, True)
+    rows = {row["id"]: row["messages"] for row in read_rows(tmp_path)}
+    assert set(rows) == {f"src:{i}{s}" for i in range(4) for s in ("", "#1", "#2")}
+    for i in range(4):
+        samples = [rows[f"src:{i}{s}"] for s in ("", "#1", "#2")]
+        assert all(m[0]["content"] == f"tell me about thing {i}" for m in samples)  # the same prompt
+        assert len({m[1]["content"] for m in samples}) > 1  # sampled replies (random tiny target: they differ)
+    assert read_manifest(tmp_path)["settings"]["num_samples"] == 3
+    again = regenerate(convs, backend=backend, out_dir=tmp_path, settings=settings, progress=False)
+    assert again.rows_new == 0 and again.rows_done == 12
+    with pytest.raises(DataError, match="num_samples: the directory has 3, this run asks for 2"):
+        regenerate(convs, backend=backend, out_dir=tmp_path, settings=dataclasses.replace(settings, num_samples=2),
+                   progress=False)
+
+
+def test_http_samples_carry_their_own_seed_and_top_p(tmp_path):
+    import dataclasses
+
+    settings = dataclasses.replace(SETTINGS, temperature=0.8, top_p=0.9, num_samples=2)
+    behaviour = Behaviour()
+    with FakeServer(behaviour) as server:
+        regenerate(simple(2), backend=http_backend(server.url, temperature=0.8, top_p=0.9, seed=3), out_dir=tmp_path,
+                   settings=settings, progress=False)
+    assert sorted(shard_ids(tmp_path)) == ["src:0", "src:0#1", "src:1", "src:1#1"]
+    assert len(behaviour.requests) == 4 and {r["top_p"] for r in behaviour.requests} == {0.9}
+    assert len({r["seed"] for r in behaviour.requests}) == 4  # the two samples of a prompt are not the same draw
+    greedy = Behaviour()
+    with FakeServer(greedy) as server:
+        regenerate(simple(1), backend=http_backend(server.url), out_dir=tmp_path / "greedy", settings=SETTINGS,
+                   progress=False)
+    assert "seed" not in greedy.requests[0] and "top_p" not in greedy.requests[0]
+
+
+def test_sampling_settings_are_validated_and_old_manifests_resume(tmp_path):
+    with pytest.raises(ConfigError, match="regenerate.temperature=0 is greedy"):
+        load_config(None, ["regenerate.num_samples=2"])
+    with pytest.raises(ConfigError, match="regenerate.top_p must be in"):
+        load_config(None, ["regenerate.temperature=0.7", "regenerate.top_p=0"])
+    with pytest.raises(ConfigError, match="regenerate.temperature must be >= 0"):
+        load_config(None, ["regenerate.temperature=nan"])
+    cfg = load_config(None, ["regenerate.temperature=0.7", "regenerate.num_samples=4", "run.seed=9",
+                             "target.random_init=tiny"])
+    from dflash_trainer.regen.settings import settings_differences, settings_from_config
+
+    settings = settings_from_config(cfg)
+    assert (settings.num_samples, settings.seed, settings.top_p) == (4, 9, 1.0)
+    # a manifest written before these settings existed resumes when they are at their defaults
+    old = {k: v for k, v in SETTINGS.to_dict().items() if k not in ("top_p", "num_samples", "seed")}
+    assert settings_differences(old, SETTINGS) == []
+
+
+def test_nucleus_keeps_the_smallest_top_set():
+    import torch
+
+    from dflash_trainer.eval.batched import nucleus
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.9, 0.03, 0.02]])
+    kept = nucleus(probs, 0.8)
+    assert torch.allclose(kept[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))  # 0.5 + 0.3 reach 0.8
+    assert torch.allclose(kept[1], torch.tensor([0.0, 1.0, 0.0, 0.0]))  # the top token alone reaches it
+    assert torch.equal(nucleus(probs, 1.0), probs)

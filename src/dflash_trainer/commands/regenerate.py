@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 def build_backend(config: Config) -> Backend:
     """The backend named by `regenerate.backend`, ready to run (server checked / target loaded)."""
     regen = config.regenerate
+    seed = settings_from_config(config).seed
     if regen.backend == "openai":
         from dflash_trainer.regen.openai import OpenAIBackend
 
@@ -32,6 +33,8 @@ def build_backend(config: Config) -> Backend:
             model=settings_from_config(config).model,
             max_new_tokens=regen.max_new_tokens,
             temperature=regen.temperature,
+            top_p=regen.top_p,
+            seed=seed,
             thinking=regen.thinking,
             concurrency=regen.concurrency,
             request_timeout_s=regen.request_timeout_s,
@@ -56,8 +59,9 @@ def build_backend(config: Config) -> Backend:
         temperature=regen.temperature,
         thinking=regen.thinking,
         batch_size=regen.batch_size,
-        seed=config.run.seed,
+        seed=seed,
         max_prompt_tokens=regen.max_prompt_tokens,
+        top_p=regen.top_p,
     )
 
 
@@ -67,6 +71,7 @@ def _source_info(config: Config, conversations: list, report: Any) -> dict[str, 
         "data": [s.path for s in config.data.resolved_sources()],
         "max_conversations": config.data.max_conversations,
         "conversations": dict(per_source),
+        "num_samples": config.regenerate.num_samples,
         "report": report if isinstance(report, (dict, list, str, int, float)) else str(report),
     }
 

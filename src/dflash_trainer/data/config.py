@@ -95,6 +95,12 @@ class RegenerateConfig:
     """Conversations answered in parallel by the openai backend (worker threads)."""
     temperature: float = 0.0
     """0: greedy; otherwise sampling. Recorded in the output's manifest; match how the target will serve."""
+    top_p: float = 1.0
+    """Sampling keeps the smallest set of likeliest tokens whose probability reaches top_p (1.0: all)."""
+    num_samples: int = 1
+    """Replies per conversation, each a row of its own (`<id>#k` for k >= 1); > 1 needs temperature > 0."""
+    seed: Optional[int] = None
+    """Seed of the sampling (None: run.seed). Recorded in the manifest."""
     thinking: bool = False
     """`enable_thinking` for the generation prompt (Qwen3). Recorded in the manifest; must match serving."""
     batch_size: int = 16
@@ -117,8 +123,18 @@ class RegenerateConfig:
         for key in ("max_new_tokens", "concurrency", "batch_size", "shard_rows"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"regenerate.{key} must be >= 1, got {getattr(self, key)}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")
+        if self.num_samples < 1:
+            raise ConfigError(f"regenerate.num_samples must be >= 1, got {self.num_samples}")
+        if self.temperature == 0 and (self.num_samples > 1 or self.top_p < 1):
+            raise ConfigError(
+                f"regenerate.num_samples={self.num_samples} and top_p={self.top_p} need sampling, but "
+                "regenerate.temperature=0 is greedy (every sample would be the same reply): set regenerate.temperature "
+                "> 0 (e.g. 0.8), or num_samples=1 and top_p=1.0"
+            )
         if self.request_timeout_s <= 0 or self.retry_backoff_s < 0:
             raise ConfigError(
                 "regenerate.request_timeout_s must be > 0 and regenerate.retry_backoff_s >= 0, got "

@@ -21,6 +21,8 @@ class Conversation:
     """Name of the source it came from (for reports and the mix)."""
     source_index: int
     """Row index inside its source (stable: used for ids and the held-out split)."""
+    sample: int = 0
+    """Which of several replies regenerated for the same prompts this is (0: the first, or a source row)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,8 +3,8 @@
 Conversations are taken in chunks; each chunk is answered round by round (round k answers every
 conversation's k-th user turn, conditioned on its regenerated earlier turns). Within a round the prompts
 are sorted by length and generated in left-padded batches of `batch_size` with a KV cache; finished rows
-leave the batch as they end. Greedy at temperature 0, else sampled from the full softmax at `temperature`
-(no top-k or top-p). A chunk's rows are yielded when its last round is done, so an interruption loses at
+leave the batch as they end. Greedy at temperature 0, else sampled at `temperature` from the `top_p` nucleus
+(no top-k). A chunk's rows are yielded when its last round is done, so an interruption loses at
 most one chunk.
 """
 
@@ -42,6 +42,7 @@ class LocalBackend:
         batch_size: int,
         seed: int = 0,
         max_prompt_tokens: int | None = None,
+        top_p: float = 1.0,
     ) -> None:
         self.model = model
         self.max_prompt_tokens = max_prompt_tokens
@@ -54,6 +55,7 @@ class LocalBackend:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.seed = seed
         self.temperature = temperature
+        self.top_p = top_p
         rows = model.get_input_embeddings().num_embeddings
         self.banned = list(range(len(tokenizer), rows))  # spare embedding rows decode to nothing: never generate
         self.generator = torch.Generator(device=model.device)
@@ -118,7 +120,7 @@ class LocalBackend:
         """Replies to `prompts` (token ids), cut before the first stop token, decoded verbatim."""
         results = decode_batch(
             self.model, [torch.tensor(p, dtype=torch.int64) for p in prompts], max_new_tokens=self.max_new_tokens,
-            stop_token_ids=self.stop_ids, temperature=self.temperature, generator=self.generator,
+            stop_token_ids=self.stop_ids, temperature=self.temperature, top_p=self.top_p, generator=self.generator,
             pad_token_id=self.pad_id, banned_token_ids=self.banned,
         )
         stops = set(self.stop_ids)

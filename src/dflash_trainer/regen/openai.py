@@ -17,6 +17,7 @@ import socket
 import threading
 import urllib.error
 import urllib.request
+import zlib
 from typing import Any, Iterable, Iterator
 
 from dflash_trainer.data.types import Conversation, Message
@@ -69,6 +70,8 @@ class OpenAIBackend:
         temperature: float,
         thinking: bool,
         concurrency: int,
+        top_p: float = 1.0,
+        seed: int = 0,
         request_timeout_s: float,
         max_retries: int,
         retry_backoff_s: float,
@@ -77,6 +80,8 @@ class OpenAIBackend:
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
+        self.top_p = top_p
+        self.seed = seed
         self.thinking = thinking
         self.concurrency = concurrency
         self.timeout = request_timeout_s
@@ -100,17 +105,21 @@ class OpenAIBackend:
                 "served name (default: target.path) or serve that model"
             )
 
-    def complete(self, messages: tuple[Message, ...]) -> str:
-        """One reply, retried on transient errors; raises RequestFailed when it cannot be had."""
-        body = json.dumps(
-            {
-                "model": self.model,
-                "messages": as_dicts(messages),
-                "max_tokens": self.max_new_tokens,
-                "temperature": self.temperature,
-                "chat_template_kwargs": {"enable_thinking": self.thinking},
-            }
-        ).encode()
+    def complete(self, messages: tuple[Message, ...], request_key: str = "") -> str:
+        """One reply, retried on transient errors; raises RequestFailed when it cannot be had. A sampled
+        request carries a seed of its own, drawn from `seed` and `request_key` (row id and turn): the samples
+        of one prompt differ, and a rerun asks for the same ones."""
+        request: dict[str, Any] = {
+            "model": self.model,
+            "messages": as_dicts(messages),
+            "max_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "chat_template_kwargs": {"enable_thinking": self.thinking},
+        }
+        if self.temperature > 0:
+            request["top_p"] = self.top_p
+            request["seed"] = zlib.crc32(f"{self.seed}:{request_key}".encode()) & 0x7FFFFFFF
+        body = json.dumps(request).encode()
         last = ""
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -155,7 +164,7 @@ class OpenAIBackend:
         turn = 0
         while (prompt := state.next_prompt()) is not None:
             try:
-                state.add_reply(self.complete(prompt))
+                state.add_reply(self.complete(prompt, f"{state.row_id}/{turn}"))
             except RequestFailed as e:
                 return failed(state.row_id, f"user turn {turn}: {e}")
             turn += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ class RegenSummary:
 
     out_dir: str
     rows_total: int
-    """Distinct input conversations of this run."""
+    """Rows this run asks for: distinct input conversations x regenerate.num_samples."""
     rows_done: int
     """Rows in the shards (earlier runs included)."""
     rows_failed: int
@@ -66,15 +67,17 @@ def regenerate(
     source: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> RegenSummary:
-    """Answer every conversation not yet in `out_dir` with `backend`, appending rows as they finish.
+    """Answer every conversation not yet in `out_dir` with `backend`, appending rows as they finish;
+    `settings.num_samples` times each (row ids `<id>`, `<id>#1`, ...).
 
     Resumable: rerunning with the same settings skips the rows already written. An exception or
     Ctrl-C still flushes the written rows and the manifest before propagating.
     """
     convs = list(conversations)
-    todo_all = _distinct(convs)
-    if len(todo_all) < len(convs):
-        log.info("regenerate: %d repeated conversation ids answered once", len(convs) - len(todo_all))
+    distinct = _distinct(convs)
+    if len(distinct) < len(convs):
+        log.info("regenerate: %d repeated conversation ids answered once", len(convs) - len(distinct))
+    todo_all = [dataclasses.replace(c, sample=k) for c in distinct for k in range(settings.num_samples)]
     store = RegenStore.open(
         out_dir,
         settings=settings,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,7 +31,7 @@ class RegenSettings:
     thinking: bool
     """`enable_thinking` passed to the chat template for the generation prompt."""
     temperature: float
-    """0: greedy; otherwise sampling at this temperature (top-p/top-k: the model's generation defaults)."""
+    """0: greedy; otherwise sampling at this temperature."""
     max_new_tokens: int
     """Cap on each reply's tokens."""
     chat_template: Optional[str]
@@ -40,6 +40,12 @@ class RegenSettings:
     """User turns regenerated per conversation (None: all)."""
     max_prompt_tokens: Optional[int] = None
     """Prompts longer than this failed (local backend; None: no cap but the target's context)."""
+    top_p: float = 1.0
+    """Sampling's nucleus (1.0: the whole distribution)."""
+    num_samples: int = 1
+    """Replies per conversation, each its own row."""
+    seed: int = 0
+    """Seed of the sampling."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,15 +71,21 @@ def settings_from_config(config: Config) -> RegenSettings:
         chat_template=config.data.chat_template if regen.backend == "local" else None,
         max_turns=regen.max_turns,
         max_prompt_tokens=regen.max_prompt_tokens if regen.backend == "local" else None,
+        top_p=float(regen.top_p),
+        num_samples=int(regen.num_samples),
+        seed=int(regen.seed if regen.seed is not None else config.run.seed),
     )
 
 
 def settings_differences(stored: dict[str, Any], wanted: RegenSettings) -> list[str]:
-    """One line per setting whose stored value differs from `wanted`."""
+    """One line per setting whose stored value differs from `wanted` (a setting newer than the directory's
+    manifest counts as its default)."""
+    defaults = {f.name: f.default for f in fields(RegenSettings) if f.default is not MISSING}
     lines = []
     for key, value in wanted.to_dict().items():
-        if stored.get(key) != value:
-            lines.append(f"{key}: the directory has {stored.get(key)!r}, this run asks for {value!r}")
+        had = stored.get(key, defaults.get(key))
+        if had != value:
+            lines.append(f"{key}: the directory has {had!r}, this run asks for {value!r}")
     return lines
 
 

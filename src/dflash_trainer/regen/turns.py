@@ -26,7 +26,9 @@ class RegenOutcome:
 
 
 def row_id(conversation: Conversation) -> str:
-    return f"{conversation.source}:{conversation.source_index}"
+    """`<source>:<index>`, and `#k` for the k-th extra sample of the same prompts."""
+    base = f"{conversation.source}:{conversation.source_index}"
+    return f"{base}#{conversation.sample}" if conversation.sample else base
 
 
 def structure_error(conversation: Conversation) -> str | None:
