@@ -18,7 +18,7 @@ SUBCOMMANDS = {
     "plan": "tokenize the data and print the epoch plan summary",
     "train": "train a drafter (one process colocated, or under torchrun)",
     "eval": "measure acceptance length (tau) by speculative decoding",
-    "export": "write a training checkpoint in the DFlash inference format",
+    "export": "write a training checkpoint in an inference format (DFlash, or speculators for vLLM)",
     "regenerate": "answer a dataset's prompts again with the target",
     "report": "figures of a run in one self-contained HTML page (RUN_DIR/report/)",
 }
@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
         if name == "export":
             p.add_argument("--checkpoint", required=False, help="training checkpoint directory")
             p.add_argument("--out", required=False, help="output directory")
+            p.add_argument("--format", choices=("dflash", "speculators"), default="dflash",
+                           help="dflash (default): SGLang and the DFlash reference code load it; speculators: "
+                           "vLLM loads it natively")
+            p.add_argument("--verifier", default=None,
+                           help="with --format speculators: hub id or folder of the target you will serve "
+                           "(default: target.path)")
         if name == "regenerate":
             p.add_argument("--out", required=False, help="output dataset directory")
         if name == "report":

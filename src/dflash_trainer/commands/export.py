@@ -1,4 +1,5 @@
-"""`dflash-train export --checkpoint PATH --out DIR`: a training checkpoint in the DFlash inference format."""
+"""`dflash-train export --checkpoint PATH --out DIR [--format dflash|speculators]`: a training checkpoint in an
+inference format: DFlash (SGLang, the DFlash reference code; the default) or speculators (vLLM)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ def run(config: Config, args) -> int:
 
     from dflash_trainer.data.tokenizer import load_tokenizer
     from dflash_trainer.drafter.export import export_drafter
+    from dflash_trainer.drafter.export_speculators import export_speculators, verifier_reference
     from dflash_trainer.drafter.model import DFlashDrafter
     from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
     from dflash_trainer.target.load import target_model_config
@@ -24,6 +26,11 @@ def run(config: Config, args) -> int:
     ckpt = Path(args.checkpoint)
     if not (ckpt / COMPLETE).is_file() or not (ckpt / "drafter.safetensors").is_file():
         raise ConfigError(f"--checkpoint {ckpt} is not a complete training checkpoint (checkpoints/step_N)")
+    verifier = None  # the speculators format records the target to serve with; resolved before the work
+    if getattr(args, "format", "dflash") == "speculators":
+        verifier = verifier_reference(getattr(args, "verifier", None), config.target)
+    elif getattr(args, "verifier", None):
+        raise ConfigError("--verifier is for --format speculators (the DFlash format does not record the target)")
     problem = checkpoint_problem(ckpt)
     if problem is not None:
         raise ConfigError(f"--checkpoint {ckpt} is damaged: {problem}; export another checkpoint")
@@ -42,6 +49,9 @@ def run(config: Config, args) -> int:
         )
     model.load_state_dict(weights)
     model.to(getattr(torch, config.target.dtype))
-    out = export_drafter(model, args.out, target_config=target_config)
+    if verifier is not None:
+        out = export_speculators(model, args.out, verifier=verifier, target_config=target_config)
+    else:
+        out = export_drafter(model, args.out, target_config=target_config)
     print(f"exported {ckpt} -> {out} (config.json, model.safetensors)")
     return 0

@@ -78,6 +78,15 @@ def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_c
                    dtype: Optional[torch.dtype] = None) -> Path:
     """Write config.json + model.safetensors to out_dir (created); returns the directory. `dtype`: cast the
     weights (e.g. the target's bf16 for serving; training keeps fp32 master weights)."""
+    state = export_state(model, target_config=target_config, dtype=dtype)
+    config = export_config(model.spec, dtype=state["fc.weight"].dtype, target_config=target_config)
+    return write_export(out_dir, config, state)
+
+
+def export_state(model: DFlashDrafter, *, target_config: Optional[Any] = None,
+                 dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """The drafter's weights on the host in `dtype` (default: as they are), key set checked. The same
+    tensors serve both export formats: neither stores the embedding or the LM head (the target's)."""
     spec = model.spec
     if target_config is not None and target_config.hidden_size != spec.hidden_size:
         raise ConfigError(
@@ -85,12 +94,16 @@ def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_c
         )
     state = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}  # host copy
     check_keys(set(state), spec.num_layers, "export")
+    return state
+
+
+def write_export(out_dir: str | os.PathLike, config: dict, state: dict[str, torch.Tensor]) -> Path:
+    """config.json + model.safetensors into out_dir (created); returns the directory."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"cannot export to {str(out)!r}: it is a file; give a directory")
     out.mkdir(parents=True, exist_ok=True)
-    dtype = state["fc.weight"].dtype
-    (out / CONFIG_NAME).write_text(json.dumps(export_config(spec, dtype=dtype, target_config=target_config), indent=2))
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     return out
 

@@ -1,0 +1,113 @@
+"""Export in the `speculators` format (vllm-project/speculators), the one vLLM loads natively.
+
+The weights are the DFlash format's (drafter/export.py: `layers.N.*`, `fc`, `hidden_norm`, `norm`; no
+embedding, no LM head). Only config.json differs; it follows speculators 0.9's `DFlashSpeculatorConfig`:
+- `speculators_model_type: dflash`: vLLM and speculators pick the model class by it;
+- `transformer_layer_config`: the drafter's Qwen3 config, nested;
+- `draft_vocab_size`: the target's vocabulary size. Any other value (speculators' default is 32000) switches
+  on a reduced draft vocabulary, which needs token maps we do not train;
+- `block_size` and `mask_token_id` at the top level;
+- `aux_hidden_state_layer_ids`: tap ids + 1. Speculators counts a tapped layer by its HF `hidden_states`
+  index (0 is the embedding), we count decoder layers;
+- `speculators_config.verifier.name_or_path`: the target. Loaders take the embedding and LM head from it;
+  without it they stay NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dflash_trainer.drafter.export import export_config, export_state, write_export
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.spec import DrafterSpec
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.config import TargetConfig, model_reference
+
+FORMAT_VERSION = "0.9.0"
+"""The speculators release whose format this writes (its `speculators_version` field)."""
+
+# export_config's DFlash fields: the speculators format keeps them at its top level, not in the layer config
+_DFLASH_ONLY_KEYS = ("architectures", "block_size", "dflash_config", "num_target_layers")
+
+
+def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
+    """The verifier to record: `--verifier` if given, else `target.path`. A local folder becomes an absolute
+    path (the export is loaded from elsewhere); a hub id stays as it is."""
+    name, key = (verifier, "--verifier") if verifier else (target.path, "target.path")
+    if not name:
+        raise ConfigError(
+            "export --format speculators records the target (the verifier), from which vLLM and speculators load "
+            "the drafter's embedding and LM head, and this config has no target.path (a random-init target has "
+            "no weights to load): pass --verifier HUB_ID_OR_FOLDER, the model you will serve the drafter with"
+        )
+    reference = model_reference(name, key, "config.json")
+    local = Path(reference).expanduser()
+    return str(local.resolve()) if local.is_dir() else reference
+
+
+def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Optional[Any]) -> list[str]:
+    """The verifier's `architectures`. For a local folder they come from its config.json, which must also fit
+    the drafter (hidden size, vocabulary); a hub id is not fetched, the target's config stands for it."""
+    path = Path(verifier)
+    if not path.is_dir():
+        return list(getattr(target_config, "architectures", None) or [])
+    try:
+        config = json.loads((path / "config.json").read_text())
+        text = config.get("text_config") or config  # multimodal configs nest the language model's fields
+        sizes = (int(text["hidden_size"]), int(text["vocab_size"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"verifier {verifier}: cannot read hidden_size and vocab_size from its config.json "
+                          f"({type(e).__name__}: {e})") from None
+    if sizes != (spec.hidden_size, spec.vocab_size):
+        raise ConfigError(
+            f"verifier {verifier} has hidden_size {sizes[0]} and vocab_size {sizes[1]}, but this drafter was "
+            f"built for {spec.hidden_size} and {spec.vocab_size}: name the target the drafter was trained for"
+        )
+    return list(config.get("architectures") or [])
+
+
+def speculators_config(spec: DrafterSpec, *, dtype: torch.dtype, verifier: str, architectures: list[str],
+                       target_config: Optional[Any] = None) -> dict:
+    """The config.json dict of a speculators-format DFlash drafter."""
+    layer_config = export_config(spec, dtype=dtype, target_config=target_config)
+    for key in _DFLASH_ONLY_KEYS:
+        layer_config.pop(key)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_version": FORMAT_VERSION,
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": spec.vocab_size,
+        "block_size": spec.block_size,
+        "mask_token_id": spec.mask_token_id,
+        "aux_hidden_state_layer_ids": [t + 1 for t in spec.tap_layer_ids],
+        # the block's first slot holds the last committed token, as in our training (B - 1 drafted tokens)
+        "sample_from_anchor": False,
+        # our sliding layers are causal inside the block too (drafter/attention_mask.py)
+        "sliding_window_non_causal": False,
+        "tie_word_embeddings": False,
+        "dtype": layer_config["dtype"],
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": architectures},
+        },
+    }
+
+
+def export_speculators(model: DFlashDrafter, out_dir: str | os.PathLike, *, verifier: str,
+                       target_config: Optional[Any] = None, dtype: Optional[torch.dtype] = None) -> Path:
+    """Write config.json + model.safetensors in the speculators format to out_dir (created); returns it.
+    `verifier`: the target's hub id or folder (verifier_reference)."""
+    architectures = verifier_architectures(verifier, model.spec, target_config)
+    state = export_state(model, target_config=target_config, dtype=dtype)
+    config = speculators_config(model.spec, dtype=state["fc.weight"].dtype, verifier=verifier,
+                                architectures=architectures, target_config=target_config)
+    return write_export(out_dir, config, state)

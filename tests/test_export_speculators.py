@@ -1,0 +1,108 @@
+"""`export --format speculators`: the config fields vLLM and speculators read, the weights, the verifier.
+
+These run without the `speculators` package; tests/test_speculators_compat.py loads the result with it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_trainer.drafter.export import export_drafter
+from dflash_trainer.drafter.export_speculators import export_speculators, verifier_reference
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.config import TargetConfig
+from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
+
+
+def _verifier_folder(path, target_config):
+    """A target folder as loaders see it: its config.json (architectures set, as save_pretrained does)."""
+    target_config.architectures = ["Qwen3ForCausalLM"]
+    target_config.save_pretrained(path)
+    return path
+
+
+def test_config_fields_and_weights(tmp_path):
+    drafter, target = tiny_drafter(sliding_layers=[1], sliding_window=6)
+    verifier = _verifier_folder(tmp_path / "verifier", target)
+    export_speculators(drafter, tmp_path / "spec", verifier=str(verifier), target_config=target)
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
+    assert config["draft_vocab_size"] == target.vocab_size  # not the 32000 default: no reduced vocabulary
+    assert config["block_size"] == 4 and config["mask_token_id"] == target.vocab_size - 1
+    assert config["aux_hidden_state_layer_ids"] == [2, 4]  # taps [1, 3] as HF hidden_states indices
+    assert config["sample_from_anchor"] is False
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2
+    assert layer["hidden_size"] == target.hidden_size and layer["vocab_size"] == target.vocab_size
+    assert layer["layer_types"] == ["full_attention", "sliding_attention"] and layer["sliding_window"] == 6
+    assert not {"dflash_config", "block_size", "num_target_layers", "architectures"} & set(layer)
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "dflash" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
+                                         "accept_tolerance": 0.0}]
+    assert spec["verifier"] == {"name_or_path": str(verifier), "architectures": ["Qwen3ForCausalLM"]}
+    # the weights are the DFlash format's, tensor for tensor
+    export_drafter(drafter, tmp_path / "dflash", target_config=target)
+    ours, theirs = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("spec", "dflash"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_verifier_reference(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="pass --verifier HUB_ID_OR_FOLDER"):
+        verifier_reference(None, TargetConfig(random_init="tiny"))
+    assert verifier_reference("Qwen/Qwen3-8B", TargetConfig(random_init="tiny")) == "Qwen/Qwen3-8B"
+    _, target = tiny_drafter()
+    _verifier_folder(tmp_path / "target", target)
+    monkeypatch.chdir(tmp_path)
+    assert verifier_reference(None, TargetConfig(path="target")) == str(tmp_path / "target")  # absolute
+    assert verifier_reference("./target", TargetConfig(path="Qwen/Qwen3-8B")) == str(tmp_path / "target")
+    with pytest.raises(ConfigError, match="--verifier='./nothing' does not exist"):
+        verifier_reference("./nothing", TargetConfig(random_init="tiny"))
+
+
+def test_a_verifier_of_another_size_is_refused(tmp_path):
+    drafter, target = tiny_drafter()
+    target.hidden_size *= 2
+    verifier = _verifier_folder(tmp_path / "other", target)
+    with pytest.raises(ConfigError, match="has hidden_size 128 .* name the target the drafter was trained for"):
+        export_speculators(drafter, tmp_path / "spec", verifier=str(verifier))
+    assert not (tmp_path / "spec").exists()
+
+
+def _demo_checkpoint(run_dir):
+    """A training checkpoint of the demo recipe's drafter (random weights), as `train` writes it."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.drafter.model import DFlashDrafter
+    from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
+    from dflash_trainer.target.load import target_model_config
+    from dflash_trainer.train.checkpoint import CheckpointState, save_checkpoint
+
+    config = load_config("demo", [f"run.dir={run_dir}"])
+    target = target_model_config(config.target)
+    mask = first_spare_row(load_tokenizer(config.target, config.data.chat_template))
+    drafter = DFlashDrafter(drafter_spec(target, config.drafter, mask_token_id=mask))
+    state = CheckpointState(step=1, epoch=0, ledger={}, model_signature={}, data_fingerprint="", scheduler={}, extra={})
+    return save_checkpoint(run_dir, state, drafter.state_dict(), {}, keep_last=1), drafter, target
+
+
+def test_cli_export_speculators(tmp_path, capsys):
+    from dflash_trainer.cli import main
+
+    ckpt, drafter, target = _demo_checkpoint(tmp_path / "run")
+    args = ["export", "--config", "demo", f"run.dir={tmp_path / 'run'}", "--checkpoint", str(ckpt)]
+    assert main([*args, "--out", str(tmp_path / "a"), "--format", "speculators"]) == 2
+    assert "has no target.path" in capsys.readouterr().err and not (tmp_path / "a").exists()  # random-init target
+    assert main([*args, "--out", str(tmp_path / "b"), "--verifier", "Qwen/Qwen3-8B"]) == 2
+    assert "--verifier is for --format speculators" in capsys.readouterr().err
+    verifier = _verifier_folder(tmp_path / "verifier", target)
+    assert main([*args, "--out", str(tmp_path / "c"), "--format", "speculators", "--verifier", str(verifier)]) == 0
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(verifier)
+    assert config["aux_hidden_state_layer_ids"] == [2, 4] and config["block_size"] == 8  # demo: taps [1, 3], B=8
+    weights = load_file(str(tmp_path / "c" / "model.safetensors"))
+    assert all(torch.equal(weights[k], v) for k, v in drafter.state_dict().items())
