@@ -108,3 +108,33 @@ def test_reference_package_parity(tmp_path, sliding):
             torch.testing.assert_close(train_out[j], expected, atol=1e-5, rtol=1e-5)
             checked += 1
     assert checked >= 5
+
+
+def test_an_export_written_by_modelopt_loads_and_a_causal_one_is_refused(tmp_path):
+    """ModelOpt 0.47's DFlash exporter writes the same weight names with its own config.json: the top-level
+    rope_theta only, `torch_dtype`, and `dflash_config.causal`. Evaluating a peer's drafter reads it as is."""
+    drafter, target = tiny_drafter()
+    export_drafter(drafter, tmp_path / "ours", target_config=target)
+    spec = drafter.spec
+    peer = {  # the keys ModelOpt's DFlashExporter writes (bench/RESULTS.md, peer bake-off)
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": spec.block_size,
+        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.tap_layer_ids),
+                          "causal": False},
+        "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim, "intermediate_size": spec.intermediate_size, "hidden_act": "silu",
+        "rms_norm_eps": spec.rms_norm_eps, "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings, "rope_theta": spec.rope_parameters["rope_theta"],
+        "rope_scaling": None, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "num_target_layers": spec.num_target_layers, "layer_types": ["full_attention"] * spec.num_layers,
+    }
+    folder = tmp_path / "modelopt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(peer))
+    (folder / "model.safetensors").write_bytes((tmp_path / "ours" / "model.safetensors").read_bytes())
+    loaded = load_drafter(folder)
+    assert loaded.spec == drafter.spec
+    peer["dflash_config"]["causal"] = True
+    (folder / "config.json").write_text(json.dumps(peer))
+    with pytest.raises(ConfigError, match="causal is true"):
+        load_drafter(folder)

@@ -111,6 +111,9 @@ def write_export(out_dir: str | os.PathLike, config: dict, state: dict[str, torc
 def spec_from_export(config: dict) -> DrafterSpec:
     """The DrafterSpec described by an export's config.json dict."""
     dflash = config.get("dflash_config") or {}
+    if dflash.get("causal"):  # other trainers (ModelOpt) can train blocks that attend causally
+        raise ValueError("dflash_config.causal is true: this drafter's blocks attend causally, and dflash-train's "
+                         "drafter attends bidirectionally within a block (the DFlash paper's); it cannot run it")
     num_layers = config["num_hidden_layers"]
     num_target_layers = config["num_target_layers"]
     taps = dflash.get("target_layer_ids") or choose_tap_layer_ids(num_target_layers, num_layers)
