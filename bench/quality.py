@@ -31,6 +31,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import yaml
 from common import ROOT, git_commit, write_result
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -91,6 +92,24 @@ def _write_messages(path: Path, conversations) -> None:
             f.write(json.dumps({"messages": [{"role": m.role, "content": m.content} for m in c.messages]}) + "\n")
 
 
+def write_prompts(cache: Path, args) -> None:
+    """The training and evaluation prompts (`split_sharegpt`), cut after `--prompt-turns` user turns: a
+    first-turn regeneration needs only the first (a small file to carry to a machine without the package)."""
+    train, evals = split_sharegpt(args.eval_prompts, args.train_conversations)
+    if args.prompt_turns is not None:
+        from dflash_trainer.data.types import Conversation
+        from dflash_trainer.regen.turns import limit_turns
+
+        def prompt_only(c):  # the assistant turns are answered again: the last user turn ends the prompt
+            c = limit_turns(c, args.prompt_turns)
+            last_user = max(i for i, m in enumerate(c.messages) if m.role == "user")
+            return Conversation(messages=c.messages[: last_user + 1], source=c.source, source_index=c.source_index)
+
+        train = [prompt_only(c) for c in train]
+    _write_messages(cache / "train_prompts.jsonl", train)
+    _write_messages(cache / "eval_prompts.jsonl", evals)
+
+
 def _complete(regen_dir: Path) -> bool:
     manifest = regen_dir / "manifest.json"
     return manifest.is_file() and json.loads(manifest.read_text()).get("complete", False)
@@ -111,9 +130,8 @@ def prepare_data(args) -> dict:
         info["cached"] = "partial"
     else:
         info["cached"] = False
-        train, evals = split_sharegpt(args.eval_prompts, args.train_conversations)
-        _write_messages(cache / "train_prompts.jsonl", train)
-        _write_messages(cache / "eval_prompts.jsonl", evals)
+        if not ((cache / "train_prompts.jsonl").is_file() and (cache / "eval_prompts.jsonl").is_file()):
+            write_prompts(cache, args)
         t0 = time.perf_counter()
         for name in ("eval", "train"):
             regen = [o for o in args.overrides if o.startswith(("regenerate.", "run."))]
@@ -211,6 +229,10 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
         "greedy_match_rate": ev.get("greedy_match_rate"), "eval_seconds": eval_json.get("seconds"),
         "acceptance_histogram": ev.get("acceptance_histogram"), "val": val, "evals": evals,
         "final_sim_tau": summary.get("final_sim_tau"), "run_dir": str(run_dir),
+        "budget_minutes": (yaml.safe_load((run_dir / "config.yaml").read_text())["train"] or {}).get("max_minutes"),
+        "throughput_tokens_per_s": summary.get("throughput_tokens_per_s"),
+        "train_loop_s": summary["tokens_trained"] / summary["throughput_tokens_per_s"]
+        if summary.get("throughput_tokens_per_s") else None,
     }
 
 
@@ -287,11 +309,16 @@ def main(argv=None) -> int:
     p.add_argument("--pack", type=Path, help="write the data cache as parts into this directory")
     p.add_argument("--unpack", type=Path, help="restore the data cache from parts in this directory")
     p.add_argument("--data-only", action="store_true", help="prepare (and pack) the data, train nothing")
+    p.add_argument("--prompts-only", action="store_true", help="write the prompt files into the cache and stop")
+    p.add_argument("--prompt-turns", type=int, default=None, help="keep this many user turns of each training prompt")
     p.add_argument("--no-regen", action="store_true", help="use the cache as it is, even if regeneration is unfinished")
     p.add_argument("--record", type=Path, help="append the row of this result JSON to bench/RESULTS.md")
     args = p.parse_args(argv)
     if args.record:
         record(args.record)
+        return 0
+    if args.prompts_only:
+        write_prompts(Path(args.cache), args)
         return 0
     args.target = args.target or default_target()
     if args.unpack and unpack(args.unpack, Path(args.cache)):

@@ -1,0 +1,104 @@
+"""Run ModelOpt's DFlash training example (`main.py`, fetched into `.peer/`, not part of this repository) under
+a wall-clock budget, and record what it trained. Called by `bench/peers.py`; runs in the peer's Python.
+
+    python bench/peer_modelopt_run.py --example DIR --budget-s S --stats FILE.json -- --config RECIPE [k=v ...]
+
+Two things are added around the unchanged script, through the `transformers.Trainer` it builds:
+- a callback that stops training once `--budget-s` seconds have passed since the first step began (the
+  step-count schedule is set by the caller from a calibration run, so the budget is only a guard);
+- a count of the real (non-padding) tokens of every training batch, summed on the device (no host sync).
+`--stats` gets: steps, seconds from the first step to the last, real tokens, padded tokens, step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+
+def install_hooks(budget_s: float, stats_path: Path) -> None:
+    import torch
+    from transformers import Trainer, TrainerCallback
+
+    counts: dict = {"real": None, "padded": 0}
+
+    class Budget(TrainerCallback):
+        def __init__(self) -> None:
+            self.start = None
+            self.step_ends: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.start is None:
+                self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_ends.append(time.perf_counter() - self.start)
+            if self.step_ends[-1] >= budget_s:
+                control.should_training_stop = True
+
+        def on_train_end(self, args, state, control, **kwargs):
+            real = int(counts["real"].item()) if counts["real"] is not None else 0  # host sync: once, at the end
+            stats = {"steps": state.global_step, "seconds": self.step_ends[-1] if self.step_ends else 0.0,
+                     "real_tokens": real, "padded_tokens": counts["padded"], "step_ends_s": self.step_ends,
+                     "budget_s": budget_s, "stopped_by_budget": bool(self.step_ends) and self.step_ends[-1] >= budget_s}
+            stats_path.write_text(json.dumps(stats))
+
+    original_init, original_step = Trainer.__init__, Trainer.training_step
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.add_callback(Budget())
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        mask = inputs.get("attention_mask")
+        if mask is not None:
+            real = mask.detach().sum()  # stays on the device
+            counts["real"] = real if counts["real"] is None else counts["real"] + real
+            counts["padded"] += mask.numel()
+        return original_step(self, model, inputs, *args, **kwargs)
+
+    Trainer.__init__, Trainer.training_step = init, training_step
+    torch.manual_seed(0)
+
+
+def python_311_pickling_shim() -> None:
+    """On Python < 3.12 a class made by `dataclasses.make_dataclass` names module `types`, so saving the
+    example's training arguments fails to pickle; name the running script instead (3.12 does this itself)."""
+    if sys.version_info >= (3, 12):
+        return
+    import dataclasses
+
+    original = dataclasses.make_dataclass
+
+    def make_dataclass(*args, **kwargs):
+        cls = original(*args, **kwargs)
+        cls.__module__ = "__main__"
+        return cls
+
+    dataclasses.make_dataclass = make_dataclass
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--example", type=Path, required=True, help="ModelOpt's examples/speculative_decoding folder")
+    p.add_argument("--budget-s", type=float, required=True)
+    p.add_argument("--stats", type=Path, required=True)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="-- then main.py's own arguments")
+    args = p.parse_args()
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    install_hooks(args.budget_s, args.stats.resolve())
+    python_311_pickling_shim()
+    example = args.example.resolve()
+    os.chdir(example)
+    sys.path.insert(0, str(example))
+    sys.argv = [str(example / "main.py"), *rest]
+    runpy.run_path(str(example / "main.py"), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
