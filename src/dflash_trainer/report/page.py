@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from dflash_trainer.layout import RunDir
 from dflash_trainer.report.figures import draw_all
 from dflash_trainer.report.runlog import RunLog, read_run
+from dflash_trainer.rundir import RunDir
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:1em 0}td{padding:3px 12px;border-bottom:1px solid #ddd;vertical-align:top}

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from dflash_trainer.layout import RunDir, write_atomic
+from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.train.trainer import TrainResult
 from dflash_trainer.transport.pool import PoolReport
 
@@ -78,8 +78,9 @@ def write_summary_file(run_dir: Path, summary: dict) -> None:
 
 
 def write_failed_summary(run_dir: Optional[Path], rank: int, cause: str, *, keep_existing: bool = False) -> None:
-    """`summary.json` with status failed; `keep_existing`: leave a failure summary already written alone."""
-    if run_dir is None:
+    """`summary.json` with status failed; `keep_existing`: leave a failure summary already written alone. Never
+    creates the run dir (rank 0 removes one that a failed start created)."""
+    if run_dir is None or not Path(run_dir).is_dir():
         return
     path = RunDir(run_dir).summary
     try:

@@ -25,7 +25,7 @@ from dflash_trainer.drafter.init import init_from_target, target_tensor_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.faults import maybe_fault
-from dflash_trainer.layout import RunDir, write_atomic
+from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
 from dflash_trainer.train.metrics import build_sinks, read_metrics
