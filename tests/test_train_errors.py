@@ -245,3 +245,12 @@ def test_resume_of_a_finished_run_leaves_it_as_it_is(tmp_path, capsys):
     assert train_in_process(run, "train.max_steps=2", resume=True) == 0
     assert "is finished" in capsys.readouterr().out
     assert (run / "summary.json").read_text() == before
+
+
+def test_a_resumed_run_counts_the_tokens_of_every_session(tmp_path):
+    run = tmp_path / "run"
+    assert train_in_process(run, "train.max_steps=2") == 0
+    assert train_in_process(run, "train.max_steps=4", resume=True) == 0
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert summary(run)["tokens_trained"] == sum(r["tokens"] for r in rows)

@@ -56,7 +56,10 @@ def essentials(run: RunLog) -> list[tuple[str, str]]:
         ("real tau (prompt lookup)", f"{_fmt(ev.get('tau'))} ({_fmt(ev.get('prompt_lookup_tau'))}); best "
                                      f"{_fmt(ev.get('best_tau'))} at step {_fmt(ev.get('best_step'))}"),
         ("held-out walk tau / loss", f"{_fmt(val.get('walk_tau'))} / {_fmt(val.get('loss'))}"),
-        ("I / T tokens/s", f"{_fmt(s.get('I_tokens_per_s'))} / {_fmt(s.get('T_tokens_per_s'))}"),
+        ("tokens/s steady / overall", f"{_fmt(s.get('tokens_per_s'))} / {_fmt(s.get('overall_tokens_per_s'))} "
+                                      f"(steady: after {_fmt(s.get('warmup_steps'))} warm-up steps)"),
+        ("I / T tokens/s", f"{_fmt(s.get('I_tokens_per_s'))} / {_fmt(s.get('T_tokens_per_s'))} (target / drafter "
+                           "capacity)"),
     ]
 
 
