@@ -228,8 +228,10 @@ def claim_run_dir(config: Config, purpose: Literal["train", "plan"]) -> RunClaim
                 _refuse_training_run(layout, "add --resume to continue it, set run.dir to a new directory, or pass "
                                              "--overwrite to replace it")
             _clear_for_new_run(layout)
+        if not config.train.resume or layout.trained():  # a resume marks only what holds a run to resume
+            _writing(path, lambda: _mark(layout))
         resolved = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
-        _writing(path, lambda: (_mark(layout), save_config(resolved, path)))
+        _writing(path, lambda: save_config(resolved, path))
         if purpose == "train":
             _check_writable(layout.checkpoints)  # now, not at the first checkpoint after hours of training
     except BaseException:
