@@ -97,7 +97,7 @@ def run_one(name: str, ranks: int, overrides: list[str], out_dir: Path, timeout_
         print(tail, file=sys.stderr)
     return {"name": name, "ranks": ranks, "rc": rc, "seconds": seconds, "steps": steps,
             "steady_tokens_per_s": tps, "status": summary.get("status"), "roles": summary.get("roles"),
-            **{k: summary.get(k) for k in ("I_tokens_per_s", "T_tokens_per_s", "throughput_tokens_per_s",
+            **{k: summary.get(k) for k in ("I_tokens_per_s", "T_tokens_per_s", "overall_tokens_per_s",
                                            "drafter_wait_frac", "target_idle_frac")}}
 
 

@@ -98,3 +98,69 @@ def test_warmup_then_cosine():
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
     assert f[-1] == pytest.approx(0.1, abs=0.01)
+
+
+def test_entries_that_are_not_checkpoints_are_skipped_by_resume_and_rotation(tmp_path):
+    """A user's `step_20.bak` copy (complete, even) and a stray `step_x` file beside the checkpoints: resume and
+    rotation list only `step_N` folders, and leave the others alone."""
+    import shutil
+
+    first, _ = _save(tmp_path, 20)
+    shutil.copytree(first, first.with_name("step_20.bak"))
+    (first.parent / "step_x").write_text("notes")
+    for step in (30, 40):
+        path, _ = _save(tmp_path, step)  # rotation (keep_last=2) removes step_20 only
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_30", "step_40"]
+    assert resolve_resume(tmp_path, "latest") == path
+    assert (first.parent / "step_20.bak" / "COMPLETE").is_file() and (first.parent / "step_x").is_file()
+
+
+def test_a_full_disk_during_a_checkpoint_is_named_and_the_last_good_one_kept(tmp_path, monkeypatch):
+    """torch's writer fails as it does on a full disk; the error names the disk, the space needed and the fix, the
+    temporary is gone and the earlier checkpoint still resumes."""
+    from dflash_trainer.errors import StorageError
+    from dflash_trainer.train import checkpoint as checkpoint_module
+
+    good, _ = _save(tmp_path, 10)
+
+    def full_disk(obj, f, *a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 470")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", full_disk)
+    with pytest.raises(StorageError) as caught:
+        _save(tmp_path, 20)
+    message = str(caught.value)
+    assert "cannot write checkpoint step_20" in message and "GiB free" in message and "needs about" in message
+    assert "disk mounted at" in message and "--resume continues from the last complete checkpoint, step_10" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_10"]  # no .tmp-step_20 left
+    assert resolve_resume(tmp_path, "latest") == good
+
+
+def test_a_file_size_limit_during_a_checkpoint_is_named(tmp_path):
+    """A real file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored as `train` does) in a child process: torch's own
+    failure becomes the StorageError, and no temporary stays."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import resource, signal, sys, torch
+        from pathlib import Path
+        from dflash_trainer.errors import StorageError
+        from dflash_trainer.train.checkpoint import CheckpointState, save_checkpoint
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, resource.RLIM_INFINITY))
+        state = CheckpointState(step=1, epoch=0, ledger={{}}, model_signature={{}}, data_fingerprint="d",
+                                scheduler={{}}, extra={{}})
+        try:
+            save_checkpoint(Path({str(tmp_path)!r}), state, {{"w": torch.zeros(10)}},
+                            {{"state": {{0: {{"exp_avg": torch.zeros(300_000)}}}}}}, keep_last=1)
+        except StorageError as e:
+            print("STORAGE:", e)
+            sys.exit(3)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "cannot write checkpoint step_1" in proc.stdout and "ulimit -f" in proc.stdout, proc.stdout
+    assert list((tmp_path / "checkpoints").iterdir()) == []

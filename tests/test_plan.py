@@ -21,7 +21,6 @@ from dflash_trainer.data.plan import (
 )
 from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.errors import ConfigError, DataError
-from dflash_trainer.rundir import make_run_dir
 
 
 def skewed_lengths(n=2000, seed=0) -> list[int]:
@@ -161,19 +160,6 @@ def test_nothing_trainable_is_a_data_error_naming_the_dataset(tmp_path, tiny_tok
 
 
 # ------------------------------------------------------------------------------------- run dir + CLI
-
-
-def test_make_run_dir_default_and_error(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    cfg = load_config("demo", [])
-    path = make_run_dir(cfg)
-    assert path.parent.name == "runs" and path.name.startswith("demo-")
-    saved = yaml.safe_load((path / "config.yaml").read_text())
-    assert saved["run"]["dir"] == str(path)
-    assert make_run_dir(cfg) != path  # same second: a fresh dir, never a shared one
-    (tmp_path / "blocker").write_text("a file")
-    with pytest.raises(ConfigError, match="run.dir"):
-        make_run_dir(load_config("demo", [f"run.dir={tmp_path / 'blocker' / 'x'}"]))
 
 
 def test_plan_cli_on_the_demo_recipe(tmp_path, capsys):

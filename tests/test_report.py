@@ -79,3 +79,31 @@ def test_no_report_when_turned_off(tmp_path):
     run = tmp_path / "run"
     assert train_in_process(run, "train.max_steps=2", "eval.at_end=false", "logging.report=false") == 0
     assert (run / "summary.json").is_file() and not (run / "report").exists()
+
+
+def test_the_throughput_figures_agree_in_log_summary_and_report(trained):
+    """One definition each (train/throughput.py): the last metrics row's steady tokens/s is the summary's, the
+    figure plots the rows' per-step rate, and the page labels steady and overall."""
+    run = read_run(trained)
+    s = run.summary
+    assert s["warmup_steps"] == 3
+    assert [r["tokens_per_s"] is None for r in run.steps[:3]] == [True] * 3  # the warm-up has no steady figure
+    assert run.steps[-1]["tokens_per_s"] == pytest.approx(s["tokens_per_s"])
+    assert all(r["step_tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"]) for r in run.steps)
+    assert s["T_tokens_per_s"] >= s["tokens_per_s"] * 0.99  # the drafter's capacity leaves its waits out
+    page = (trained / "report" / "index.html").read_text()
+    assert "tokens/s steady / overall" in page and "warm-up steps" in page
+
+
+def test_throughput_leaves_the_warm_up_out_of_the_steady_figures():
+    from dflash_trainer.train.throughput import ThroughputMeter
+
+    meter = ThroughputMeter(0.0, warmup_steps=2)
+    now = 0.0
+    for step_time in (10.0, 10.0, 1.0, 1.0, 1.0, 1.0):  # two compiling steps, then 1 s each (0.5 s of it waiting)
+        now += step_time
+        rates = meter.step(100, step_time, 0.5 if step_time == 1.0 else 0.0, now)
+    f = meter.figures()
+    assert rates == {"step_tokens_per_s": 100.0, "tokens_per_s": 100.0}
+    assert (f.tokens_per_s, f.drafter_tokens_per_s, f.warmup_steps) == (100.0, 200.0, 2)
+    assert f.overall_tokens_per_s == pytest.approx(600 / 24)

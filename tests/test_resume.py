@@ -123,3 +123,44 @@ def test_resume_follows_the_data_content_not_the_code_that_tokenized_it(tmp_path
     capsys.readouterr()
     rc = train_in_process(run_dir, cache, "data.max_length=200", "train.max_steps=6", resume=True)
     assert rc == 2 and "trained on other data" in capsys.readouterr().err
+
+
+def test_a_resumed_run_keeps_its_best_drafter(tmp_path, monkeypatch):
+    """Session 1 evaluates tau 1.679 (its drafter goes to best/); session 2, a new process on the same run dir,
+    evaluates a worse 1.664: best/ keeps session 1's drafter and the summary names it; a better one replaces it."""
+    import json
+    from types import SimpleNamespace
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.train import tau_eval
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    taus = iter([1.679, 1.664, 1.7])
+
+    def evaluate(*args, **kwargs):
+        tau = next(taus)
+        return SimpleNamespace(tau=tau, greedy_match_rate=None, acceptance_histogram=[1], prompt_lookup_tau=None,
+                               prompts=1, seconds=0.0, to_json=lambda: {"tau": tau})
+
+    monkeypatch.setattr(tau_eval, "evaluate_drafter", evaluate)
+    config = load_config("demo", [f"run.dir={tmp_path}"])
+
+    def session():
+        return tau_eval.TauTracker(config, target=None, tokenizer=None, head=None, prompts_path=prompts,
+                                   run_dir=tmp_path)
+
+    def export_as(step):
+        def export(out):
+            out.mkdir(parents=True)
+            (out / "drafter.txt").write_text(f"step {step}")
+        return export
+
+    model = torch.nn.Linear(1, 1)
+    session().evaluate(model, 2, export=export_as(2))
+    resumed = session()
+    summary = resumed.evaluate(model, 4, export=export_as(4))
+    assert (tmp_path / "best" / "drafter.txt").read_text() == "step 2"
+    assert (summary.best_tau, summary.best_step, summary.tau) == (1.679, 2, 1.664)
+    assert resumed.evaluate(model, 6, export=export_as(6)).best_step == 6
+    assert (tmp_path / "best" / "drafter.txt").read_text() == "step 6"

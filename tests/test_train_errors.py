@@ -163,3 +163,94 @@ def test_unwritable_checkpoints_folder_fails_at_start_not_at_the_first_save(tmp_
     err = capsys.readouterr().err
     assert "cannot write checkpoints to" in err and "make it writable" in err
     assert not (run / "metrics.jsonl").exists()  # refused before training
+
+
+def test_overwrite_of_a_directory_that_was_never_a_run_keeps_its_files(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    for name in ("export", "best"):
+        (mine / name).mkdir(parents=True)
+        (mine / name / "model.safetensors").write_text("the user's own drafter")
+    from pipeline_helpers import overrides
+
+    from dflash_trainer.cli import main
+
+    assert main(["train", "--config", "demo", *overrides(mine, "train.max_steps=1"), "--overwrite"]) == 2
+    assert "not a run dflash-train made" in capsys.readouterr().err
+    assert (mine / "export" / "model.safetensors").read_text() == "the user's own drafter"
+    assert (mine / "best" / "model.safetensors").is_file()
+
+
+def test_a_run_dir_being_written_is_refused_to_a_second_train(tmp_path, capsys):
+    """Another command holds the run dir's lock (as a `train` started a moment earlier does): refused at once."""
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert train_in_process(run, "train.max_steps=1") == 2
+    assert "another dflash-train command is writing run.dir" in capsys.readouterr().err
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_failed_commands_and_plan_without_run_dir_leave_no_run_folder(tmp_path, monkeypatch, capsys):
+    from pipeline_helpers import SMALL
+
+    from dflash_trainer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", "demo", *SMALL, f"data.path={tmp_path / 'missing.jsonl'}"]) == 2
+    assert main(["train", "--config", "demo", *SMALL, "target.random_init=null", "target.tokenizer=null",
+                 f"target.path={tmp_path}"]) == 2
+    assert main(["plan", "--config", "demo", *SMALL]) == 0
+    assert "run dir: none" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_plan_into_a_training_run_is_refused(tmp_path, capsys):
+    from pipeline_helpers import overrides
+
+    from dflash_trainer.cli import main
+
+    run = tmp_path / "run"
+    assert train_in_process(run, "train.max_steps=1") == 0
+    plan = (run / "plan" / "epoch_0.json").read_text()
+    assert main(["plan", "--config", "demo", *overrides(run, "pipeline.token_budget=1024")]) == 2
+    assert "holds a training run" in capsys.readouterr().err
+    assert (run / "plan" / "epoch_0.json").read_text() == plan
+
+
+def test_train_after_plan_with_other_settings_plans_again(tmp_path):
+    """`plan` with a larger batch and longer sequences, then `train` with the small ones into the same run dir: the
+    training run plans from its own settings (the old plan's batches do not fit its budget)."""
+    from pipeline_helpers import overrides
+
+    from dflash_trainer.cli import main
+
+    run = tmp_path / "run"
+    assert main(["plan", "--config", "demo", *overrides(run, "pipeline.token_budget=2048",
+                                                         "data.max_length=2048")]) == 0
+    assert train_in_process(run, "train.max_steps=2") == 0
+    plan = json.loads((run / "plan" / "epoch_0.json").read_text())
+    assert plan["token_budget"] == 512 and max(j["num_tokens"] for j in plan["jobs"]) <= 512
+    assert summary(run)["status"] == "ok"
+
+
+def test_resume_of_a_finished_run_leaves_it_as_it_is(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train_in_process(run, "train.max_steps=2") == 0
+    before = (run / "summary.json").read_text()
+    assert json.loads(before)["tokens_trained"] > 0
+    capsys.readouterr()
+    assert train_in_process(run, "train.max_steps=2", resume=True) == 0
+    assert "is finished" in capsys.readouterr().out
+    assert (run / "summary.json").read_text() == before
+
+
+def test_a_resumed_run_counts_the_tokens_of_every_session(tmp_path):
+    run = tmp_path / "run"
+    assert train_in_process(run, "train.max_steps=2") == 0
+    assert train_in_process(run, "train.max_steps=4", resume=True) == 0
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert summary(run)["tokens_trained"] == sum(r["tokens"] for r in rows)

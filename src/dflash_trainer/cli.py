@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from dflash_trainer.config import list_recipes, load_config
-from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet
+from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet, StorageError
 
 SUBCOMMANDS = {
     "plan": "tokenize the data and print the epoch plan summary",
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             raise NotBuiltYet(f"`dflash-train {args.command}` is not built yet in this version") from None
         return int(module.run(config, args) or 0)
-    except (ConfigError, DataError, NotBuiltYet) as e:
+    except (ConfigError, DataError, NotBuiltYet, StorageError) as e:
         print(f"dflash-train {args.command}: error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # the NaN/inf step limit: a data or learning-rate problem, not a bug

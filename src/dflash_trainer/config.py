@@ -171,7 +171,7 @@ def to_yaml(config: Config) -> str:
 
 
 def save_config(config: Config, run_dir: str | os.PathLike) -> Path:
-    from dflash_trainer.layout import RunDir
+    from dflash_trainer.rundir import RunDir
 
     path = RunDir(run_dir).config
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,5 +9,10 @@ class DataError(ValueError):
     """Input data cannot be used as given (missing file, wrong format, nothing trainable)."""
 
 
+class StorageError(OSError):
+    """The run's disk cannot take a file (full, or over the file-size limit); the message names the disk, the space
+    needed and the fix."""
+
+
 class NotBuiltYet(RuntimeError):
     """A subcommand or option exists in the interface but is not implemented yet."""

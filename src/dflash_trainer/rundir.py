@@ -1,60 +1,303 @@
-"""Choose and create the run directory, and record the resolved config in it."""
+"""The run directory: every path of its layout, and its life on disk (create, claim, mark, overwrite, resume).
+
+    RUN_DIR/
+      .dflash-run              the marker: this directory is a run dflash-train made (only such a run is replaced)
+      .lock                    held (flock) by the one command writing the directory
+      config.yaml              the resolved config (resume reads it)
+      plan/epoch_N.json        each epoch's jobs; plan/summary.json the data counts; plan/eval.jsonl held out
+      metrics.jsonl            one row per optimizer step, one per evaluation
+      summary.json             how the run ended, what it trained, how fast
+      checkpoints/step_N/      training checkpoints (train/checkpoint.py)
+      export/  best/           the final drafter and the best one by tau, in the inference format
+      eval.json                the last real-tau evaluation
+      report/                  figures and index.html
+      tensorboard/             when asked
+      .eval/ .best.tmp/        work folders of split evaluation and of the best drafter's export
+
+A command that writes a run dir (`train`, `plan`) claims it first (`claim_run_dir`): it takes the lock, so a
+second command into the same directory is refused however close in time they start, checks what the
+directory holds against what the command may do with it, marks it as a run, and writes `config.yaml`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import json
+import logging
+import os
+import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Literal, Optional
 
 from dflash_trainer.config import Config, save_config
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.layout import RunDir
+
+log = logging.getLogger(__name__)
+
+MARKER_FORMAT = "dflash-train-run/1"
+_CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 
 
-def make_run_dir(config: Config) -> Path:
-    """`run.dir`, or `runs/<run.name>-<YYYYmmdd-HHMMSS>` (a numeric suffix if taken). Creates it and writes
-    `config.yaml` with `run.dir` filled in, so the saved config resumes in the same place."""
+def write_atomic(path: Path, text: str) -> Path:
+    """Write `text` to `path` so that a reader (or a crash) never sees a half-written file: a temporary file
+    beside it, then one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def lock_exclusive(path: Path) -> Optional[IO]:
+    """An exclusive lock on the file `path` (created when missing), held until the returned file is closed or the
+    process ends (even killed: the kernel drops it); None when another process holds it. One open file per
+    holder: a second open in the same process is refused too."""
+    handle = open(path, "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+@dataclass(frozen=True, slots=True)
+class RunDir:
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def marker(self) -> Path:
+        return self.root / ".dflash-run"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / ".lock"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan"
+
+    def epoch_plan(self, epoch: int) -> Path:
+        return self.plan / f"epoch_{epoch}.json"
+
+    @property
+    def plan_summary(self) -> Path:
+        return self.plan / "summary.json"
+
+    @property
+    def eval_conversations(self) -> Path:
+        return self.plan / "eval.jsonl"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step}"
+
+    def checkpoint_dirs(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every `checkpoints/step_N` folder, by step; other entries (a `step_3.bak` copy, the
+        temporaries of a checkpoint being written) are not checkpoints and are left out."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = []
+        for path in self.checkpoints.iterdir():
+            match = _CHECKPOINT_NAME.fullmatch(path.name)
+            if match and path.is_dir():
+                found.append((int(match.group(1)), path))
+        return sorted(found)
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def best(self) -> Path:
+        return self.root / "best"
+
+    @property
+    def best_tmp(self) -> Path:
+        return self.root / ".best.tmp"
+
+    @property
+    def eval_json(self) -> Path:
+        return self.root / "eval.json"
+
+    @property
+    def eval_exports(self) -> Path:
+        """Drafters the leader exports for the target rank to evaluate (split runs)."""
+        return self.root / ".eval"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    def training_outputs(self) -> list[Path]:
+        """What a training run leaves besides `config.yaml` and `plan/` (a new run may not mix with them)."""
+        return [self.checkpoints, self.metrics, self.summary, self.export, self.best, self.eval_json,
+                self.tensorboard, self.eval_exports, self.best_tmp, self.report]
+
+    def outputs_present(self) -> list[Path]:
+        """The training outputs this directory holds (an empty folder, such as the `checkpoints/` a failed start
+        made, holds nothing)."""
+        return [p for p in self.training_outputs()
+                if p.exists() and not (p.is_dir() and not p.is_symlink() and not any(p.iterdir()))]
+
+    def is_marked(self) -> bool:
+        return self.marker.is_file()
+
+    def trained(self) -> bool:
+        """Whether a training step was ever logged or saved here (what a failed start does not leave)."""
+        return self.metrics.exists() or bool(self.checkpoint_dirs())
+
+
+class RunClaim:
+    """One command's hold on its run dir, from `claim_run_dir` to `release`: the lock, and whether this command
+    created the directory (then a command that fails before training leaves nothing behind)."""
+
+    def __init__(self, path: Path, lock: IO, *, created: bool) -> None:
+        self.path = path
+        self.layout = RunDir(path)
+        self.created = created
+        self._lock: Optional[IO] = lock
+
+    def release(self, *, failed: bool = False) -> None:
+        """Drop the lock; `failed`: the command ended in an error, and a directory it created in which no training
+        step was logged or saved is removed (it holds nothing worth keeping)."""
+        if failed and self.created and not self.layout.trained():
+            shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def __enter__(self) -> "RunClaim":
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        self.release(failed=kind is not None)
+
+
+def claim_run_dir(config: Config, purpose: Literal["train", "plan"]) -> RunClaim:
+    """Claim the run dir for `dflash-train train` or `plan`: `run.dir`, or a new `runs/<run.name>-<YYYYmmdd-HHMMSS>`.
+
+    Takes the directory's lock (another command writing it is refused), then checks its contents:
+    - `train` into a fresh directory, or one that holds only a plan (`dflash-train plan`): it re-plans from its
+      own config (the plan's settings may differ); into a training run only with `train.resume` (continue it) or
+      `train.overwrite` (its outputs and epoch plans are deleted first; only in a directory marked as a run, so
+      files that are not ours are never deleted);
+    - `plan`: never into a training run (it would replace the epoch plans that run resumes from).
+    Then marks the directory and writes `config.yaml` with `run.dir` filled in, so the saved config resumes in
+    the same place."""
+    path, created = _choose_path(config)
+    layout = RunDir(path)
+    lock = lock_exclusive(layout.lock)
+    if lock is None:
+        raise ConfigError(f"another dflash-train command is writing run.dir={str(path)!r} (it holds {layout.lock}); "
+                          "wait for it to end, or set run.dir to another directory")
+    claim = RunClaim(path, lock, created=created)
+    try:
+        if purpose == "plan":
+            _refuse_training_run(layout, "`dflash-train plan` would replace the epoch plans it resumes from: plan "
+                                         "into a new run.dir (or train with --resume or --overwrite)")
+        elif not config.train.resume:
+            if not config.train.overwrite:
+                _refuse_training_run(layout, "add --resume to continue it, set run.dir to a new directory, or pass "
+                                             "--overwrite to replace it")
+            _clear_for_new_run(layout)
+        if not config.train.resume or layout.trained():  # a resume marks only what holds a run to resume
+            _writing(path, lambda: _mark(layout))
+        resolved = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
+        _writing(path, lambda: save_config(resolved, path))
+        if purpose == "train":
+            _check_writable(layout.checkpoints)  # now, not at the first checkpoint after hours of training
+    except BaseException:
+        claim.release(failed=True)
+        raise
+    return claim
+
+
+def _choose_path(config: Config) -> tuple[Path, bool]:
+    """(the run dir, whether this call created it). An automatic name is created with an exclusive `mkdir`, so
+    two commands started in the same second get two directories."""
     if config.run.dir:
         path = Path(config.run.dir).expanduser()
-    else:
-        base = Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        path, n = base, 1
-        while path.exists():
+        created = not path.exists()
+        _writing(path, lambda: path.mkdir(parents=True, exist_ok=True))
+        return path, created
+    base = Path("runs") / f"{config.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    _writing(base.parent, lambda: base.parent.mkdir(parents=True, exist_ok=True))
+    path, n = base, 1
+    while True:
+        try:
+            _writing(path, path.mkdir)
+            return path, True
+        except FileExistsError:
             path, n = base.with_name(f"{base.name}-{n}"), n + 1
+
+
+def _writing(path: Path, action) -> None:
+    """Run `action`, which creates or writes the run dir `path`: an OSError but FileExistsError is a ConfigError."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        resolved = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
-        save_config(resolved, path)
+        action()
+    except FileExistsError:
+        raise
     except OSError as e:
         raise ConfigError(f"cannot create or write the run directory {str(path)!r} ({e.strerror or e}); "
                           "set run.dir to a writable directory") from None
-    return path
 
 
-def claim_run_dir(config: Config) -> Path:
-    """The run dir for `dflash-train train`: a fresh one, or one that holds only a plan (`dflash-train plan`);
-    one that holds a training run only with `train.resume` (continue it) or `train.overwrite` (its outputs and
-    epoch plans are deleted first). Refusing is the default: a second run would replace the checkpoints and
-    append to the first run's metrics."""
-    path = Path(config.run.dir).expanduser() if config.run.dir else None
-    if path is not None and not config.train.resume:
-        layout = RunDir(path)
-        found = [p.name for p in layout.training_outputs() if p.exists()]
-        if found and not config.train.overwrite:
-            raise ConfigError(
-                f"run.dir={str(path)!r} holds a training run ({', '.join(found)}): add --resume to continue it, set "
-                "run.dir to a new directory, or pass --overwrite to replace it"
-            )
-        for name in found:
-            target = path / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        if found:
-            for plan in layout.plan.glob("epoch_*.json"):
-                plan.unlink()
-    path = make_run_dir(config)
-    _check_writable(RunDir(path).checkpoints)  # now, not at the first checkpoint after hours of training
-    return path
+def _refuse_training_run(layout: RunDir, fix: str) -> None:
+    found = [p.name for p in layout.outputs_present()]
+    if found:
+        raise ConfigError(f"run.dir={str(layout.root)!r} holds a training run ({', '.join(found)}): {fix}")
+
+
+def _clear_for_new_run(layout: RunDir) -> None:
+    """Delete a training run's outputs (train.overwrite; checked by the caller) and the epoch plans: a new run plans
+    again from its own config."""
+    found = layout.outputs_present()
+    if found and not layout.is_marked():
+        raise ConfigError(
+            f"run.dir={str(layout.root)!r} holds {', '.join(p.name for p in found)} but is not a run dflash-train made "
+            f"(no {layout.marker.name} file): --overwrite deletes only a run's own outputs; set run.dir to a new "
+            "directory, or move those files away yourself"
+        )
+    for path in found:
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    stale = sorted(layout.plan.glob("epoch_*.json"))
+    if stale and not found:
+        log.info("run.dir %s holds a plan: training plans again from its own config", layout.root)
+    for plan in stale:
+        plan.unlink()
+
+
+def _mark(layout: RunDir) -> None:
+    if not layout.is_marked():
+        write_atomic(layout.marker, json.dumps({"format": MARKER_FORMAT}) + "\n")
 
 
 def _check_writable(folder: Path) -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.layout import RunDir
+from dflash_trainer.rundir import RunDir
 
 
 def run(config: Optional[Config], args) -> int:

@@ -24,7 +24,7 @@ from dflash_trainer.data.bucketing import assign_buckets, pack_first_fit_decreas
 from dflash_trainer.data.tokenized import conversation_from_json, conversation_to_json
 from dflash_trainer.data.types import Conversation, Job
 from dflash_trainer.errors import ConfigError, DataError
-from dflash_trainer.layout import RunDir, write_atomic
+from dflash_trainer.rundir import RunDir, write_atomic
 
 JOB_ID_STRIDE = 10**6
 """Most jobs one epoch may have; job id = epoch * JOB_ID_STRIDE + index."""

@@ -20,7 +20,7 @@ from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.evaluate import EvalReport, encode_prompts, evaluate_tau
 from dflash_trainer.eval.proposers import DFlashBatchProposer
-from dflash_trainer.layout import RunDir
+from dflash_trainer.rundir import RunDir
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.load import find_decoder_layers

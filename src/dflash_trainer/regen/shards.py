@@ -13,7 +13,6 @@ tried again. A lock file keeps two runs from writing one directory.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from dflash_trainer.data.types import Message
 from dflash_trainer.errors import DataError
 from dflash_trainer.regen.settings import MANIFEST, RegenSettings, read_manifest, settings_differences
 from dflash_trainer.regen.turns import as_dicts
+from dflash_trainer.rundir import lock_exclusive
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +96,8 @@ class RegenStore:
         return store
 
     def _lock(self) -> None:
-        self._lock_file = open(self.out_dir / LOCK, "w")
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
+        self._lock_file = lock_exclusive(self.out_dir / LOCK)
+        if self._lock_file is None:
             raise DataError(f"another `dflash-train regenerate` is writing {self.out_dir}; wait for it or use a new --out")
 
     def _unlock(self) -> None:

@@ -136,22 +136,27 @@ def acceptance(run: RunLog) -> tuple[Figure, str]:
 
 def throughput(run: RunLog) -> tuple[Figure, str]:
     fig, (ax,) = _figure()
-    rows = [r for r in run.steps if r.get("step_time_s")]
-    if rows:
-        xs = [r["step"] for r in rows]
-        per_step = [r.get("tokens", 0) / r["step_time_s"] for r in rows]
+    xs, per_step = run.series("step_tokens_per_s")
+    if xs:
         ax.plot(xs, per_step, color=COLORS["train"], alpha=0.3, lw=0.8)
         ax.plot(xs, _smooth(per_step, _window(len(per_step))), color=COLORS["train"], lw=1.8,
-                label="trained tokens / step time (smoothed)")
-        for key, color, label in (("I_tokens_per_s", COLORS["held"], "I: target capacity"),
-                                  ("T_tokens_per_s", COLORS["walk"], "T: drafter capacity")):
+                label="one step's tokens / its time (smoothed)")
+        warmup = run.summary.get("warmup_steps")
+        for key, color, style, label in (
+                ("tokens_per_s", COLORS["real"], "-", f"steady (after {warmup} warm-up steps)"),
+                ("overall_tokens_per_s", COLORS["lookup"], ":", "overall (warm-up included)"),
+                ("I_tokens_per_s", COLORS["held"], "--", "I: target capacity"),
+                ("T_tokens_per_s", COLORS["walk"], "--", "T: drafter capacity")):
             if run.summary.get(key):
-                ax.axhline(run.summary[key], color=color, ls="--", label=f"{label} ({run.summary[key]:,.0f})")
+                ax.axhline(run.summary[key], color=color, ls=style, label=f"{label} ({run.summary[key]:,.0f})")
         ax.legend(fontsize=8)
     else:
         _empty(ax, "no step logged yet")
     ax.set(xlabel="optimizer step", ylabel="tokens / s", title="Throughput")
-    return fig, "Tokens trained per second of each step (waits included), against the run's target and drafter capacity."
+    return fig, ("Tokens trained per second. Each step: its tokens over its time, waits included. Steady: every "
+                 "token after the warm-up steps (compilation) over the time since, checkpoints and evaluations "
+                 "included. Overall: the same with the warm-up. T: the drafter's capacity (its waits left out); I: the "
+                 "target's (tokens over its forward time).")
 
 
 def pipeline(run: RunLog) -> tuple[Figure, str]:

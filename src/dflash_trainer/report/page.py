@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from dflash_trainer.layout import RunDir
 from dflash_trainer.report.figures import draw_all
 from dflash_trainer.report.runlog import RunLog, read_run
+from dflash_trainer.rundir import RunDir
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:1em 0}td{padding:3px 12px;border-bottom:1px solid #ddd;vertical-align:top}
@@ -56,7 +56,10 @@ def essentials(run: RunLog) -> list[tuple[str, str]]:
         ("real tau (prompt lookup)", f"{_fmt(ev.get('tau'))} ({_fmt(ev.get('prompt_lookup_tau'))}); best "
                                      f"{_fmt(ev.get('best_tau'))} at step {_fmt(ev.get('best_step'))}"),
         ("held-out walk tau / loss", f"{_fmt(val.get('walk_tau'))} / {_fmt(val.get('loss'))}"),
-        ("I / T tokens/s", f"{_fmt(s.get('I_tokens_per_s'))} / {_fmt(s.get('T_tokens_per_s'))}"),
+        ("tokens/s steady / overall", f"{_fmt(s.get('tokens_per_s'))} / {_fmt(s.get('overall_tokens_per_s'))} "
+                                      f"(steady: after {_fmt(s.get('warmup_steps'))} warm-up steps)"),
+        ("I / T tokens/s", f"{_fmt(s.get('I_tokens_per_s'))} / {_fmt(s.get('T_tokens_per_s'))} (target / drafter "
+                           "capacity)"),
     ]
 
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
-from dflash_trainer.layout import RunDir
+from dflash_trainer.rundir import RunDir
 from dflash_trainer.train.metrics import read_metrics
 
 

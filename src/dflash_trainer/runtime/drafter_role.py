@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dflash_trainer.layout import RunDir
+from dflash_trainer.rundir import RunDir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.failures import StopSignals
 from dflash_trainer.runtime.feed import make_feed

@@ -55,6 +55,9 @@ def run_training(config: Config) -> int:
     store, _ = init_distributed(env, device, config.pipeline.timeout_s)
     control = ControlPlane(store, rank=env.rank, stall_timeout_s=config.pipeline.timeout_s)
     holder: dict[str, Any] = {}
+    # A file-size limit (ulimit -f) then fails the write with EFBIG, which the checkpoint names, instead of
+    # killing the process without a word.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     watchdog = liveness = None
     if env.distributed:
         # The summary names the failed rank even when this rank leaves through the watchdog (it found another
@@ -69,9 +72,16 @@ def run_training(config: Config) -> int:
     holder["stop"] = stop
     started = time.time()
     try:
-        setup = setup_run(config, env, device, control, on_run_dir=lambda path: holder.update(run_dir=path))
-        summary = _run_role(setup, control, stop)
-        if summary is not None:
+        setup = setup_run(config, env, device, control, on_run_dir=lambda path: holder.update(run_dir=path),
+                          on_claim=lambda claim: holder.update(claim=claim))
+        summary = _run_role(setup, control, stop) if not setup.finished else None
+        if setup.finished:
+            if env.rank == 0:
+                print(f"run.dir={setup.run_dir} is finished: its summary says ok and nothing is left to train "
+                      f"(every planned job committed, or train.max_steps={config.train.max_steps} reached). It is "
+                      "left as it is. To train on, resume with a higher train.max_steps or train.num_epochs; its "
+                      "drafters are in export/ and best/.", flush=True)
+        elif summary is not None:
             if stop.requested():
                 summary["status"] = "stopped"
                 summary["stopped_by"] = signal.Signals(stop.signum).name
@@ -87,6 +97,7 @@ def run_training(config: Config) -> int:
         cause = f"{type(error).__name__}: {error}"
         if not env.distributed:
             write_failed_summary(holder.get("run_dir"), env.rank, cause)
+            _release(holder, failed=True)
             raise
         if is_secondary(error, control, env.rank):
             # Failing *because* another rank did (Aborted, a broken connection): name that rank, not this one.
@@ -99,7 +110,9 @@ def run_training(config: Config) -> int:
         control.abort(cause)  # first: the others stop now; the first failure recorded wins
         first = control.aborted()
         write_failed_summary(holder.get("run_dir"), first.rank if first else env.rank, first.cause if first else cause)
+        _release(holder, failed=True)
         fail_rank(control, env.rank, error)
+    _release(holder, failed=False)
     if liveness is not None:
         liveness.finish()
     if watchdog is not None:
@@ -107,6 +120,13 @@ def run_training(config: Config) -> int:
     if env.distributed:
         dist.destroy_process_group()
     return stop.exit_code
+
+
+def _release(holder: dict, *, failed: bool) -> None:
+    """Rank 0 lets go of the run dir (a failed start leaves no directory it created; `rundir.py`)."""
+    claim = holder.pop("claim", None)
+    if claim is not None:
+        claim.release(failed=failed)
 
 
 # -- roles ------------------------------------------------------------------------------------------

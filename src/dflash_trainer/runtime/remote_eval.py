@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from dflash_trainer.config import Config
-from dflash_trainer.layout import RunDir
+from dflash_trainer.rundir import RunDir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.train.micro_step import compile_forward_train

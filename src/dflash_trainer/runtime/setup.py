@@ -4,6 +4,7 @@ epoch plans, the placement and the drafters' group, as one `RunSetup` the roles 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,16 +19,16 @@ from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
-from dflash_trainer.layout import RunDir
 from dflash_trainer.regen.settings import warn_regen_mismatch
-from dflash_trainer.rundir import claim_run_dir
+from dflash_trainer.rundir import RunClaim, RunDir, claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv
 from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.load import load_target, target_model_config
-from dflash_trainer.train.checkpoint import read_ledger, resolve_resume
+from dflash_trainer.train.checkpoint import check_fits, read_ledger, read_step, resolve_resume
+from dflash_trainer.train.trainer import data_fingerprint, model_signature
 from dflash_trainer.transport.wire import WireSpec, wire_spec
 
 log = logging.getLogger(__name__)
@@ -50,19 +51,26 @@ class RunSetup:
     """Every epoch's jobs not yet committed (resume skips committed ones)."""
     resume_path: Optional[Path]
     drafter_group: Optional[dist.ProcessGroup]
+    finished: bool = False
+    """A resumed run that had already ended well with nothing left to train (every planned job committed, or
+    `train.max_steps` reached): it is left as it is."""
 
 
 def setup_run(config: Config, env: DistEnv, device: torch.device, control: ControlPlane,
-              on_run_dir: Callable[[Path], None] = lambda path: None) -> RunSetup:
-    """Every rank's setup: placement, the run dir (rank 0 chooses, the others wait for it), the checkpoint to
+              on_run_dir: Callable[[Path], None] = lambda path: None,
+              on_claim: Callable[[RunClaim], None] = lambda claim: None) -> RunSetup:
+    """Every rank's setup: placement, the run dir (rank 0 claims it, the others wait for it), the checkpoint to
     resume, the drafter's spec, the data and epoch plans (rank 0 prepares, the others read the cache), the
-    drafters' process group. `on_run_dir(path)` learns the run dir as soon as it is known."""
+    drafters' process group. `on_run_dir(path)` learns the run dir as soon as it is known; `on_claim(claim)`
+    (rank 0) takes the run dir's claim, to release when the run ends."""
     placement = plan_placement(
         rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, local_world_size=env.local_world_size,
         pipeline=config.pipeline, num_devices=torch.cuda.device_count() if device.type == "cuda" else None,
     )
     if env.rank == 0:
-        run_dir = claim_run_dir(config)
+        claim = claim_run_dir(config, "train")
+        on_claim(claim)
+        run_dir = claim.path
         control.set_value("run_dir", str(run_dir))
     else:
         run_dir = Path(control.wait_value("run_dir"))
@@ -88,6 +96,9 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
 
     if env.rank == 0:
         prepared = prepare_data(config, run_dir, tokenizer=tokenizer)
+        if resume_path is not None:  # before the plans are read back and any rank starts on them
+            check_fits(resume_path, model_signature=model_signature(spec),
+                       data_fingerprint=data_fingerprint(config, prepared.summary.content_sha256))
         plans = [epoch_plan(config, run_dir, prepared, e) for e in range(config.train.num_epochs)]
         write_summary(run_dir, summary_json(prepared.summary, plans[0]))
         warn_regen_mismatch(config)  # data regenerated with other thinking/temperature than evaluation uses
@@ -108,7 +119,20 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     return RunSetup(
         config=config, env=env, device=device, placement=placement, run_dir=run_dir, spec=spec, prepared=prepared,
         plans_jobs=tuple(p.jobs for p in plans), remaining=remaining, resume_path=resume_path, drafter_group=group,
+        finished=resume_path is not None and _finished(config, run_dir, resume_path, remaining),
     )
+
+
+def _finished(config: Config, run_dir: Path, resume_path: Path, remaining: tuple[tuple[Job, ...], ...]) -> bool:
+    """Whether the run to resume ended well (summary status ok) with nothing left: a resume would only replace its
+    summary with an empty session's. More epochs or a higher `train.max_steps` leave work to do."""
+    try:
+        status = json.loads(RunDir(run_dir).summary.read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return False
+    max_steps = config.train.max_steps
+    done = not any(remaining) or (max_steps is not None and read_step(resume_path) >= max_steps)
+    return status == "ok" and done
 
 
 def epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int) -> EpochPlan:

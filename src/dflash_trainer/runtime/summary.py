@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from dflash_trainer.layout import RunDir, write_atomic
+from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.train.trainer import TrainResult
 from dflash_trainer.transport.pool import PoolReport
 
@@ -38,6 +38,7 @@ def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStat
     target_busy = sum(t.busy_s for t in targets)
     target_wall = sum(t.wall_s for t in targets)
     drafter_wall = result.elapsed_s
+    rates = result.throughput  # tokens/s (steady), overall and T are defined in train/throughput.py
     return {
         "status": "ok",
         "run_dir": str(setup.run_dir),
@@ -50,8 +51,10 @@ def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStat
         "jobs_duplicated": duplicated,
         "tokens_trained": result.state.tokens,
         "I_tokens_per_s": target_tokens / target_busy if target_busy > 0 else None,
-        "T_tokens_per_s": result.state.tokens / result.step_time_s if result.step_time_s > 0 else None,
-        "throughput_tokens_per_s": result.state.tokens / drafter_wall if drafter_wall > 0 else None,
+        "T_tokens_per_s": rates.drafter_tokens_per_s if rates else None,
+        "tokens_per_s": rates.tokens_per_s if rates else None,
+        "overall_tokens_per_s": rates.overall_tokens_per_s if rates else None,
+        "warmup_steps": rates.warmup_steps if rates else None,
         "drafter_wait_frac": result.wait_time_s / drafter_wall if drafter_wall > 0 else None,
         "target_idle_frac": (1 - target_busy / target_wall) if target_wall > 0 and not setup.placement.colocated else None,
         "pool_depth_max": max(p.depth_max for p in pools),
@@ -78,8 +81,9 @@ def write_summary_file(run_dir: Path, summary: dict) -> None:
 
 
 def write_failed_summary(run_dir: Optional[Path], rank: int, cause: str, *, keep_existing: bool = False) -> None:
-    """`summary.json` with status failed; `keep_existing`: leave a failure summary already written alone."""
-    if run_dir is None:
+    """`summary.json` with status failed; `keep_existing`: leave a failure summary already written alone. Never
+    creates the run dir (rank 0 removes one that a failed start created)."""
+    if run_dir is None or not Path(run_dir).is_dir():
         return
     path = RunDir(run_dir).summary
     try:
@@ -92,10 +96,14 @@ def write_failed_summary(run_dir: Optional[Path], rank: int, cause: str, *, keep
 
 def print_summary(summary: dict, run_dir: Path) -> None:
     keys = ["status", "steps", "tokens_trained", "final_loss", "final_acc", "final_sim_tau", "eval", "jobs_planned",
-            "jobs_trained", "jobs_duplicated", "I_tokens_per_s", "T_tokens_per_s", "drafter_wait_frac",
-            "target_idle_frac", "pool_depth_max", "elapsed_s", "export_dir"]
-    width = max(map(len, keys))
-    lines = [f"{k:<{width}}  {_fmt(summary.get(k))}" for k in keys]
+            "jobs_trained", "jobs_duplicated", "tokens_per_s", "overall_tokens_per_s", "I_tokens_per_s",
+            "T_tokens_per_s", "drafter_wait_frac", "target_idle_frac", "pool_depth_max", "elapsed_s", "export_dir"]
+    labels = {"tokens_per_s": f"tokens_per_s (steady, after {summary.get('warmup_steps')} warm-up steps)",
+              "overall_tokens_per_s": "overall_tokens_per_s (warm-up included)",
+              "I_tokens_per_s": "I_tokens_per_s (target capacity)",
+              "T_tokens_per_s": "T_tokens_per_s (drafter capacity, waits left out)"}
+    width = max(len(labels.get(k, k)) for k in keys)
+    lines = [f"{labels.get(k, k):<{width}}  {_fmt(summary.get(k))}" for k in keys]
     print("\n".join(["", "run summary", *lines, f"{'run dir':<{width}}  {run_dir}"]), flush=True)
 
 

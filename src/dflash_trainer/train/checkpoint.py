@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import resource
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_trainer.errors import ConfigError
-from dflash_trainer.layout import RunDir
+from dflash_trainer.errors import ConfigError, StorageError
+from dflash_trainer.rundir import RunDir
 
 COMPLETE = "COMPLETE"
 _CHUNK = 16 * 2**20
@@ -101,6 +102,9 @@ def save_checkpoint(
     *,
     keep_last: int,
 ) -> Path:
+    """Write the checkpoint of `state.step` and rotate the old ones. A disk that cannot take it (full, or a file-size
+    limit) is a StorageError naming the disk and the space needed; the temporary is removed and the checkpoints
+    already there are kept, so the run resumes from the last of them."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step}"
@@ -108,6 +112,24 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    try:
+        _write_files(tmp, state, weights, optimizer_state)
+    except (OSError, RuntimeError) as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, RuntimeError) and "inline_container" not in str(error):
+            raise  # torch's writer reports a failed write so (full disk, file-size limit); anything else is a bug
+        raise StorageError(_storage_problem(run_dir, final, error, _nbytes(weights) + _nbytes(optimizer_state))) from error
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _rotate(root, keep_last)
+    return final
+
+
+def _write_files(tmp: Path, state: CheckpointState, weights: dict[str, torch.Tensor],
+                 optimizer_state: dict[str, Any]) -> None:
     save_file({k: v.detach().float().contiguous().cpu() for k, v in weights.items()}, str(tmp / "drafter.safetensors"))
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(
@@ -131,13 +153,34 @@ def save_checkpoint(
             os.fsync(fh.fileno())
         files[f.name] = {"bytes": f.stat().st_size, "crc32": _crc32(f)}
     (tmp / COMPLETE).write_text(json.dumps({"files": files}, indent=1) + "\n")
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    _rotate(root, keep_last)
-    return final
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of the tensors in a nested dict/list (weights count in fp32, as they are saved)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * max(4, tree.element_size()) if tree.is_floating_point() else tree.nbytes
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(v) for v in tree)
+    return 0
+
+
+def _storage_problem(run_dir: Path, final: Path, error: BaseException, needed: int) -> str:
+    root = checkpoints_dir(run_dir)
+    mount = root.resolve()
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    free = shutil.disk_usage(root).free
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limit_note = f"; files are limited to {limit / 2**30:.2f} GiB (ulimit -f)" if limit != resource.RLIM_INFINITY else ""
+    done = list_checkpoints(run_dir)
+    resume = (f"then --resume continues from the last complete checkpoint, {done[-1].name}" if done else
+              "no checkpoint was written before this one: the run starts again")
+    cause = getattr(error, "strerror", None) or str(error).splitlines()[0]
+    return (f"cannot write checkpoint {final.name} to {root} ({cause}): it needs about {needed / 2**30:.2f} GiB "
+            f"and the disk mounted at {mount} has {free / 2**30:.2f} GiB free{limit_note}. Free space there (fewer "
+            f"checkpoints are kept with a lower train.keep_last) or move the run dir to a larger disk; {resume}")
 
 
 def _cuda_rng() -> Optional[list[torch.Tensor]]:
@@ -153,12 +196,8 @@ def _rotate(root: Path, keep_last: int) -> None:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step_*") if (p / COMPLETE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+    """Complete checkpoints, oldest first (other entries under `checkpoints/` are not ours and left alone)."""
+    return [path for _, path in RunDir(run_dir).checkpoint_dirs() if (path / COMPLETE).is_file()]
 
 
 def resolve_resume(run_dir: Path, resume: str) -> Path:
@@ -196,6 +235,11 @@ def read_ledger(path: Path) -> dict[int, list[int]]:
     return {int(e): list(ids) for e, ids in state["ledger"].items()}
 
 
+def read_step(path: Path) -> int:
+    """The optimizer steps a complete checkpoint had done."""
+    return int(json.loads((Path(path) / "state.json").read_text())["step"])
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadedCheckpoint:
     path: Path
@@ -206,8 +250,10 @@ class LoadedCheckpoint:
     python_random: list[int]
 
 
-def load_checkpoint(path: Path, *, model_signature: dict[str, Any], data_fingerprint: str) -> LoadedCheckpoint:
-    payload = json.loads((path / "state.json").read_text())
+def check_fits(path: Path, *, model_signature: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
+    """The checkpoint's `state.json`, once it is known to fit the config: the same drafter shape, the same data and
+    plan settings (else a ConfigError naming the difference)."""
+    payload = json.loads((Path(path) / "state.json").read_text())
     if payload["model_signature"] != model_signature:
         diff = {
             k: (payload["model_signature"].get(k), v)
@@ -223,6 +269,11 @@ def load_checkpoint(path: Path, *, model_signature: dict[str, Any], data_fingerp
             f"checkpoint {path} was trained on other data or plan settings; resume with the same data.* "
             "and pipeline.token_budget, or start a new run.dir"
         )
+    return payload
+
+
+def load_checkpoint(path: Path, *, model_signature: dict[str, Any], data_fingerprint: str) -> LoadedCheckpoint:
+    payload = check_fits(path, model_signature=model_signature, data_fingerprint=data_fingerprint)
     state = CheckpointState(
         step=payload["step"],
         epoch=payload["epoch"],

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from dflash_trainer.layout import RunDir
+from dflash_trainer.rundir import RunDir
 
 log = logging.getLogger(__name__)
 

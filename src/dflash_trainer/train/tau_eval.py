@@ -21,7 +21,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.eval.drafter_eval import evaluate_drafter
 from dflash_trainer.eval.evaluate import EvalReport, load_prompt_messages
 from dflash_trainer.eval.validation import HeldOutValidator, ValidationReport
-from dflash_trainer.layout import RunDir, write_atomic
+from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.target.head import TargetHead
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,8 @@ class TauTracker:
         self.prompts = load_prompt_messages(prompts_path, config.eval.num_prompts)
         self.layout = RunDir(run_dir)
         self.history: list[TauRecord] = []
-        self.best: Optional[TauRecord] = None
+        self.best: Optional[TauRecord] = _saved_best(self.layout)
+        """The best so far, over every session of the run: a resumed run starts from the drafter in `best/`."""
         self.last_report: Optional[EvalReport] = None
 
     def evaluate(self, model, step: int, *, export: Callable[[Path], object], sink=None) -> TauSummary:
@@ -131,6 +132,16 @@ class TauTracker:
         (tmp / "eval.json").write_text(json.dumps({"step": step, **report.to_json()}, indent=2))
         shutil.rmtree(best, ignore_errors=True)
         tmp.rename(best)
+
+
+def _saved_best(layout: RunDir) -> Optional[TauRecord]:
+    """The tau of the drafter in `RUN_DIR/best/` (its `eval.json`), or None when there is none (a new run, or an
+    unreadable file: then the next evaluation is the best so far)."""
+    try:
+        saved = json.loads((layout.best / "eval.json").read_text())
+        return TauRecord(step=int(saved["step"]), tau=float(saved["tau"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _fmt(value: Optional[float]) -> str:

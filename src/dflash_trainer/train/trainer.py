@@ -25,7 +25,7 @@ from dflash_trainer.drafter.init import init_from_target, target_tensor_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.faults import maybe_fault
-from dflash_trainer.layout import RunDir, write_atomic
+from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
 from dflash_trainer.train.metrics import build_sinks, read_metrics
@@ -41,6 +41,7 @@ from dflash_trainer.train.parallel import (
 from dflash_trainer.train.schedule import build_scheduler
 from dflash_trainer.train.step_loop import LoopState, StepLoop, StepRecord
 from dflash_trainer.train.tau_eval import TauSummary
+from dflash_trainer.train.throughput import ThroughputFigures, ThroughputMeter
 from dflash_trainer.transport.wire import HiddenStateBatch
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class TrainResult:
     export_dir: Optional[str] = None
     eval: Optional[TauSummary] = None
     """Real tau at the end, or None when not measured."""
+    throughput: Optional[ThroughputFigures] = None
+    """The session's token rates (`throughput.py`)."""
 
 
 class DrafterTrainer:
@@ -147,6 +150,8 @@ class DrafterTrainer:
             time_budget_s=60.0 * config.train.max_minutes if config.train.max_minutes is not None else None,
             stop_requested=stop_requested,
         )
+        if resume is not None:
+            self.loop.state.tokens = int(resume.state.extra.get("tokens", 0))  # tokens_trained counts every session
         if resume is not None and is_leader:
             _truncate_metrics(RunDir(run_dir).metrics, resume.state.step)
         self.sink = build_sinks(
@@ -181,6 +186,7 @@ class DrafterTrainer:
 
     def run(self, take: Take) -> TrainResult:
         start = time.perf_counter()
+        meter = ThroughputMeter(start)
         busy = wait = 0.0
         last: Optional[StepRecord] = None
         seen = len(self.loop.state.committed)
@@ -194,7 +200,8 @@ class DrafterTrainer:
             for e, j in self.loop.state.committed[seen:]:
                 self.ledger.setdefault(e, []).append(j)
             seen = len(self.loop.state.committed)
-            self._log(record, busy, time.perf_counter() - start, bar)
+            rates = meter.step(record.tokens, record.step_time_s, record.wait_time_s, time.perf_counter())
+            self._log(record, rates, bar)
             if record.step % self.config.train.checkpoint_interval == 0 and not record.skipped:
                 self.save_checkpoint(record.step)
             maybe_fault("kill", record.step)  # test-only hooks: SIGKILL this rank / the whole job
@@ -210,7 +217,7 @@ class DrafterTrainer:
             log.info("stopped on request after step %d", state.step)
         return TrainResult(
             state=state, ledger=self.ledger, elapsed_s=time.perf_counter() - start, step_time_s=busy,
-            wait_time_s=wait, last_record=last, checkpoints=self.checkpoints,
+            wait_time_s=wait, last_record=last, checkpoints=self.checkpoints, throughput=meter.figures(),
         )
 
     def _progress_bar(self):
@@ -220,14 +227,16 @@ class DrafterTrainer:
 
         return tqdm(total=self.total_steps, initial=self.loop.state.step, desc="train", unit="step", dynamic_ncols=True)
 
-    def _log(self, record: StepRecord, busy: float, elapsed: float, bar) -> None:
+    def _log(self, record: StepRecord, rates: dict[str, Optional[float]], bar) -> None:
+        """`rates`: the step's token rates (`throughput.py` defines them; steady tokens/s is None in the warm-up)."""
         if not self.is_leader:
             return
-        tokens_per_s = self.loop.state.tokens / elapsed if elapsed > 0 else 0.0
+        steady = rates["tokens_per_s"]
+        shown = "warm-up" if steady is None else f"{steady:,.0f}"
         values = {
             "loss": record.loss, "acc": record.accuracy, "sim_tau": record.sim_tau, "lr": record.lr,
             "grad_norm": record.grad_norm, "batches": record.batches, "tokens": record.tokens,
-            "tokens_per_s": tokens_per_s, "step_time_s": record.step_time_s, "wait_time_s": record.wait_time_s,
+            **rates, "step_time_s": record.step_time_s, "wait_time_s": record.wait_time_s,
             "skipped": record.skipped, "jobs": list(record.job_ids),
             "slot_acc": [round(a, 4) for a in record.slot_accuracy], **self.step_metrics(),
         }
@@ -235,10 +244,10 @@ class DrafterTrainer:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{record.loss:.3f}", acc=f"{record.accuracy:.3f}", tau=f"{record.sim_tau:.2f}",
-                            tok_s=f"{tokens_per_s:,.0f}", **self.shown, refresh=False)
+                            steady_tok_s=shown, **self.shown, refresh=False)
         elif record.step % self.config.train.log_interval == 0:
-            log.info("step %d loss %.4f acc %.3f sim_tau %.2f lr %.2e tok/s %.0f", record.step, record.loss,
-                     record.accuracy, record.sim_tau, record.lr, tokens_per_s)
+            log.info("step %d loss %.4f acc %.3f sim_tau %.2f lr %.2e steady tok/s %s", record.step, record.loss,
+                     record.accuracy, record.sim_tau, record.lr, shown)
 
     def show_eval(self, summary: TauSummary) -> None:
         """Show an evaluation's held-out figures in the progress bar from now on."""
