@@ -218,7 +218,7 @@ def from_quality(result: dict) -> dict:
     return {"date": result["date"], "commit": result["commit"], "trainer": "dflash-train",
             "recipe": " ".join([Path(result["recipe"]).stem, *result["overrides"]]),
             "budget_minutes": result.get("budget_minutes") or 0, "steps": result["steps"],
-            "train_s": result.get("train_loop_s"), "real_tokens_per_s": result.get("throughput_tokens_per_s"),
+            "train_s": result.get("train_loop_s"), "real_tokens_per_s": result.get("overall_tokens_per_s"),
             "tau": result["tau"], "prompt_lookup_tau": result["prompt_lookup_tau"],
             "eval_seconds": result["eval_seconds"]}
 

@@ -230,9 +230,9 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
         "acceptance_histogram": ev.get("acceptance_histogram"), "val": val, "evals": evals,
         "final_sim_tau": summary.get("final_sim_tau"), "run_dir": str(run_dir),
         "budget_minutes": (yaml.safe_load((run_dir / "config.yaml").read_text())["train"] or {}).get("max_minutes"),
-        "throughput_tokens_per_s": summary.get("throughput_tokens_per_s"),
-        "train_loop_s": summary["tokens_trained"] / summary["throughput_tokens_per_s"]
-        if summary.get("throughput_tokens_per_s") else None,
+        "tokens_per_s": summary.get("tokens_per_s"), "overall_tokens_per_s": summary.get("overall_tokens_per_s"),
+        "train_loop_s": summary["tokens_trained"] / summary["overall_tokens_per_s"]
+        if summary.get("overall_tokens_per_s") else None,
     }
 
 
