@@ -388,3 +388,28 @@ def test_check_regen_settings(tmp_path):
     assert len(warnings) == 2
     assert "thinking=off" in warnings[0] and "thinking=on" in warnings[0]
     assert "temperature=0.0" in warnings[1] and "0.6" in warnings[1]
+
+
+def test_prompts_over_max_prompt_tokens_are_skipped_and_counted_and_no_row_is_an_error(tmp_path, capsys):
+    """A prompt over `regenerate.max_prompt_tokens` is skipped (not failed), counted by its limit in the output,
+    the manifest and failed.jsonl; when no row is written the command exits non-zero, not "Train on it"."""
+    from dflash_trainer import cli
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n"
+                            for text in ("hi", "hello", "word " * 60)))
+    tiny = ["target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu",
+            "regenerate.max_new_tokens=4", "logging.progress=false", f"data.path={data}"]
+    assert cli.main(["regenerate", "--out", str(tmp_path / "a"), *tiny, "regenerate.max_prompt_tokens=40"]) == 0
+    out = capsys.readouterr().out
+    limit = "prompt over regenerate.max_prompt_tokens=40"
+    assert f"2 rows done (2 new), 1 skipped ({limit}) (reasons in" in out and "failed" not in out.split("reasons")[0]
+    manifest = read_manifest(tmp_path / "a")
+    assert manifest["rows_failed"] == 0 and manifest["rows_skipped"] == {limit: 1} and manifest["complete"]
+    (entry,) = map(json.loads, (tmp_path / "a" / "failed.jsonl").read_text().splitlines())
+    assert entry["skipped"] == limit and entry["reason"].startswith(f"{limit}: ")
+
+    assert cli.main(["regenerate", "--out", str(tmp_path / "b"), *tiny, "regenerate.max_prompt_tokens=1"]) == 2
+    captured = capsys.readouterr()
+    assert "Train on it" not in captured.out
+    assert f"wrote no row to {tmp_path / 'b'}: of 3 conversations, 3 skipped ({limit.replace('40', '1')})" in captured.err
