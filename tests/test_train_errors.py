@@ -163,3 +163,25 @@ def test_unwritable_checkpoints_folder_fails_at_start_not_at_the_first_save(tmp_
     err = capsys.readouterr().err
     assert "cannot write checkpoints to" in err and "make it writable" in err
     assert not (run / "metrics.jsonl").exists()  # refused before training
+
+
+def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
+    """`export --checkpoint RUN/checkpoints/step_N` and `eval --drafter RUN/export` read RUN/config.yaml (and
+    say so); eval writes RUN/eval.json on the run's held-out prompts."""
+    from dflash_trainer.cli import main
+
+    run = tmp_path / "run"
+    assert train_in_process(run, "train.max_steps=2", "eval.at_end=false") == 0
+    capsys.readouterr()
+    (run / "eval.json").unlink(missing_ok=True)
+    assert main(["export", "--checkpoint", str(run / "checkpoints" / "step_2"), "--out", str(tmp_path / "e")]) == 0
+    assert f"using the run's config {run / 'config.yaml'}" in capsys.readouterr().err
+    assert (tmp_path / "e" / "model.safetensors").is_file()
+    assert main(["eval", "--drafter", str(run / "export"), "eval.num_prompts=2", "eval.max_new_tokens=4"]) == 0
+    assert f"using the run's config {run / 'config.yaml'}" in capsys.readouterr().err
+    result = json.loads((run / "eval.json").read_text())
+    assert result["prompts"] == 2 and result["prompts_path"] == str(run / "plan" / "eval.jsonl")
+    # a directory that is not one of a run's drafters does not borrow a config from above it
+    (tmp_path / "config.yaml").write_text((run / "config.yaml").read_text())
+    assert main(["eval", "--drafter", str(tmp_path / "e")]) == 2
+    assert "set target.path" in capsys.readouterr().err

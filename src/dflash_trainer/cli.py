@@ -9,10 +9,12 @@ import argparse
 import importlib
 import logging
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from dflash_trainer.config import list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet
+from dflash_trainer.layout import RunDir
 
 SUBCOMMANDS = {
     "plan": "tokenize the data and print the epoch plan summary",
@@ -25,6 +27,7 @@ SUBCOMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The top-level parser; `parse_args` parses a subcommand's options wherever they stand."""
     parser = argparse.ArgumentParser(
         prog="dflash-train",
         description="Train DFlash speculative-decoding drafters.",
@@ -55,8 +58,41 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The subcommand and its arguments, options accepted anywhere: before, between or after the overrides
+    (`train data.path=D --resume run.dir=X`). argparse cannot intermix through subparsers, so the top-level
+    parser picks the subcommand and that subcommand's parser reads the rest intermixed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args, _ = parser.parse_known_args(argv)  # a bad subcommand or -h exits here
+    sub = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
+    command = args.command
+    args = sub.choices[command].parse_intermixed_args(argv[argv.index(command) + 1:])
+    args.command = command
+    return args
+
+
+def _run_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The recipe and extra overrides for this command: `--config`, or for `export --checkpoint` and `eval
+    --drafter` without one, the run's own `config.yaml` found above that directory (RUN/checkpoints/step_N,
+    RUN/export, RUN/best), with `run.dir` set to that run so its held-out prompts and outputs are found."""
+    if args.config is not None:
+        return args.config, []
+    given = getattr(args, "checkpoint", None) or getattr(args, "drafter", None)
+    if not given:
+        return None, []
+    given = Path(given).resolve()
+    for run_dir in list(given.parents)[:2]:
+        layout = RunDir(run_dir)
+        if layout.config.is_file() and (given in (layout.export, layout.best) or given.parent == layout.checkpoints):
+            print(f"dflash-train {args.command}: using the run's config {layout.config} (pass --config to "
+                  "choose another)", file=sys.stderr)
+            return str(layout.config), [f"run.dir={run_dir}"]
+    return None, []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides)
     if getattr(args, "resume", False):
@@ -65,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides.append("train.overwrite=true")
     try:
         # the report reads everything from its run directory; every other command runs on a config
-        config = load_config(args.config, overrides) if args.command != "report" else None
+        recipe, found = _run_config(args) if args.command != "report" else (None, [])
+        config = load_config(recipe, found + overrides) if args.command != "report" else None
         try:
             module = importlib.import_module(f"dflash_trainer.commands.{args.command}")
         except ModuleNotFoundError as e:
