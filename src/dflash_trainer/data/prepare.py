@@ -10,7 +10,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from transformers import PreTrainedTokenizerFast
 
@@ -68,17 +68,30 @@ class PreparedData:
     summary: DataSummary
 
 
+def drop_duplicates(conversations: Sequence[Conversation]) -> list[Conversation]:
+    """The conversations without exact repeats (same messages, whichever source or row), first kept."""
+    seen: set[tuple] = set()
+    kept = []
+    for c in conversations:
+        if c.messages not in seen:
+            seen.add(c.messages)
+            kept.append(c)
+    return kept
+
+
 def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset, dict[str, Any]]:
     data = config.data
     loaded = load_conversations(data, seed=config.run.seed)
-    train, held = hold_out(loaded.conversations, data.num_eval_conversations, seed=config.run.seed)
+    unique = drop_duplicates(loaded.conversations)  # before holding out: a copy would leak into the eval slice
+    train, held = hold_out(unique, data.num_eval_conversations, seed=config.run.seed)
     outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
                            min_supervised=2 * config.drafter.block_size,
                            num_workers=data.num_workers or default_num_workers())
     meta = {  # every cache this code can read has it: the cache key hashes this package's data code
         "content_sha256": outcome.dataset.content_sha256(),
         "conversations_total": loaded.report.records_read,
-        "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)),
+        "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)
+                        + Counter(duplicate=len(loaded.conversations) - len(unique))),
         "eval": [c.to_json() for c in held],
         "truncated": outcome.truncated,
         "truncated_tokens": outcome.truncated_tokens,

@@ -1,6 +1,6 @@
 """The tokenized training set: sequences with loss masks, stored flat and cached on disk (safetensors + JSON).
 
-The cache key hashes everything that can change the result (sources with file sizes and mtimes, limits,
+The cache key hashes everything that can change the result (sources by the SHA-256 of their files, limits,
 weights, seed, tokenizer vocabulary and chat template, thinking, max length, block size, eval split size and
 the source of the loading/masking modules and `CODE_VERSION`), so a stale cache is never read.
 """
