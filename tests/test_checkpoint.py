@@ -98,3 +98,33 @@ def test_warmup_then_cosine():
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
     assert f[-1] == pytest.approx(0.1, abs=0.01)
+
+
+def test_legacy_ok_marker_is_used_with_a_loud_warning(tmp_path, caplog):
+    path, _ = _save(tmp_path, 10)
+    (path / "COMPLETE").write_text("ok\n")
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint_problem(path) is None
+    (record,) = [r for r in caplog.records if "legacy COMPLETE marker" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "cannot be detected" in record.getMessage()
+
+
+def _touch(path):
+    open(path, "w").close()
+
+
+class _RunsCode:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return _touch, (self.path,)
+
+
+def test_a_pickle_in_optimizer_pt_is_refused_and_never_run(tmp_path):
+    path, _ = _save(tmp_path, 10)
+    ran = tmp_path / "code-ran"
+    torch.save({"state": {}, "param_groups": [], "x": _RunsCode(str(ran))}, path / "optimizer.pt")
+    with pytest.raises(ConfigError, match=r"optimizer\.pt is not a checkpoint we wrote: it holds objects other"):
+        load_checkpoint(path, model_signature={"hidden": 8, "layers": 1}, data_fingerprint="data-a")
+    assert not ran.exists()
