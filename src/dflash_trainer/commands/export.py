@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_trainer.commands.out_dir import checked_out_dir
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
 
@@ -21,6 +22,7 @@ def run(config: Config, args) -> int:
 
     if not args.checkpoint or not args.out:
         raise ConfigError("export needs --checkpoint CHECKPOINT_DIR and --out DIR")
+    out_dir = checked_out_dir(args.out)
     ckpt = Path(args.checkpoint)
     if not (ckpt / COMPLETE).is_file() or not (ckpt / "drafter.safetensors").is_file():
         raise ConfigError(f"--checkpoint {ckpt} is not a complete training checkpoint (checkpoints/step_N)")
@@ -42,6 +44,6 @@ def run(config: Config, args) -> int:
         )
     model.load_state_dict(weights)
     model.to(getattr(torch, config.target.dtype))
-    out = export_drafter(model, args.out, target_config=target_config)
+    out = export_drafter(model, out_dir, target_config=target_config)
     print(f"exported {ckpt} -> {out} (config.json, model.safetensors)")
     return 0

@@ -10,6 +10,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+from dflash_trainer.commands.out_dir import checked_out_dir
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.regen.runner import Backend, regenerate
@@ -75,6 +76,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     out = getattr(args, "out", None)
     if not out:
         raise ConfigError("dflash-train regenerate needs --out DIR (the new dataset; train on it with data.path=DIR)")
+    checked_out_dir(out)
     settings = settings_from_config(config)  # fails early on a missing model name
     from dflash_trainer.data.rules import REGENERATE
     from dflash_trainer.data.sources import load_conversations
