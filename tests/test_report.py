@@ -79,3 +79,31 @@ def test_no_report_when_turned_off(tmp_path):
     run = tmp_path / "run"
     assert train_in_process(run, "train.max_steps=2", "eval.at_end=false", "logging.report=false") == 0
     assert (run / "summary.json").is_file() and not (run / "report").exists()
+
+
+def test_metrics_rows_of_wrong_types_are_left_out_not_a_traceback(tmp_path, capsys, caplog):
+    """Rows that are not objects, or whose step is not an integer, are skipped (counted in a warning); values
+    of the wrong type are left out of the figures; the page is still written."""
+    import logging
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [
+        [1, 2], "text", {"step": "3", "loss": 1.0}, {"step": True, "loss": 1.0},
+        {"step": 1, "loss": 2.0, "tokens": 100, "step_time_s": 0.1, "wait_time_s": 0.01, "slot_acc": [0.1, 0.2],
+         "lr": 1e-3, "grad_norm": 1.0, "pool_depth": 2, "jobs": [0], "skipped": False},
+        {"step": 2, "loss": "high", "tokens": "many", "step_time_s": 0.1, "wait_time_s": "x", "slot_acc": ["a"],
+         "lr": "fast", "grad_norm": {"a": 1}, "pool_depth": None, "jobs": "0", "skipped": "no", "sim_tau": "2"},
+        {"step": 3, "loss": 1.5, "tokens": 100, "step_time_s": "slow", "slot_acc": [0.2, None]},
+        {"step": 3, "eval_tau": "good", "val_slot_acc": "x", "val_walk_tau": [1], "eval_prompt_lookup_tau": {}},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"status": "ok"}))
+    with caplog.at_level(logging.WARNING):
+        assert main(["report", str(run)]) == 0
+    assert (run / "report" / "index.html").is_file()
+    assert any("4 rows of" in r.getMessage() and "metrics.jsonl" in r.getMessage() for r in caplog.records)
+    log = read_run(run)
+    assert [r["step"] for r in log.steps] == [1, 2, 3]
+    assert log.steps[1] == {"step": 2, "loss": None, "step_time_s": 0.1}
+    assert log.series("loss") == ([1, 3], [2.0, 1.5])
