@@ -116,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FloatingPointError as e:  # the NaN/inf step limit: a data or learning-rate problem, not a bug
         print(f"dflash-train {args.command}: stopped: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before a command installs its own handling (imports, loading, setup)
+        print(f"dflash-train {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
