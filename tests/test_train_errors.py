@@ -185,3 +185,33 @@ def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text((run / "config.yaml").read_text())
     assert main(["eval", "--drafter", str(tmp_path / "e")]) == 2
     assert "set target.path" in capsys.readouterr().err
+
+
+def test_a_target_that_needs_remote_code_names_trust_remote_code_and_the_risk(tmp_path):
+    from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.errors import ConfigError
+    from dflash_trainer.target.config import TargetConfig
+    from dflash_trainer.target.load import target_model_config
+
+    model = tmp_path / "custom-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "mything", "architectures": ["MyThingForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_mything.MyThingConfig",
+                     "AutoModelForCausalLM": "modeling_mything.MyThingForCausalLM",
+                     "AutoTokenizer": [None, "tokenization_mything.MyThingTokenizerFast"]}}))
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "MyThingTokenizerFast",
+        "auto_map": {"AutoTokenizer": [None, "tokenization_mything.MyThingTokenizerFast"]}}))
+    ran = tmp_path / "code-ran"
+    for name in ("configuration_mything.py", "modeling_mything.py", "tokenization_mything.py"):
+        (model / name).write_text(f"open({str(ran)!r}, 'w').close()\n")
+    risk = "Set target.trust_remote_code=true only if you trust its source: that code runs on this machine"
+    for key, config in (("target.path", TargetConfig(path=str(model))),
+                        ("target.random_init", TargetConfig(random_init=str(model)))):
+        with pytest.raises(ConfigError, match=f"{key}='{model}': its model config needs Python code shipped with "
+                                              f"the model .*{risk}"):
+            target_model_config(config)
+    with pytest.raises(ConfigError, match=f"target.path='{model}': its tokenizer needs Python code .*{risk}"):
+        load_tokenizer(TargetConfig(path=str(model)))
+    assert not ran.exists()
