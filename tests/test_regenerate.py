@@ -412,4 +412,5 @@ def test_prompts_over_max_prompt_tokens_are_skipped_and_counted_and_no_row_is_an
     assert cli.main(["regenerate", "--out", str(tmp_path / "b"), *tiny, "regenerate.max_prompt_tokens=1"]) == 2
     captured = capsys.readouterr()
     assert "Train on it" not in captured.out
-    assert f"wrote no row to {tmp_path / 'b'}: of 3 conversations, 3 skipped ({limit.replace('40', '1')})" in captured.err
+    one = limit.replace("40", "1")
+    assert f"wrote no row to {tmp_path / 'b'}: of 3 conversations, 3 skipped ({one})" in captured.err
