@@ -184,7 +184,8 @@ def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
     # a directory that is not one of a run's drafters does not borrow a config from above it
     (tmp_path / "config.yaml").write_text((run / "config.yaml").read_text())
     assert main(["eval", "--drafter", str(tmp_path / "e")]) == 2
-    assert "set target.path" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "set target.path" in err and "or pass --config RUN_DIR/config.yaml" in err
 
 
 def test_a_target_that_needs_remote_code_names_trust_remote_code_and_the_risk(tmp_path):

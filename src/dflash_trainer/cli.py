@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from dflash_trainer.config import list_recipes, load_config
+from dflash_trainer.config import Config, list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet
 from dflash_trainer.layout import RunDir
 
@@ -91,6 +91,21 @@ def _run_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return None, []
 
 
+def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
+    """The command's config: none for `report` (it reads everything from its run directory)."""
+    if args.command == "report":
+        return None
+    recipe, found = _run_config(args)
+    try:
+        return load_config(recipe, found + overrides)
+    except ConfigError as e:
+        if recipe is None and args.command in ("eval", "export"):
+            given = "--drafter" if args.command == "eval" else "--checkpoint"
+            raise ConfigError(f"{e}; or pass --config RUN_DIR/config.yaml, the config of the run that trained it "
+                              f"(none was found: {given} is not inside a run directory)") from None
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -100,9 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "overwrite", False):
         overrides.append("train.overwrite=true")
     try:
-        # the report reads everything from its run directory; every other command runs on a config
-        recipe, found = _run_config(args) if args.command != "report" else (None, [])
-        config = load_config(recipe, found + overrides) if args.command != "report" else None
+        config = _config(args, overrides)
         try:
             module = importlib.import_module(f"dflash_trainer.commands.{args.command}")
         except ModuleNotFoundError as e:
