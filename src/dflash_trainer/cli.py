@@ -27,7 +27,6 @@ SUBCOMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The top-level parser; `parse_args` parses a subcommand's options wherever they stand."""
     parser = argparse.ArgumentParser(
         prog="dflash-train",
         description="Train DFlash speculative-decoding drafters.",
@@ -60,15 +59,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The subcommand and its arguments, options accepted anywhere: before, between or after the overrides
-    (`train data.path=D --resume run.dir=X`). argparse cannot intermix through subparsers, so the top-level
-    parser picks the subcommand and that subcommand's parser reads the rest intermixed."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    (`train data.path=D --resume run.dir=X`). argparse reads the positional overrides in one run, so the
+    overrides after an option come back unparsed: they join the others, in their order."""
     parser = _parser()
-    args, _ = parser.parse_known_args(argv)  # a bad subcommand or -h exits here
-    sub = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
-    command = args.command
-    args = sub.choices[command].parse_intermixed_args(argv[argv.index(command) + 1:])
-    args.command = command
+    args, extras = parser.parse_known_args(argv)
+    stray = [a for a in extras if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extras:
+        args.overrides = [*args.overrides, *extras]
     return args
 
 
