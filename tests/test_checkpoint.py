@@ -164,3 +164,33 @@ def test_a_file_size_limit_during_a_checkpoint_is_named(tmp_path):
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "cannot write checkpoint step_1" in proc.stdout and "ulimit -f" in proc.stdout, proc.stdout
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_legacy_ok_marker_is_used_with_a_loud_warning(tmp_path, caplog):
+    path, _ = _save(tmp_path, 10)
+    (path / "COMPLETE").write_text("ok\n")
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint_problem(path) is None
+    (record,) = [r for r in caplog.records if "legacy COMPLETE marker" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "cannot be detected" in record.getMessage()
+
+
+def _touch(path):
+    open(path, "w").close()
+
+
+class _RunsCode:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return _touch, (self.path,)
+
+
+def test_a_pickle_in_optimizer_pt_is_refused_and_never_run(tmp_path):
+    path, _ = _save(tmp_path, 10)
+    ran = tmp_path / "code-ran"
+    torch.save({"state": {}, "param_groups": [], "x": _RunsCode(str(ran))}, path / "optimizer.pt")
+    with pytest.raises(ConfigError, match=r"optimizer\.pt is not a checkpoint we wrote: it holds objects other"):
+        load_checkpoint(path, model_signature={"hidden": 8, "layers": 1}, data_fingerprint="data-a")
+    assert not ran.exists()

@@ -1,7 +1,8 @@
 import pytest
 
 from dflash_trainer.cli import main
-from dflash_trainer.config import load_config, save_config
+from dflash_trainer.config import load_config
+from dflash_trainer.rundir import save_config
 from dflash_trainer.errors import ConfigError
 
 
@@ -33,11 +34,23 @@ def test_demo_recipe_loads_and_overrides_apply():
         ("drafter.loss_kernel=triton", "drafter.loss_kernel"),
         ("drafter.mask_tiles=rows", "drafter.mask_tiles"),
         ("train.compile_mode=fast", "train.compile_mode"),
+        ("pipeline.timeout_s=nan", "pipeline.timeout_s must be a finite number"),
+        ("pipeline.liveness_timeout_s=inf", "pipeline.liveness_timeout_s must be a finite number"),
+        ("eval.temperature=nan", "eval.temperature must be a finite number"),
+        ("regenerate.temperature=nan", "regenerate.temperature must be a finite number"),
+        ("regenerate.request_timeout_s=inf", "regenerate.request_timeout_s must be a finite number"),
+        ("drafter.intermediate_size=0", "drafter.intermediate_size must be >= 1"),
+        ("drafter.intermediate_size=-5", "drafter.intermediate_size must be >= 1"),
     ],
 )
 def test_bad_config_names_the_key(override, key_in_message):
     with pytest.raises(ConfigError, match=key_in_message.replace(".", r"\.")):
         load_config("demo", [override])
+
+
+def test_non_finite_floats_are_refused_in_lists_of_sections_too():
+    with pytest.raises(ConfigError, match=r"data\.sources\[1\]\.weight must be a finite number, got inf"):
+        load_config("demo", ["data.path=null", "data.sources=[{path: a}, {path: b, weight: .inf}]"])
 
 
 def test_target_required():
@@ -86,3 +99,24 @@ def test_bad_recipe_files_are_named_errors(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=f"recipe {path}: {message}"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize("argv, option, value", [
+    (["train", "data.path=D", "--resume", "run.dir=X"], "resume", True),
+    (["train", "run.dir=X", "--overwrite"], "overwrite", True),
+    (["plan", "run.dir=X", "--config", "demo"], "config", "demo"),
+    (["eval", "eval.num_prompts=2", "--drafter", "E", "run.dir=X"], "drafter", "E"),
+    (["export", "run.dir=X", "--checkpoint", "C", "--out", "O"], "checkpoint", "C"),
+    (["regenerate", "regenerate.batch_size=2", "--out", "O", "run.dir=X"], "out", "O"),
+    (["report", "RUN", "--out", "O"], "out", "O"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_options_are_accepted_after_the_overrides(argv, option, value, capsys):
+    from dflash_trainer.cli import parse_args
+
+    args = parse_args(argv)
+    assert args.command == argv[0] and getattr(args, option) == value
+    assert [o for o in getattr(args, "overrides", []) if "=" in o] == [a for a in argv if "=" in a]
+    # through main: the option after an override is read, and the override reaches the config
+    assert main(["export", "train.nope=1", "--checkpoint", "C", "--out", "O"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" not in err and "train.nope" in err

@@ -194,3 +194,23 @@ def test_non_utf8_files_and_empty_parquet_are_named_errors(tmp_path):
     cut.write_bytes(data[: data.index("é".encode()) + 7])  # ends inside an é
     out = load_source(DataSourceConfig(path=str(cut)))
     assert out.report.kept == 1 and out.report.dropped == {"truncated_record": 1}
+
+
+def test_a_byte_order_mark_costs_no_row(tmp_path):
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"messages": msgs(i)}) + "\n" for i in range(3)).encode())
+    array = tmp_path / "bom.json"
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps([sharegpt_row(i) for i in range(3)]).encode())
+    for path in (jsonl, array):
+        out = load_source(DataSourceConfig(path=str(path)))
+        assert (out.report.kept, out.report.dropped) == (3, {}), path
+
+
+def test_a_lone_surrogate_drops_its_row_counted_not_the_whole_source(tmp_path):
+    path = tmp_path / "s.jsonl"
+    bad = {"messages": [{"role": "user", "content": "broken \ud83d emoji"}, {"role": "assistant", "content": "x"}]}
+    path.write_text(json.dumps({"messages": msgs(0)}) + "\n" + json.dumps(bad) + "\n"
+                    + json.dumps({"messages": msgs(2)}) + "\n")  # json.dumps escapes it: "\\ud83d"
+    out = load_source(DataSourceConfig(path=str(path)))
+    assert out.report.kept == 2 and out.report.dropped == {"lone_surrogate": 1}
+    assert [c.source_index for c in out.conversations] == [0, 2]

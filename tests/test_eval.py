@@ -206,3 +206,16 @@ def test_damaged_exports_bad_out_and_non_utf8_prompts_are_named_errors(tmp_path,
     (tmp_path / "latin1.jsonl").write_bytes('{"messages": [{"role": "user", "content": "café"}]}\n'.encode("latin-1"))
     assert cli.main(["eval", "--drafter", str(good), *base, f"eval.prompts={tmp_path / 'latin1.jsonl'}"]) == 2
     assert "latin1.jsonl is not UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [123, [{"type": "image_url"}], None], ids=["number", "list", "null"])
+def test_a_prompt_whose_content_is_not_text_is_named(tmp_path, content):
+    from dflash_trainer.errors import DataError
+    from dflash_trainer.eval.evaluate import load_prompt_messages
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "fine"}]}) + "\n"
+                    + json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": content}]}) + "\n")
+    with pytest.raises(DataError, match=rf"p\.jsonl:2: a user turn's content is {type(content).__name__}, not text"):
+        load_prompt_messages(path, 8)

@@ -177,3 +177,35 @@ def test_plan_cli_on_the_demo_recipe(tmp_path, capsys):
     assert len((run_dir / "plan" / "eval.jsonl").read_text().splitlines()) == held
     out = capsys.readouterr().out
     assert "padding waste" in out and str(run_dir) in out
+
+
+def test_duplicates_are_dropped_and_counted_before_holding_out(tmp_path, tiny_tokenizer):
+    """Exact copies of a conversation: one is kept, the others are counted; a held-out conversation has no
+    copy among the training sequences."""
+    data = write_dataset(tmp_path / "data.jsonl", n=12)
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[:12] * 3 + lines[12:]))  # every trainable row three times
+    cfg = load_config("demo", [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", "run.seed=3",
+                               "data.num_eval_conversations=4", "data.max_conversations=null"])
+    prepared = prepare_data(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
+    s = prepared.summary
+    assert s.dropped["duplicate"] == 24 and s.eval_conversations == 4 and s.conversations_total == 38
+    assert s.conversations_total == s.conversations_kept + s.eval_conversations + sum(s.dropped.values())
+    held = {c.messages[0].content for c in prepared.eval_conversations}
+    trained = {json.loads(lines[int(i)])["messages"][0]["content"] for i in prepared.train.source_index}
+    assert len(trained) == s.conversations_kept and not held & trained
+
+
+def test_the_cache_is_keyed_on_the_data_files_content_not_their_size_and_mtime(tmp_path, tiny_tokenizer):
+    import os
+
+    cfg = small_config(tmp_path)
+    data = tmp_path / "data.jsonl"
+    first = prepare_data(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
+    stat = os.stat(data)
+    text = data.read_text()
+    data.write_text(text.replace("question number 1?", "question number 9?", 1))  # same size
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(data).st_size == stat.st_size and os.stat(data).st_mtime_ns == stat.st_mtime_ns
+    edited = prepare_data(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
+    assert not edited.summary.cache_hit and edited.summary.content_sha256 != first.summary.content_sha256

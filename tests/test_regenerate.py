@@ -439,7 +439,7 @@ def test_sampling_settings_are_validated_and_old_manifests_resume(tmp_path):
         load_config(None, ["regenerate.num_samples=2"])
     with pytest.raises(ConfigError, match="regenerate.top_p must be in"):
         load_config(None, ["regenerate.temperature=0.7", "regenerate.top_p=0"])
-    with pytest.raises(ConfigError, match="regenerate.temperature must be >= 0"):
+    with pytest.raises(ConfigError, match="regenerate.temperature must be a finite number"):
         load_config(None, ["regenerate.temperature=nan"])
     cfg = load_config(None, ["regenerate.temperature=0.7", "regenerate.num_samples=4", "run.seed=9",
                              "target.random_init=tiny"])
@@ -462,3 +462,29 @@ def test_nucleus_keeps_the_smallest_top_set():
     assert torch.allclose(kept[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))  # 0.5 + 0.3 reach 0.8
     assert torch.allclose(kept[1], torch.tensor([0.0, 1.0, 0.0, 0.0]))  # the top token alone reaches it
     assert torch.equal(nucleus(probs, 1.0), probs)
+
+
+def test_prompts_over_max_prompt_tokens_are_skipped_and_counted_and_no_row_is_an_error(tmp_path, capsys):
+    """A prompt over `regenerate.max_prompt_tokens` is skipped (not failed), counted by its limit in the output,
+    the manifest and failed.jsonl; when no row is written the command exits non-zero, not "Train on it"."""
+    from dflash_trainer import cli
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n"
+                            for text in ("hi", "hello", "word " * 60)))
+    tiny = ["target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu",
+            "regenerate.max_new_tokens=4", "logging.progress=false", f"data.path={data}"]
+    assert cli.main(["regenerate", "--out", str(tmp_path / "a"), *tiny, "regenerate.max_prompt_tokens=40"]) == 0
+    out = capsys.readouterr().out
+    limit = "prompt over regenerate.max_prompt_tokens=40"
+    assert f"2 rows done (2 new), 1 skipped ({limit}) (reasons in" in out and "failed" not in out.split("reasons")[0]
+    manifest = read_manifest(tmp_path / "a")
+    assert manifest["rows_failed"] == 0 and manifest["rows_skipped"] == {limit: 1} and manifest["complete"]
+    (entry,) = map(json.loads, (tmp_path / "a" / "failed.jsonl").read_text().splitlines())
+    assert entry["skipped"] == limit and entry["reason"].startswith(f"{limit}: ")
+
+    assert cli.main(["regenerate", "--out", str(tmp_path / "b"), *tiny, "regenerate.max_prompt_tokens=1"]) == 2
+    captured = capsys.readouterr()
+    assert "Train on it" not in captured.out
+    one = limit.replace("40", "1")
+    assert f"wrote no row to {tmp_path / 'b'}: of 3 conversations, 3 skipped ({one})" in captured.err

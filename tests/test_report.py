@@ -87,7 +87,7 @@ def test_the_throughput_figures_agree_in_log_summary_and_report(trained):
     run = read_run(trained)
     s = run.summary
     assert s["warmup_steps"] == 3
-    assert [r["tokens_per_s"] is None for r in run.steps[:3]] == [True] * 3  # the warm-up has no steady figure
+    assert [r.get("tokens_per_s") is None for r in run.steps[:3]] == [True] * 3  # the warm-up has no steady figure
     assert run.steps[-1]["tokens_per_s"] == pytest.approx(s["tokens_per_s"])
     assert all(r["step_tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"]) for r in run.steps)
     assert s["T_tokens_per_s"] >= s["tokens_per_s"] * 0.99  # the drafter's capacity leaves its waits out
@@ -107,3 +107,31 @@ def test_throughput_leaves_the_warm_up_out_of_the_steady_figures():
     assert rates == {"step_tokens_per_s": 100.0, "tokens_per_s": 100.0}
     assert (f.tokens_per_s, f.drafter_tokens_per_s, f.warmup_steps) == (100.0, 200.0, 2)
     assert f.overall_tokens_per_s == pytest.approx(600 / 24)
+
+
+def test_metrics_rows_of_wrong_types_are_left_out_not_a_traceback(tmp_path, capsys, caplog):
+    """Rows that are not objects, or whose step is not an integer, are skipped (counted in a warning); values
+    of the wrong type are left out of the figures; the page is still written."""
+    import logging
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [
+        [1, 2], "text", {"step": "3", "loss": 1.0}, {"step": True, "loss": 1.0},
+        {"step": 1, "loss": 2.0, "tokens": 100, "step_time_s": 0.1, "wait_time_s": 0.01, "slot_acc": [0.1, 0.2],
+         "lr": 1e-3, "grad_norm": 1.0, "pool_depth": 2, "jobs": [0], "skipped": False},
+        {"step": 2, "loss": "high", "tokens": "many", "step_time_s": 0.1, "wait_time_s": "x", "slot_acc": ["a"],
+         "lr": "fast", "grad_norm": {"a": 1}, "pool_depth": None, "jobs": "0", "skipped": "no", "sim_tau": "2"},
+        {"step": 3, "loss": 1.5, "tokens": 100, "step_time_s": "slow", "slot_acc": [0.2, None]},
+        {"step": 3, "eval_tau": "good", "val_slot_acc": "x", "val_walk_tau": [1], "eval_prompt_lookup_tau": {}},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"status": "ok"}))
+    with caplog.at_level(logging.WARNING):
+        assert main(["report", str(run)]) == 0
+    assert (run / "report" / "index.html").is_file()
+    assert any("4 rows of" in r.getMessage() and "metrics.jsonl" in r.getMessage() for r in caplog.records)
+    log = read_run(run)
+    assert [r["step"] for r in log.steps] == [1, 2, 3]
+    assert log.steps[1] == {"step": 2, "loss": None, "step_time_s": 0.1}
+    assert log.series("loss") == ([1, 3], [2.0, 1.5])

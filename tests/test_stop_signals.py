@@ -148,3 +148,22 @@ def test_a_long_pause_of_training_itself_is_not_silence(tmp_path):
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
     assert summary(run_dir)["status"] == "ok"
+
+
+@pytest.mark.parametrize("stage", ["load_config", "import_module"])
+def test_ctrl_c_in_the_first_seconds_is_a_clean_exit_130(stage, monkeypatch, capsys):
+    """Ctrl-C while the command is still importing torch or reading its config (before training installs its
+    signal handlers) exits 130 with one line, not a KeyboardInterrupt traceback."""
+    from dflash_trainer import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_config" if stage == "load_config" else "importlib",
+                        interrupted if stage == "load_config" else type("M", (), {"import_module": interrupted}))
+    try:
+        rc = cli.main(["train", "--config", "demo"])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped dflash-train's main (a traceback for the user)")
+    assert rc == 130
+    assert capsys.readouterr().err.strip() == "dflash-train train: interrupted (Ctrl-C)"

@@ -254,3 +254,56 @@ def test_a_resumed_run_counts_the_tokens_of_every_session(tmp_path):
     rows = [r for r in metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert summary(run)["tokens_trained"] == sum(r["tokens"] for r in rows)
+
+
+def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
+    """`export --checkpoint RUN/checkpoints/step_N` and `eval --drafter RUN/export` read RUN/config.yaml (and
+    say so); eval writes RUN/eval.json on the run's held-out prompts."""
+    from dflash_trainer.cli import main
+
+    run = tmp_path / "run"
+    assert train_in_process(run, "train.max_steps=2", "eval.at_end=false") == 0
+    capsys.readouterr()
+    (run / "eval.json").unlink(missing_ok=True)
+    assert main(["export", "--checkpoint", str(run / "checkpoints" / "step_2"), "--out", str(tmp_path / "e")]) == 0
+    assert f"using the run's config {run / 'config.yaml'}" in capsys.readouterr().err
+    assert (tmp_path / "e" / "model.safetensors").is_file()
+    assert main(["eval", "--drafter", str(run / "export"), "eval.num_prompts=2", "eval.max_new_tokens=4"]) == 0
+    assert f"using the run's config {run / 'config.yaml'}" in capsys.readouterr().err
+    result = json.loads((run / "eval.json").read_text())
+    assert result["prompts"] == 2 and result["prompts_path"] == str(run / "plan" / "eval.jsonl")
+    # a directory that is not one of a run's drafters does not borrow a config from above it
+    (tmp_path / "config.yaml").write_text((run / "config.yaml").read_text())
+    assert main(["eval", "--drafter", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert "set target.path" in err and "or pass --config RUN_DIR/config.yaml" in err
+
+
+def test_a_target_that_needs_remote_code_names_trust_remote_code_and_the_risk(tmp_path):
+    from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.errors import ConfigError
+    from dflash_trainer.target.config import TargetConfig
+    from dflash_trainer.target.load import target_model_config
+
+    model = tmp_path / "custom-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "mything", "architectures": ["MyThingForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_mything.MyThingConfig",
+                     "AutoModelForCausalLM": "modeling_mything.MyThingForCausalLM",
+                     "AutoTokenizer": [None, "tokenization_mything.MyThingTokenizerFast"]}}))
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "MyThingTokenizerFast",
+        "auto_map": {"AutoTokenizer": [None, "tokenization_mything.MyThingTokenizerFast"]}}))
+    ran = tmp_path / "code-ran"
+    for name in ("configuration_mything.py", "modeling_mything.py", "tokenization_mything.py"):
+        (model / name).write_text(f"open({str(ran)!r}, 'w').close()\n")
+    risk = "Set target.trust_remote_code=true only if you trust its source: that code runs on this machine"
+    for key, config in (("target.path", TargetConfig(path=str(model))),
+                        ("target.random_init", TargetConfig(random_init=str(model)))):
+        with pytest.raises(ConfigError, match=f"{key}='{model}': its model config needs Python code shipped with "
+                                              f"the model .*{risk}"):
+            target_model_config(config)
+    with pytest.raises(ConfigError, match=f"target.path='{model}': its tokenizer needs Python code .*{risk}"):
+        load_tokenizer(TargetConfig(path=str(model)))
+    assert not ran.exists()

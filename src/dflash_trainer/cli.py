@@ -9,10 +9,12 @@ import argparse
 import importlib
 import logging
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from dflash_trainer.config import list_recipes, load_config
+from dflash_trainer.config import Config, list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet, StorageError
+from dflash_trainer.rundir import RunDir
 
 SUBCOMMANDS = {
     "plan": "tokenize the data and print the epoch plan summary",
@@ -61,8 +63,56 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The subcommand and its arguments, options accepted anywhere: before, between or after the overrides
+    (`train data.path=D --resume run.dir=X`). argparse reads the positional overrides in one run, so the
+    overrides after an option come back unparsed: they join the others, in their order."""
+    parser = _parser()
+    args, extras = parser.parse_known_args(argv)
+    stray = [a for a in extras if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extras:
+        args.overrides = [*args.overrides, *extras]
+    return args
+
+
+def _run_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The recipe and extra overrides for this command: `--config`, or for `export --checkpoint` and `eval
+    --drafter` without one, the run's own `config.yaml` found above that directory (RUN/checkpoints/step_N,
+    RUN/export, RUN/best), with `run.dir` set to that run so its held-out prompts and outputs are found."""
+    if args.config is not None:
+        return args.config, []
+    given = getattr(args, "checkpoint", None) or getattr(args, "drafter", None)
+    if not given:
+        return None, []
+    given = Path(given).resolve()
+    for run_dir in list(given.parents)[:2]:
+        layout = RunDir(run_dir)
+        if layout.config.is_file() and (given in (layout.export, layout.best) or given.parent == layout.checkpoints):
+            print(f"dflash-train {args.command}: using the run's config {layout.config} (pass --config to "
+                  "choose another)", file=sys.stderr)
+            return str(layout.config), [f"run.dir={run_dir}"]
+    return None, []
+
+
+def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
+    """The command's config: none for `report` (it reads everything from its run directory)."""
+    if args.command == "report":
+        return None
+    recipe, found = _run_config(args)
+    try:
+        return load_config(recipe, found + overrides)
+    except ConfigError as e:
+        if recipe is None and args.command in ("eval", "export"):
+            given = "--drafter" if args.command == "eval" else "--checkpoint"
+            raise ConfigError(f"{e}; or pass --config RUN_DIR/config.yaml, the config of the run that trained it "
+                              f"(none was found: {given} is not inside a run directory)") from None
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides)
     if getattr(args, "resume", False):
@@ -70,8 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "overwrite", False):
         overrides.append("train.overwrite=true")
     try:
-        # the report reads everything from its run directory; every other command runs on a config
-        config = load_config(args.config, overrides) if args.command != "report" else None
+        config = _config(args, overrides)
         try:
             module = importlib.import_module(f"dflash_trainer.commands.{args.command}")
         except ModuleNotFoundError as e:
@@ -85,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FloatingPointError as e:  # the NaN/inf step limit: a data or learning-rate problem, not a bug
         print(f"dflash-train {args.command}: stopped: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before a command installs its own handling (imports, loading, setup)
+        print(f"dflash-train {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

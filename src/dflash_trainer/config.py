@@ -7,8 +7,9 @@ instantiates the dataclasses so every `__post_init__` validates its values.
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -90,6 +91,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        _check_finite(self, "")
         if self.target.path is None and self.target.random_init is None:
             raise ConfigError("set target.path (a model dir or hub id) or target.random_init (a config)")
         if self.pipeline.pool_capacity < self.train.grad_accum:
@@ -103,6 +105,17 @@ class Config:
         """The shape of every packed batch (token budget, max sequences, blocks)."""
         return BatchShape.of(self.pipeline, self.drafter)
 
+
+def _check_finite(node: object, prefix: str) -> None:
+    """Refuse NaN and infinity in every float of the tree (sections, lists of sources): no setting means
+    "unbounded" by infinity (null or 0 does), and a NaN slips through a section's `if value < 0: raise`."""
+    items = ((f.name, getattr(node, f.name)) for f in fields(node)) if is_dataclass(node) else enumerate(node)
+    for name, value in items:
+        key = f"{prefix}.{name}" if is_dataclass(node) else f"{prefix}[{name}]"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key.lstrip('.')} must be a finite number, got {value}")
+        if is_dataclass(value) or isinstance(value, (list, tuple)):
+            _check_finite(value, key)
 
 
 def resolve_recipe(recipe: str | os.PathLike) -> Path:
@@ -168,12 +181,3 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: Sequence[str
 
 def to_yaml(config: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
-
-
-def save_config(config: Config, run_dir: str | os.PathLike) -> Path:
-    from dflash_trainer.rundir import RunDir
-
-    path = RunDir(run_dir).config
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_yaml(config))
-    return path

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal, Optional
 
-from dflash_trainer.config import Config, save_config
+from dflash_trainer.config import Config, to_yaml
 from dflash_trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,14 @@ def lock_exclusive(path: Path) -> Optional[IO]:
         return None
     return handle
 
+
+
+def save_config(config: Config, run_dir: str | os.PathLike) -> Path:
+    """`RUN_DIR/config.yaml`: the resolved config, which resume and the other commands read back."""
+    path = RunDir(run_dir).config
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_yaml(config))
+    return path
 
 @dataclass(frozen=True, slots=True)
 class RunDir:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from dflash_trainer.commands.out_dir import checked_out_dir
 from dflash_trainer.config import Config
 from dflash_trainer.data.tokenizer import load_tokenizer
 from dflash_trainer.drafter.export import load_drafter
@@ -33,12 +34,10 @@ log = logging.getLogger(__name__)
 
 
 def _out_dir(config: Config, args: Optional[argparse.Namespace]) -> Path:
-    out = getattr(args, "out", None) or config.run.dir
-    if not out:
+    out = getattr(args, "out", None)
+    if not out and not config.run.dir:
         raise ConfigError("nowhere to write eval.json: pass --out DIR or set run.dir")
-    if Path(out).exists() and not Path(out).is_dir():
-        raise ConfigError(f"--out {out} is a file: give a directory for eval.json")
-    return Path(out)
+    return checked_out_dir(out, flag="--out") if out else checked_out_dir(config.run.dir, flag="run.dir")
 
 
 def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_trainer.commands.out_dir import checked_out_dir
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
 
@@ -23,6 +24,7 @@ def run(config: Config, args) -> int:
 
     if not args.checkpoint or not args.out:
         raise ConfigError("export needs --checkpoint CHECKPOINT_DIR and --out DIR")
+    out_dir = checked_out_dir(args.out)
     ckpt = Path(args.checkpoint)
     if not (ckpt / COMPLETE).is_file() or not (ckpt / "drafter.safetensors").is_file():
         raise ConfigError(f"--checkpoint {ckpt} is not a complete training checkpoint (checkpoints/step_N)")
@@ -50,8 +52,8 @@ def run(config: Config, args) -> int:
     model.load_state_dict(weights)
     model.to(getattr(torch, config.target.dtype))
     if verifier is not None:
-        out = export_speculators(model, args.out, verifier=verifier, target_config=target_config)
+        out = export_speculators(model, out_dir, verifier=verifier, target_config=target_config)
     else:
-        out = export_drafter(model, args.out, target_config=target_config)
+        out = export_drafter(model, out_dir, target_config=target_config)
     print(f"exported {ckpt} -> {out} (config.json, model.safetensors)")
     return 0

@@ -10,6 +10,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+from dflash_trainer.commands.out_dir import checked_out_dir
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.regen.runner import Backend, regenerate
@@ -80,6 +81,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     out = getattr(args, "out", None)
     if not out:
         raise ConfigError("dflash-train regenerate needs --out DIR (the new dataset; train on it with data.path=DIR)")
+    checked_out_dir(out)
     settings = settings_from_config(config)  # fails early on a missing model name
     from dflash_trainer.data.rules import REGENERATE
     from dflash_trainer.data.sources import load_conversations
@@ -113,9 +115,16 @@ def run(config: Config, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"regenerate: interrupted; the rows written are kept in {out}. Rerun the same command to resume.")
         return 130
-    failed = f", {summary.rows_failed} failed (reasons in {summary.failed_log})" if summary.rows_failed else ""
+    left_out = "".join(f", {n} skipped ({limit})" for limit, n in summary.rows_skipped.items())
+    if summary.rows_failed:
+        left_out += f", {summary.rows_failed} failed"
+    if left_out:
+        left_out += f" (reasons in {summary.failed_log})"
+    if summary.rows_done == 0:
+        raise DataError(f"regenerate wrote no row to {summary.out_dir}: of {summary.rows_total} conversations"
+                        f"{left_out}; nothing to train on. Fix the cause (raise the limit) and rerun the same command")
     print(
-        f"regenerate: {summary.rows_done} rows done ({summary.rows_new} new){failed} of {summary.rows_total} "
+        f"regenerate: {summary.rows_done} rows done ({summary.rows_new} new){left_out} of {summary.rows_total} "
         f"conversations; output in {summary.out_dir}. Train on it with data.path={summary.out_dir}"
     )
     if not summary.complete:

@@ -123,7 +123,7 @@ class RegenerateConfig:
         for key in ("max_new_tokens", "concurrency", "batch_size", "shard_rows"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"regenerate.{key} must be >= 1, got {getattr(self, key)}")
-        if not self.temperature >= 0:  # NaN too
+        if self.temperature < 0:
             raise ConfigError(f"regenerate.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"regenerate.top_p must be in (0, 1], got {self.top_p}")

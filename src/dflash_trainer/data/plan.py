@@ -21,7 +21,6 @@ from typing import Any, Sequence
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.bucketing import assign_buckets, pack_first_fit_decreasing
-from dflash_trainer.data.tokenized import conversation_from_json, conversation_to_json
 from dflash_trainer.data.types import Conversation, Job
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.rundir import RunDir, write_atomic
@@ -137,13 +136,13 @@ def hold_out(conversations: Sequence[Conversation], num_eval: int, *, seed: int
 
 
 def write_eval_conversations(run_dir: str | os.PathLike, conversations: Sequence[Conversation]) -> Path:
-    text = "".join(json.dumps(conversation_to_json(c)) + "\n" for c in conversations)
+    text = "".join(json.dumps(c.to_json()) + "\n" for c in conversations)
     return write_atomic(RunDir(run_dir).eval_conversations, text)
 
 
 def read_eval_conversations(run_dir: str | os.PathLike) -> list[Conversation]:
     path = RunDir(run_dir).eval_conversations
-    return [conversation_from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    return [Conversation.from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:

@@ -10,11 +10,12 @@ import logging
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.config import Config
+from dflash_trainer.data import masks, rules, sources, tokenize_pool
 from dflash_trainer.data.plan import EpochPlan, check_lengths_fit, hold_out, write_eval_conversations
 from dflash_trainer.data.sources import load_conversations
 from dflash_trainer.data.tokenize_pool import default_num_workers
@@ -22,8 +23,7 @@ from dflash_trainer.data.tokenized import (
     TokenizedDataset,
     cache_key,
     cache_root,
-    conversation_from_json,
-    conversation_to_json,
+    code_fingerprint,
     key_parts,
     load_cache,
     save_cache,
@@ -68,18 +68,31 @@ class PreparedData:
     summary: DataSummary
 
 
+def drop_duplicates(conversations: Sequence[Conversation]) -> list[Conversation]:
+    """The conversations without exact repeats (same messages, whichever source or row), first kept."""
+    seen: set[tuple] = set()
+    kept = []
+    for c in conversations:
+        if c.messages not in seen:
+            seen.add(c.messages)
+            kept.append(c)
+    return kept
+
+
 def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset, dict[str, Any]]:
     data = config.data
     loaded = load_conversations(data, seed=config.run.seed)
-    train, held = hold_out(loaded.conversations, data.num_eval_conversations, seed=config.run.seed)
+    unique = drop_duplicates(loaded.conversations)  # before holding out: a copy would leak into the eval slice
+    train, held = hold_out(unique, data.num_eval_conversations, seed=config.run.seed)
     outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
                            min_supervised=2 * config.drafter.block_size,
                            num_workers=data.num_workers or default_num_workers())
     meta = {  # every cache this code can read has it: the cache key hashes this package's data code
         "content_sha256": outcome.dataset.content_sha256(),
         "conversations_total": loaded.report.records_read,
-        "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)),
-        "eval": [conversation_to_json(c) for c in held],
+        "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)
+                        + Counter(duplicate=len(loaded.conversations) - len(unique))),
+        "eval": [c.to_json() for c in held],
         "truncated": outcome.truncated,
         "truncated_tokens": outcome.truncated_tokens,
     }
@@ -95,17 +108,18 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
 
         tokenizer = load_tokenizer(config.target, config.data.chat_template)
     parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer)
-    path = cache_root(config.data.cache_dir) / cache_key(parts)
+    code = code_fingerprint([__file__, masks.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__])
+    path = cache_root(config.data.cache_dir) / cache_key(parts, code)
     cached = load_cache(path)
     if cached is not None:
         dataset, meta = cached
         log.info("tokenized data from cache %s", path)
     else:
         dataset, meta = _build(config, tokenizer)
-    sources = [s.path for s in config.data.resolved_sources()]
+    source_names = [s.path for s in config.data.resolved_sources()]
     if len(dataset) == 0:
         raise DataError(
-            f"no trainable sequence in {sources} (dropped: {meta['dropped']}). Check data.path and the format, "
+            f"no trainable sequence in {source_names} (dropped: {meta['dropped']}). Check data.path and the format, "
             f"or allow more: each sequence needs >= 2 * drafter.block_size = {2 * config.drafter.block_size} "
             f"supervised tokens within data.max_length = {config.data.max_length}"
         )
@@ -118,14 +132,14 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
             save_cache(path, dataset, meta)
         except OSError as e:
             log.warning("cannot write the tokenized cache %s (%s); set data.cache_dir to a writable dir", path, e)
-    held = tuple(conversation_from_json(r) for r in meta["eval"])
+    held = tuple(Conversation.from_json(r) for r in meta["eval"])
     if write_files:  # one rank writes; the others read the same cache
         write_eval_conversations(run_dir, held)
     summary = DataSummary(
         conversations_total=meta["conversations_total"], conversations_kept=len(dataset),
         eval_conversations=len(held), dropped=dict(meta["dropped"]), truncated=meta["truncated"],
         truncated_tokens=meta["truncated_tokens"], tokens=dataset.num_tokens,
-        supervised_tokens=dataset.num_supervised, sources=tuple(sources), cache_path=str(path),
+        supervised_tokens=dataset.num_supervised, sources=tuple(source_names), cache_path=str(path),
         cache_hit=cached is not None, content_sha256=meta["content_sha256"],
     )
     return PreparedData(train=dataset, eval_conversations=held, summary=summary)

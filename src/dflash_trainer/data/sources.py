@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import hashlib
 import json
 import logging
 import math
-import os
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -126,11 +126,23 @@ def normalize_row(row: Any, *, source: str, index: int, purpose: Optional[str] =
         content = _text(turn["content"] if "content" in turn else turn.get("value"))
         if not content.strip():
             raise _Drop("empty_turn")
+        if not _is_unicode(content):
+            raise _Drop("lone_surrogate")
         messages.append(Message(role=role, content=content))
     problem = conversation_problem(messages, purpose) if purpose is not None else None
     if problem is not None:
         raise _Drop(problem)
     return Conversation(messages=tuple(messages), source=source, source_index=index)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for text that holds a lone surrogate (JSON `"\\ud83d"` decodes to one): no tokenizer or UTF-8
+    file can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------- files
@@ -151,7 +163,7 @@ def _iter_json_array(path: Path) -> Iterator[Any]:
     """Records of a JSON array, decoded one at a time. A cut-off last record raises `_Truncated`."""
     decoder = json.JSONDecoder()
     # A file cut inside a multi-byte character must still decode up to the cut (any other bad byte raises).
-    with open(path, encoding="utf-8", errors=_CUT_TAIL) as f:
+    with open(path, encoding="utf-8-sig", errors=_CUT_TAIL) as f:  # -sig: a byte-order mark is not text
         buf = f.read(_CHUNK_CHARS)
         pos = len(buf) - len(buf.lstrip())
         if buf[pos : pos + 1] != "[":
@@ -193,7 +205,7 @@ class _Truncated(Exception):
 
 
 def _iter_jsonl(path: Path) -> Iterator[Any]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) would spoil the first row
         for line in f:
             if line.strip():
                 try:
@@ -336,6 +348,11 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
 # ----------------------------------------------------------------------------------------------- mix
 
 
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def mix_counts(available: list[int], weights: list[float], total: Optional[int]) -> list[int]:
     """Conversations taken from each source so the shares follow `weights`: as many as the scarcest source
     (relative to its weight) allows, at most `total`."""
@@ -381,13 +398,13 @@ def load_conversations(data: DataConfig, *, seed: int, purpose: str = TRAIN) -> 
 
 
 def source_fingerprint(data: DataConfig) -> list[dict[str, Any]]:
-    """What identifies each source's content cheaply: path, size and mtime of every file it reads."""
+    """What identifies each source's content: the SHA-256 of every file it reads (an edit that keeps the size
+    and the mtime is still an edit); hashing reads at disk speed, far below tokenizing."""
     out = []
     for source in data.resolved_sources():
         with source_path(source) as path:
             files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-            stats = [(str(p.relative_to(path)) if path.is_dir() else p.name, os.stat(p).st_size,
-                      os.stat(p).st_mtime_ns) for p in files]
+            stats = [(str(p.relative_to(path)) if path.is_dir() else p.name, _file_sha256(p)) for p in files]
         out.append({"path": str(path.resolve()), "files": stats, "weight": source.weight,
                     "format": source.format, "max_conversations": source.max_conversations})
     return out

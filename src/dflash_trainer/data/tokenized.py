@@ -1,6 +1,6 @@
 """The tokenized training set: sequences with loss masks, stored flat and cached on disk (safetensors + JSON).
 
-The cache key hashes everything that can change the result (sources with file sizes and mtimes, limits,
+The cache key hashes everything that can change the result (sources by the SHA-256 of their files, limits,
 weights, seed, tokenizer vocabulary and chat template, thinking, max length, block size, eval split size and
 the source of the loading/masking modules and `CODE_VERSION`), so a stale cache is never read.
 """
@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerFast
 from dflash_trainer.data.masks import end_of_turn_marker
 from dflash_trainer.data.sources import source_fingerprint
 from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers, tokenize_one
-from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
+from dflash_trainer.data.types import Conversation, TokenizedSequence
 
 log = logging.getLogger(__name__)
 
@@ -141,20 +141,17 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
             "chat_template": str(tokenizer.chat_template)}
 
 
-def _code_fingerprint() -> str:
-    """Hash of the modules that decide the cached content, so an edited loader or masker never reads a stale
-    cache (CODE_VERSION covers changes elsewhere)."""
-    from dflash_trainer.data import masks, prepare, rules, sources, tokenize_pool
-
+def code_fingerprint(module_files: Iterable[str]) -> str:
+    """Hash of the source files that decide the cached content (the caller, at the top of data preparation,
+    names them), so an edited loader or masker never reads a stale cache (CODE_VERSION covers the rest)."""
     h = hashlib.sha256()
-    for module_file in (masks.__file__, prepare.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__,
-                        __file__):
+    for module_file in sorted({*module_files, __file__}):
         h.update(Path(module_file).read_bytes())
     return h.hexdigest()
 
 
-def cache_key(parts: dict[str, Any]) -> str:
-    code = {"code_version": CODE_VERSION, "code_sha256": _code_fingerprint()}
+def cache_key(parts: dict[str, Any], code_sha256: str) -> str:
+    code = {"code_version": CODE_VERSION, "code_sha256": code_sha256}
     blob = json.dumps({**code, **parts}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -175,16 +172,6 @@ def key_parts(data_config, *, seed: int, block_size: int, tokenizer: PreTrainedT
 
 def cache_root(cache_dir: Optional[str]) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.expanduser()
-
-
-def conversation_to_json(c: Conversation) -> dict[str, Any]:
-    return {"messages": [{"role": m.role, "content": m.content} for m in c.messages], "source": c.source,
-            "source_index": c.source_index}
-
-
-def conversation_from_json(row: dict[str, Any]) -> Conversation:
-    return Conversation(messages=tuple(Message(role=m["role"], content=m["content"]) for m in row["messages"]),
-                        source=row.get("source", ""), source_index=int(row.get("source_index", -1)))
 
 
 def save_cache(path: Path, dataset: TokenizedDataset, meta: dict[str, Any]) -> None:

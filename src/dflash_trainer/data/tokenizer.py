@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from dflash_trainer.data.templates import TEMPLATE_NAMES, builtin_template
 from dflash_trainer.data.tiny_tokenizer import build_tiny_tokenizer
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.config import TargetConfig, model_reference
+from dflash_trainer.target.config import TargetConfig, loading_error, model_reference
 
 
 def load_tokenizer(target: TargetConfig, chat_template: str | None = None) -> PreTrainedTokenizerFast:
@@ -29,7 +29,7 @@ def load_tokenizer(target: TargetConfig, chat_template: str | None = None) -> Pr
         try:
             tok = AutoTokenizer.from_pretrained(reference, trust_remote_code=target.trust_remote_code)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"{key}={name!r}: cannot load a tokenizer from it ({e})") from None
+            raise loading_error(key, name, "tokenizer", e) from None
         if not isinstance(tok, PreTrainedTokenizerFast) or not tok.is_fast:
             raise ConfigError(
                 f"target.tokenizer {name!r} has no fast tokenizer; loss masks need character offsets. "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,16 @@ class Conversation:
     """Row index inside its source (stable: used for ids and the held-out split)."""
     sample: int = 0
     """Which of several replies regenerated for the same prompts this is (0: the first, or a source row)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The row form of `plan/eval.jsonl` and the tokenized cache's held-out list."""
+        return {"messages": [{"role": m.role, "content": m.content} for m in self.messages], "source": self.source,
+                "source_index": self.source_index}
+
+    @staticmethod
+    def from_json(row: dict[str, Any]) -> "Conversation":
+        return Conversation(messages=tuple(Message(role=m["role"], content=m["content"]) for m in row["messages"]),
+                            source=row.get("source", ""), source_index=int(row.get("source_index", -1)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

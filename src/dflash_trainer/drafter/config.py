@@ -72,6 +72,9 @@ class DrafterConfig:
                 raise ConfigError(f"drafter.tap_layer_ids must be distinct and >= 0, got {self.tap_layer_ids}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ConfigError(f"drafter.mask_token_id must be >= 0, got {self.mask_token_id}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ConfigError(f"drafter.intermediate_size must be >= 1 or null (the target's), got "
+                              f"{self.intermediate_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"drafter.num_blocks must be >= 1, got {self.num_blocks}")
         if self.gamma is None and self.block_size not in DEFAULT_GAMMA:

@@ -67,7 +67,12 @@ def load_prompt_messages(path: str | Path, num_prompts: int) -> list[list[dict]]
                 last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
             except (ValueError, KeyError, TypeError) as e:
                 raise DataError(f"{path}:{line_no}: not a {{\"messages\": [...]}} row with a user turn ({e})") from None
-            prompts.append([{"role": m["role"], "content": m["content"]} for m in messages[: last_user + 1]])
+            prompt = [{"role": m["role"], "content": m.get("content")} for m in messages[: last_user + 1]]
+            bad = next((m for m in prompt if not isinstance(m["content"], str)), None)
+            if bad is not None:
+                raise DataError(f"{path}:{line_no}: a {bad['role']} turn's content is "
+                                f"{type(bad['content']).__name__}, not text; give each turn's content as a string")
+            prompts.append(prompt)
             if len(prompts) >= num_prompts:
                 break
     if not prompts:

@@ -21,8 +21,9 @@ from dflash_trainer.data.types import Conversation, Message
 from dflash_trainer.eval.batched import decode_batch
 from dflash_trainer.target.stop_tokens import stop_token_ids
 
+from dflash_trainer.regen.turns import RegenOutcome, TurnState, as_dicts, skipped, start
+
 _OPEN_THINK = re.compile(r"<think>\s*$")
-from dflash_trainer.regen.turns import RegenOutcome, TurnState, as_dicts, failed, start
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +77,13 @@ class LocalBackend:
             yield from self._run_chunk(chunk)
 
     def _run_chunk(self, states: list[TurnState]) -> Iterator[RegenOutcome]:
-        errors: dict[str, str] = {}
+        errors: dict[str, RegenOutcome] = {}
         active = states
         while active:
             prompts = []
             for state in active:
-                prompt = self._encode(state.next_prompt())  # type: ignore[arg-type]
-                if isinstance(prompt, str):
+                prompt = self._encode(state.row_id, state.next_prompt())  # type: ignore[arg-type]
+                if isinstance(prompt, RegenOutcome):
                     errors[state.row_id] = prompt
                 else:
                     prompts.append((state, *prompt))
@@ -94,10 +95,10 @@ class LocalBackend:
                     state.add_reply(prefix + reply)
             active = [s for s in active if s.row_id not in errors and s.next_prompt() is not None]
         for state in states:
-            yield failed(state.row_id, errors[state.row_id]) if state.row_id in errors else state.outcome()
+            yield errors.get(state.row_id) or state.outcome()
 
-    def _encode(self, messages: tuple[Message, ...]) -> tuple[list[int], str] | str:
-        """(prompt ids, reply prefix) or the reason the prompt cannot be generated.
+    def _encode(self, rid: str, messages: tuple[Message, ...]) -> tuple[list[int], str] | RegenOutcome:
+        """(prompt ids, reply prefix), or the row's skip when the prompt is over a length limit.
 
         The prefix is an opening think block that the template put in the generation prompt (some thinking
         templates do): the stored reply starts with it, so training renders the same text.
@@ -107,12 +108,11 @@ class LocalBackend:
         )
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            return f"prompt of {len(ids)} tokens exceeds regenerate.max_prompt_tokens={self.max_prompt_tokens}"
+            return skipped(rid, f"prompt over regenerate.max_prompt_tokens={self.max_prompt_tokens}",
+                           f"{len(ids)} tokens")
         if self.max_positions is not None and len(ids) + self.max_new_tokens > self.max_positions:
-            return (
-                f"prompt of {len(ids)} tokens + max_new_tokens {self.max_new_tokens} exceeds the target's "
-                f"{self.max_positions} positions"
-            )
+            return skipped(rid, f"prompt + max_new_tokens over the target's {self.max_positions} positions",
+                           f"{len(ids)} + {self.max_new_tokens} tokens")
         match = _OPEN_THINK.search(text)
         return ids, (match.group(0) if match else "")
 

@@ -35,10 +35,12 @@ class RegenSummary:
     """Rows in the shards (earlier runs included)."""
     rows_failed: int
     """Rows whose latest attempt failed (reasons in `failed.jsonl`)."""
+    rows_skipped: dict[str, int]
+    """Rows left out by a limit (a prompt over `regenerate.max_prompt_tokens`), per limit; not failures."""
     rows_new: int
     """Rows written by this run."""
     complete: bool
-    """Every input conversation is either written or failed."""
+    """Every input conversation is written, failed or skipped."""
 
     @property
     def failed_log(self) -> str:
@@ -102,9 +104,9 @@ def regenerate(
                     store.add_row(outcome.row_id, outcome.messages)
                     new += 1
                 else:
-                    store.add_failed(outcome.row_id, outcome.error or "unknown error")
+                    store.add_failed(outcome.row_id, outcome.error or "unknown error", skipped=outcome.skipped)
                 bar.update(1)
-                bar.set_postfix(failed=store.rows_failed, refresh=False)
+                bar.set_postfix(failed=store.rows_failed, skipped=len(store.skipped), refresh=False)
     finally:
         store.close()
     return RegenSummary(
@@ -112,6 +114,7 @@ def regenerate(
         rows_total=len(store.expected_ids),
         rows_done=store.rows_done,
         rows_failed=store.rows_failed,
+        rows_skipped=store.skip_counts,
         rows_new=new,
         complete=store.complete,
     )

@@ -3,12 +3,13 @@
 Layout of DIR:
 - `shard_00000.jsonl`, ...: one row per line, `{"messages": [{"role", "content"}, ...], "id": "<source>:<index>"}`.
   Only the last shard is ever appended to; each row is one write of one line, flushed.
-- `failed.jsonl`: `{"id", "reason"}` per failed row (latest attempt).
+- `failed.jsonl`: `{"id", "reason"}` per failed row (latest attempt); a row left out by a limit (a prompt over
+  `regenerate.max_prompt_tokens`) is skipped, not failed: its entry adds `"skipped": LIMIT`.
 - `manifest.json`: settings, source info and counts, written atomically (tmp + os.replace).
 
 The shards are the truth: on resume their ids are skipped, a partially written last line (a crash or
-Ctrl-C mid-write) is truncated, and the manifest's counts are recomputed. Rows that failed before are
-tried again. A lock file keeps two runs from writing one directory.
+Ctrl-C mid-write) is truncated, and the manifest's counts are recomputed. Rows that failed or were skipped
+before are tried again. A lock file keeps two runs from writing one directory.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,8 @@ class RegenStore:
         """Ids of this run's input conversations: `complete` when each is written or failed."""
         self.done_ids: set[str] = set()
         self.failed: dict[str, str] = {}
+        self.skipped: dict[str, str] = {}
+        """Rows left out by a limit: id -> the limit (their reasons are in `failed`)."""
         self._shard_counts: list[int] = []
         self._file = None
         self._failed_file = None
@@ -147,8 +151,11 @@ class RegenStore:
             for lineno, line in enumerate(complete_lines(failed_path, repair=True), 1):
                 entry = parse_row(failed_path, lineno, line)
                 self.failed[entry["id"]] = entry.get("reason", "")
+                if entry.get("skipped"):
+                    self.skipped[entry["id"]] = entry["skipped"]
         for rid in self.done_ids:
             self.failed.pop(rid, None)
+            self.skipped.pop(rid, None)
         if self.done_ids:
             log.info("%s: resuming with %d rows already written", self.out_dir, len(self.done_ids))
 
@@ -158,7 +165,13 @@ class RegenStore:
 
     @property
     def rows_failed(self) -> int:
-        return len(self.failed)
+        """Rows that failed (a skipped row is not counted here)."""
+        return len(self.failed) - len(self.skipped)
+
+    @property
+    def skip_counts(self) -> dict[str, int]:
+        """Skipped rows per limit."""
+        return dict(Counter(self.skipped.values()))
 
     @property
     def complete(self) -> bool:
@@ -176,20 +189,30 @@ class RegenStore:
         self._file.flush()
         self.done_ids.add(rid)
         self.failed.pop(rid, None)
+        self.skipped.pop(rid, None)
         self._shard_counts[-1] += 1
         if self._shard_counts[-1] >= self.shard_rows:
             self._close_shard()
             self.write_manifest()
         self._maybe_write_manifest()
 
-    def add_failed(self, rid: str, reason: str) -> None:
+    def add_failed(self, rid: str, reason: str, skipped: str | None = None) -> None:
+        """A row that failed, or was `skipped` by that limit."""
         if self._failed_file is None:
             self._failed_file = open(self.out_dir / FAILED, "a", encoding="utf-8")
-        self._failed_file.write(json.dumps({"id": rid, "reason": reason}, ensure_ascii=False) + "\n")
+        self._failed_file.write(json.dumps(self._failed_entry(rid, reason, skipped), ensure_ascii=False) + "\n")
         self._failed_file.flush()
         self.failed[rid] = reason
-        log.debug("row %s failed: %s", rid, reason)
+        if skipped:
+            self.skipped[rid] = skipped
+        else:
+            self.skipped.pop(rid, None)
+        log.debug("row %s %s: %s", rid, "skipped" if skipped else "failed", reason)
         self._maybe_write_manifest()
+
+    @staticmethod
+    def _failed_entry(rid: str, reason: str, skipped: str | None) -> dict[str, str]:
+        return {"id": rid, "reason": reason} | ({"skipped": skipped} if skipped else {})
 
     def _close_shard(self) -> None:
         if self._file is not None:
@@ -213,6 +236,7 @@ class RegenStore:
                 "rows_total": len(self.expected_ids),
                 "rows_done": self.rows_done,
                 "rows_failed": self.rows_failed,
+                "rows_skipped": self.skip_counts,
                 "complete": self.complete,
                 "shards": [{"file": shard_name(i), "rows": n} for i, n in enumerate(self._shard_counts) if n],
                 "failed_log": FAILED,
@@ -233,7 +257,8 @@ class RegenStore:
                 tmp = failed_path.with_name(FAILED + ".tmp")
                 with open(tmp, "w", encoding="utf-8") as f:
                     for rid, reason in self.failed.items():
-                        f.write(json.dumps({"id": rid, "reason": reason}, ensure_ascii=False) + "\n")
+                        entry = self._failed_entry(rid, reason, self.skipped.get(rid))
+                        f.write(json.dumps(entry, ensure_ascii=False) + "\n")
                 os.replace(tmp, failed_path)
             self.write_manifest()
         finally:

@@ -22,7 +22,9 @@ class RegenOutcome:
     messages: tuple[Message, ...] | None
     """The regenerated conversation (replies verbatim, think blocks included); None when it failed."""
     error: str | None
-    """Why the row failed (None on success)."""
+    """Why the row failed or was skipped (None on success)."""
+    skipped: str | None = None
+    """Set when the row was left out by a limit rather than failed: the limit, short (the count's key)."""
 
 
 def row_id(conversation: Conversation) -> str:
@@ -87,6 +89,11 @@ def start(conversation: Conversation) -> TurnState | RegenOutcome:
 
 def failed(rid: str, reason: str) -> RegenOutcome:
     return RegenOutcome(row_id=rid, messages=None, error=reason)
+
+
+def skipped(rid: str, limit: str, detail: str) -> RegenOutcome:
+    """A row left out by `limit` (e.g. `regenerate.max_prompt_tokens=256`); `detail` says by how much."""
+    return RegenOutcome(row_id=rid, messages=None, error=f"{limit}: {detail}", skipped=limit)
 
 
 def as_dicts(messages: tuple[Message, ...]) -> list[dict[str, str]]:

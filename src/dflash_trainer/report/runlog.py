@@ -50,6 +50,23 @@ def _json(path: Path) -> Optional[dict[str, Any]]:
     return value if isinstance(value, dict) else None
 
 
+MARKERS = ("loss", "eval_tau", "val_walk_tau")
+"""Keys whose presence makes a row a training step or an evaluation: kept (as None) when their value is bad."""
+
+
+def _figure_value(value: Any) -> bool:
+    """A value the figures can use: a number (a flag: a bool), or a list of numbers."""
+    if isinstance(value, (bool, int, float)):
+        return True
+    return isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+
+
+def _typed(row: dict[str, Any]) -> dict[str, Any]:
+    """The row without the values of a wrong type (a hand edit, another tool), which no figure can draw."""
+    kept = {k: v for k, v in row.items() if _figure_value(v)}
+    return kept | {k: None for k in MARKERS if k in row and k not in kept}
+
+
 def read_run(run_dir: str | Path) -> RunLog:
     run_dir = Path(run_dir)
     layout = RunDir(run_dir)
@@ -57,7 +74,7 @@ def read_run(run_dir: str | Path) -> RunLog:
         config = yaml.safe_load(layout.config.read_text()) or {}
     except (OSError, yaml.YAMLError):
         config = {}
-    rows = read_metrics(layout.metrics)
+    rows = [_typed(r) for r in read_metrics(layout.metrics)]
     return RunLog(
         run_dir=run_dir,
         config=config if isinstance(config, dict) else {},

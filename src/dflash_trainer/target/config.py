@@ -23,6 +23,8 @@ class TargetConfig:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    """Let transformers run the Python files of the model's folder or hub repository (models whose config
+    names its classes through `auto_map`). That code runs with your permissions: only for a source you trust."""
     compile: bool = True
     """torch.compile each decoder layer of the target up to the last tap, with automatic dynamic shapes
     (CUDA only; ignored on the CPU; evaluation's decoding runs the layers eager). It costs compile time once
@@ -34,6 +36,18 @@ class TargetConfig:
             raise ConfigError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.path is not None and self.random_init is not None:
             raise ConfigError("set either target.path or target.random_init, not both")
+
+
+def loading_error(key: str, name: str, what: str, error: Exception) -> ConfigError:
+    """The ConfigError for `error`, raised by transformers loading `what` from `{key}={name}`: a model that
+    needs its own code names `target.trust_remote_code` and the risk of turning it on."""
+    if "trust_remote_code" in str(error):
+        return ConfigError(
+            f"{key}={name!r}: its {what} needs Python code shipped with the model (its config.json names classes "
+            "through auto_map), and target.trust_remote_code is false. Set target.trust_remote_code=true only if "
+            "you trust its source: that code runs on this machine with your permissions"
+        )
+    return ConfigError(f"{key}={name!r}: cannot load its {what} ({error})")
 
 
 def model_reference(name: str, key: str, needs: str) -> str:

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.config import TargetConfig, model_reference
+from dflash_trainer.target.config import TargetConfig, loading_error, model_reference
 from dflash_trainer.target.presets import PRESETS, preset_config
 
 log = logging.getLogger(__name__)
@@ -28,13 +28,15 @@ def target_model_config(cfg: TargetConfig) -> PretrainedConfig:
             raise ConfigError(
                 f"target.random_init {cfg.random_init!r} is neither a preset ({sorted(PRESETS)}) nor a path"
             )
-        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    assert cfg.path is not None
-    path = model_reference(cfg.path, "target.path", "config.json")  # outside the try: its error is already clear
+        key, name = "target.random_init", cfg.random_init
+    else:
+        assert cfg.path is not None
+        key, name = "target.path", cfg.path
+        path = model_reference(cfg.path, "target.path", "config.json")  # outside the try: its error is clear
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"target.path={cfg.path!r}: cannot read its model config ({e})") from None
+        raise loading_error(key, name, "model config", e) from None
 
 
 def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) -> PreTrainedModel:

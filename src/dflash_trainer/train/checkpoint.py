@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import resource
 import shutil
@@ -28,6 +29,8 @@ from dflash_trainer.errors import ConfigError, StorageError
 from dflash_trainer.rundir import RunDir
 
 COMPLETE = "COMPLETE"
+LEGACY_MARKER = "ok\n"
+"""What `COMPLETE` held before it listed each file's size and CRC-32: such a checkpoint cannot be verified."""
 _CHUNK = 16 * 2**20
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,10 @@ def checkpoint_problem(path: Path) -> Optional[str]:
     if not (path / COMPLETE).is_file():
         return f"no {COMPLETE} file (not a finished checkpoint)"
     marker = (path / COMPLETE).read_text()
-    if marker == "ok\n":  # written before checkpoints recorded their files: nothing to check against
+    if marker == LEGACY_MARKER:
+        log.warning("checkpoint %s has the legacy %s marker, written before checkpoints recorded their files' "
+                    "sizes and checksums: damage to its files cannot be detected; using it unchecked. Resume from "
+                    "(or export) a checkpoint written since, where there is one", path, COMPLETE)
         return None
     try:
         files = json.loads(marker)["files"]
@@ -283,11 +289,16 @@ def load_checkpoint(path: Path, *, model_signature: dict[str, Any], data_fingerp
         scheduler=payload["scheduler"],
         extra=payload["extra"],
     )
-    return LoadedCheckpoint(
-        path=path,
-        state=state,
-        weights=load_file(str(path / "drafter.safetensors")),
-        optimizer_state=torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"),
-        rng=torch.load(path / "rng.pt", weights_only=True, map_location="cpu"),
-        python_random=payload["python_random"],
-    )
+    return LoadedCheckpoint(path=path, state=state, weights=load_file(str(path / "drafter.safetensors")),
+                            optimizer_state=_load_tensors(path / "optimizer.pt"), rng=_load_tensors(path / "rng.pt"),
+                            python_random=payload["python_random"])
+
+
+def _load_tensors(path: Path) -> Any:
+    """A `torch.save`d file of tensors and plain containers; anything else (a pickle of arbitrary objects,
+    which could run code) is refused, never unpickled."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:
+        raise ConfigError(f"{path} is not a checkpoint we wrote: it holds objects other than tensors, and loading "
+                          "it could run code, so it was not loaded. Resume from another checkpoint") from None

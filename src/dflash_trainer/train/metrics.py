@@ -108,6 +108,7 @@ def read_metrics(path: Path, *, upto: int | None = None) -> list[dict[str, Any]]
         return []
     rows: list[dict[str, Any]] = []
     last_step = 0  # of the training rows so far
+    foreign = 0
     for line in path.read_text().split("\n"):
         if not line.strip():
             continue
@@ -115,7 +116,10 @@ def read_metrics(path: Path, *, upto: int | None = None) -> list[dict[str, Any]]
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # the line a killed run was writing
-        step = row.get("step", 0)
+        step = row.get("step", 0) if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            foreign += 1  # not an object with an integer step: not a row we wrote
+            continue
         if upto is not None and step > upto:
             continue
         if "loss" in row:  # a training step: a resume restarts the history at its step
@@ -123,4 +127,7 @@ def read_metrics(path: Path, *, upto: int | None = None) -> list[dict[str, Any]]
                 rows = [r for r in rows if r.get("step", 0) < step]
             last_step = step
         rows.append(row)
+    if foreign:
+        log.warning("left out %d rows of %s that are not objects with an integer step (not rows we wrote)",
+                    foreign, path)
     return rows

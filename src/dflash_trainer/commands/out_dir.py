@@ -1,0 +1,30 @@
+"""The `--out DIR` of regenerate, eval, export and report: checked before the work, so minutes of decoding or
+drawing are never lost to a path that cannot take the result."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from dflash_trainer.errors import ConfigError
+
+
+def checked_out_dir(out: str | Path, *, flag: str = "--out") -> Path:
+    """`out` as a Path, when it is a directory or can become one and this process can write there; else a
+    ConfigError naming the path, why, and the fix. Nothing is created: a probe file in the nearest existing
+    folder is removed at once."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {out} is a file; give a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {out} is inside {existing}, which is a file, not a folder; give a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {out}: cannot write in {existing} ({e.strerror or e}); give a writable "
+                          "directory") from None
+    return path
