@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Peer bake-off on the device machine (one H200): our recipe and ModelOpt's DFlash example on the same
 # regenerated data, the same budget, one after the other, each alone on the GPU (bench/peers.py):
-#   [MINUTES=5] [PARTS="data peer ours"] [REGEN_S=170] [CALIBRATE_S=40] bash bench/suites/peers.sh [our overrides ...]
+#   [MINUTES=5] [PARTS="data peer ours"] [REGEN_S=170] [CALIBRATE_S=40] [TARGET=DIR] bash bench/suites/peers.sh
+#       [our overrides ...]
 # Carry .whl (omegaconf, and for the peer nvidia-modelopt 0.47 with pydantic, pulp, datasets; bench/README.md),
 # .practice/model, .peer/modelopt (ModelOpt's examples/speculative_decoding) and .quality: either prompts/ (the
 # prompt files, `python bench/quality.py --prompts-only --prompt-turns 1 --cache .quality/prompts`) or the parts
@@ -11,7 +12,7 @@ T0=$SECONDS
 source "$(dirname "$0")/common.sh"
 MINUTES=${MINUTES:-5}; PARTS=${PARTS:-"data peer ours"}
 W=/tmp/peers; CACHE=$W/cache; mkdir -p "$CACHE" "$RESULTS"
-COMMON=(--target .practice/model --cache "$CACHE")
+COMMON=(--target "${TARGET:-.practice/model}" --cache "$CACHE")
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if ls .quality/quality-cache.tar.gz.part* >/dev/null 2>&1; then
   python3 bench/quality.py "${COMMON[@]}" --unpack .quality --data-only --no-regen > "$LOGS/unpack.log" 2>&1
