@@ -209,3 +209,35 @@ def test_the_cache_is_keyed_on_the_data_files_content_not_their_size_and_mtime(t
     assert os.stat(data).st_size == stat.st_size and os.stat(data).st_mtime_ns == stat.st_mtime_ns
     edited = prepare_data(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
     assert not edited.summary.cache_hit and edited.summary.content_sha256 != first.summary.content_sha256
+
+
+def test_sampled_replies_to_a_held_out_prompt_leave_the_training_set(tmp_path, tiny_tokenizer):
+    """`regenerate.num_samples` writes several replies to one prompt: holding one out while training on another
+    would leak the prompt. One per chosen prompt is held out, its siblings are counted and trained on by no one."""
+    rows = [{"messages": [{"role": "user", "content": f"question number {i}?"},
+                          {"role": "assistant", "content": reply(i + 100 * k, 12 + (i + k) % 20)}]}
+            for i in range(10) for k in range(3)]  # three different replies to each of 10 prompts
+    data = tmp_path / "samples.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config("demo", [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", "run.seed=1",
+                               "data.num_eval_conversations=3", "data.max_conversations=null"])
+    prepared = prepare_data(cfg, tmp_path / "run", tokenizer=tiny_tokenizer)
+    s = prepared.summary
+    assert s.eval_conversations == 3 and s.dropped["held_out_prompt_sibling"] == 6
+    held = [c.messages[0].content for c in prepared.eval_conversations]
+    trained = {rows[int(i)]["messages"][0]["content"] for i in prepared.train.source_index}
+    assert len(set(held)) == 3 and not set(held) & trained and len(trained) == 7
+
+
+def test_hold_out_without_shared_prompts_draws_as_before():
+    from dflash_trainer.data.plan import hold_out
+    from dflash_trainer.data.types import Conversation, Message
+
+    convs = [Conversation(messages=(Message(role="user", content=f"q{i}"), Message(role="assistant", content="a")),
+                          source="s", source_index=i) for i in range(30)]
+    split = hold_out(convs, 5, seed=7)
+    import random
+
+    expected = sorted(random.Random("eval:7").sample(range(30), 5))
+    assert [c.source_index for c in split.eval] == expected and split.siblings_dropped == 0
+    assert len(split.train) == 25

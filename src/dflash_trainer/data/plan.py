@@ -126,13 +126,34 @@ def read_epoch_plan(run_dir: str | os.PathLike, epoch: int) -> EpochPlan:
 # ---------------------------------------------------------------------------------------- eval slice
 
 
-def hold_out(conversations: Sequence[Conversation], num_eval: int, *, seed: int
-               ) -> tuple[list[Conversation], list[Conversation]]:
-    """(train, eval): `num_eval` conversations drawn from `seed`, both in their original order."""
-    num_eval = min(num_eval, len(conversations))
-    held = set(random.Random(f"eval:{seed}").sample(range(len(conversations)), num_eval))
-    train = [c for i, c in enumerate(conversations) if i not in held]
-    return train, [conversations[i] for i in sorted(held)]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeldOut:
+    train: list[Conversation]
+    """What is left to train on, in the original order."""
+    eval: list[Conversation]
+    """The held-out conversations, one per held-out prompt, in the original order."""
+    siblings_dropped: int
+    """Other replies to a held-out prompt (`regenerate.num_samples`), left out of both: trained on, they would
+    leak the held-out prompts."""
+
+
+def prompt_key(conversation: Conversation) -> tuple:
+    """What a conversation asks: its turns but the assistant's. Several sampled replies share it."""
+    return tuple((m.role, m.content) for m in conversation.messages if m.role != "assistant")
+
+
+def hold_out(conversations: Sequence[Conversation], num_eval: int, *, seed: int) -> HeldOut:
+    """`num_eval` prompts drawn from `seed`; the first conversation of each is held out, and the others with the
+    same prompt leave the training set too."""
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(conversations):
+        groups.setdefault(prompt_key(c), []).append(i)
+    members = list(groups.values())  # in order of first appearance
+    chosen = random.Random(f"eval:{seed}").sample(range(len(members)), min(num_eval, len(members)))
+    held = {members[g][0] for g in chosen}
+    left_out = {i for g in chosen for i in members[g]}
+    return HeldOut(train=[c for i, c in enumerate(conversations) if i not in left_out],
+                   eval=[conversations[i] for i in sorted(held)], siblings_dropped=len(left_out) - len(held))
 
 
 def write_eval_conversations(run_dir: str | os.PathLike, conversations: Sequence[Conversation]) -> Path:

@@ -83,7 +83,8 @@ def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[Tokenize
     data = config.data
     loaded = load_conversations(data, seed=config.run.seed)
     unique = drop_duplicates(loaded.conversations)  # before holding out: a copy would leak into the eval slice
-    train, held = hold_out(unique, data.num_eval_conversations, seed=config.run.seed)
+    split = hold_out(unique, data.num_eval_conversations, seed=config.run.seed)
+    train, held = split.train, split.eval
     outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
                            min_supervised=2 * config.drafter.block_size,
                            num_workers=data.num_workers or default_num_workers())
@@ -91,7 +92,8 @@ def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[Tokenize
         "content_sha256": outcome.dataset.content_sha256(),
         "conversations_total": loaded.report.records_read,
         "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)
-                        + Counter(duplicate=len(loaded.conversations) - len(unique))),
+                        + Counter(duplicate=len(loaded.conversations) - len(unique),
+                                  held_out_prompt_sibling=split.siblings_dropped)),
         "eval": [c.to_json() for c in held],
         "truncated": outcome.truncated,
         "truncated_tokens": outcome.truncated_tokens,
