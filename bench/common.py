@@ -201,3 +201,18 @@ def write_result(result: dict, bench: str, what: str, *folders: Optional[Path | 
     for folder in (Path(f) for f in folders if f):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{stamp}-{bench}-{what}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def append_table_rows(results_md: Path, header: str, title: str, rows: list[str]) -> None:
+    """Add `rows` at the end of the markdown table that starts with `header` in `results_md` (a new section
+    `title` with that table when there is none)."""
+    rule = "|" + "---|" * header.count(" | ") + "---|"
+    text = results_md.read_text()
+    if header not in text:
+        text += f"\n## {title}\n\n{header}\n{rule}\n"
+    lines = text.splitlines()
+    at = lines.index(header) + 2
+    while at < len(lines) and lines[at].startswith("|"):
+        at += 1
+    lines[at:at] = rows
+    results_md.write_text("\n".join(lines) + "\n")

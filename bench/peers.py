@@ -34,7 +34,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common import ROOT, git_commit, write_result
+from common import ROOT, append_table_rows, git_commit, write_result
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -234,16 +234,7 @@ def table(paths: list[Path], record: bool) -> None:
     print("|" + "---|" * TABLE_HEADER.count(" | ") + "---|")
     print("\n".join(rows))
     if record:
-        text = RESULTS_MD.read_text()
-        if TABLE_HEADER not in text:
-            text += ("\n## Peer bake-off on the practice target (`bench/peers.py`)\n\n" + TABLE_HEADER + "\n"
-                     + "|" + "---|" * TABLE_HEADER.count(" | ") + "---|\n")
-        lines = text.splitlines()
-        at = lines.index(TABLE_HEADER) + 2
-        while at < len(lines) and lines[at].startswith("|"):
-            at += 1
-        lines[at:at] = rows
-        RESULTS_MD.write_text("\n".join(lines) + "\n")
+        append_table_rows(RESULTS_MD, TABLE_HEADER, "Peer bake-off on the practice target (`bench/peers.py`)", rows)
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 
 import yaml
-from common import ROOT, git_commit, write_result
+from common import ROOT, append_table_rows, git_commit, write_result
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -279,17 +279,8 @@ def row(result: dict, notes: str = "") -> str:
 
 
 def record(path: Path) -> None:
-    result = json.loads(path.read_text())
-    text = RESULTS_MD.read_text()
-    if TABLE_HEADER not in text:
-        text += ("\n## Drafter quality on the practice target (`bench/quality.py`)\n\n" + TABLE_HEADER + "\n"
-                 + "|" + "---|" * TABLE_HEADER.count(" | ") + "---|\n")
-    lines = text.splitlines()
-    at = lines.index(TABLE_HEADER) + 2
-    while at < len(lines) and lines[at].startswith("|"):
-        at += 1
-    lines.insert(at, row(result))
-    RESULTS_MD.write_text("\n".join(lines) + "\n")
+    append_table_rows(RESULTS_MD, TABLE_HEADER, "Drafter quality on the practice target (`bench/quality.py`)",
+                      [row(json.loads(path.read_text()))])
 
 
 def main(argv=None) -> int:

@@ -234,3 +234,44 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'cached': True" in proc.stdout
     assert (tmp_path / "c2" / "eval.jsonl").read_text() == (tmp_path / "c1" / "eval.jsonl").read_text()
+
+
+def test_peer_driver_template_shape_and_step_budget(tmp_path):
+    """bench/peers.py's pure parts: the answer-only template renders the target's text exactly and tags each
+    reply; a template it does not know is refused; the peer's drafter gets our shape and the target's head sizes
+    and rope theta; the calibrated step count follows the measured rate after warm-up; the data keeps messages."""
+    from peers import drafter_overrides, generation_template, steps_for_budget, write_peer_data
+    from transformers import AutoTokenizer
+
+    practice = ROOT.parent / "shared" / "practice_target" / "model"
+    if not practice.is_dir():
+        pytest.skip("the practice target (../shared/practice_target) is not beside this checkout")
+    tokenizer = AutoTokenizer.from_pretrained(practice)
+    rows = [[{"role": "user", "content": "hi\nthere"}, {"role": "assistant", "content": "yo"},
+             {"role": "user", "content": "and?"}, {"role": "assistant", "content": ""}]]
+    tagged = generation_template(tokenizer, rows)
+    assert tagged.count("{% generation %}") == 1
+    masked = tokenizer.apply_chat_template(rows[0], chat_template=tagged, tokenize=True, return_dict=True,
+                                           return_assistant_tokens_mask=True)
+    ids, mask = masked["input_ids"], masked["assistant_masks"]
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "yo<|im_end|><|im_end|>"  # replies + end of turn
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(SystemExit, match="write a"):
+        generation_template(tokenizer, rows)
+
+    overrides = drafter_overrides(practice, num_layers=5, block_size=16, mask_token_id=5)
+    assert "dflash.dflash_architecture_config.target_layer_ids=[0,1,2,3,4]" in overrides
+    assert {"dflash.dflash_architecture_config.num_attention_heads=5", "dflash.dflash_architecture_config.head_dim=64",
+            "dflash.dflash_architecture_config.rope_theta=1000000.0", "dflash.dflash_block_size=16"} <= set(overrides)
+
+    stats = {"step_ends_s": [5.0 + 0.5 * i for i in range(40)]}  # 2 steps/s once warm
+    assert steps_for_budget(stats, 60.0) == 120
+    with pytest.raises(SystemExit, match="calibration ran only"):
+        steps_for_budget({"step_ends_s": [1.0] * 5}, 60.0)
+
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    (regen / "manifest.json").write_text("{}")
+    (regen / "shard_00000.jsonl").write_text(json.dumps({"messages": rows[0], "id": "s:0"}) + "\n")
+    assert write_peer_data(regen, tmp_path / "peer.jsonl") == 1
+    assert json.loads((tmp_path / "peer.jsonl").read_text()) == {"messages": rows[0]}
