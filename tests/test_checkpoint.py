@@ -194,3 +194,19 @@ def test_a_pickle_in_optimizer_pt_is_refused_and_never_run(tmp_path):
     with pytest.raises(ConfigError, match=r"optimizer\.pt is not a checkpoint we wrote: it holds objects other"):
         load_checkpoint(path, model_signature={"hidden": 8, "layers": 1}, data_fingerprint="data-a")
     assert not ran.exists()
+
+
+def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fraction():
+    f = [lr_factor(s, total_steps=100, warmup_ratio=0.1, min_lr_ratio=0.0, schedule="wsd", decay_ratio=0.2)
+         for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(v == 1.0 for v in f[10:80])  # stable
+    assert f[80] == pytest.approx(19 / 20) and f[99] == 0.0  # decay: 20 steps to zero
+    assert all(a > b for a, b in zip(f[80:], f[81:]))
+    from dflash_trainer.config import load_config
+    from dflash_trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.schedule must be one of cosine, wsd"):
+        load_config(None, ["train.schedule=step"])
+    with pytest.raises(ConfigError, match="train.decay_ratio"):
+        load_config(None, ["train.schedule=wsd", "train.decay_ratio=0.99"])

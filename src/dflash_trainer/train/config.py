@@ -9,6 +9,7 @@ from typing import Optional
 from dflash_trainer.errors import ConfigError
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+SCHEDULES = ("cosine", "wsd")
 
 
 @dataclass
@@ -25,6 +26,11 @@ class TrainConfig:
     lr: float = 6e-4
     min_lr_ratio: float = 0.0
     warmup_ratio: float = 0.04
+    schedule: str = "cosine"
+    """After the warmup: cosine (decay to min_lr_ratio * lr) | wsd (hold the peak, then decay linearly to it over
+    the last `decay_ratio` of training)."""
+    decay_ratio: float = 0.2
+    """wsd: the fraction of training spent decaying."""
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
@@ -66,6 +72,10 @@ class TrainConfig:
             raise ConfigError(f"train.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not 0 < self.decay_ratio <= 1 - self.warmup_ratio:
+            raise ConfigError(f"train.decay_ratio must be in (0, 1 - train.warmup_ratio], got {self.decay_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for key in ("grad_accum", "keep_last", "checkpoint_interval", "log_interval"):

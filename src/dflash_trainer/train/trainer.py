@@ -127,7 +127,8 @@ class DrafterTrainer:
         self.optimizer = build_optimizer(self.model, config.train)
         self.scheduler = build_scheduler(
             self.optimizer, total_steps=self.total_steps, warmup_ratio=config.train.warmup_ratio,
-            min_lr_ratio=config.train.min_lr_ratio, time_fraction=self.time_fraction,
+            min_lr_ratio=config.train.min_lr_ratio, schedule=config.train.schedule,
+            decay_ratio=config.train.decay_ratio, time_fraction=self.time_fraction,
         )
         self.ledger: dict[int, list[int]] = {}
         if resume is not None:
