@@ -21,6 +21,8 @@ def run(config: Config, args) -> int:
     from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
     from dflash_trainer.target.load import target_model_config
     from dflash_trainer.train.checkpoint import COMPLETE, checkpoint_problem
+    from dflash_trainer.train.ema import PREFIX as EMA_PREFIX
+    from dflash_trainer.train.ema import split_averaged
 
     if not args.checkpoint or not args.out:
         raise ConfigError("export needs --checkpoint CHECKPOINT_DIR and --out DIR")
@@ -41,7 +43,10 @@ def run(config: Config, args) -> int:
         load_tokenizer(config.target, config.data.chat_template))
     spec = drafter_spec(target_config, config.drafter, mask_token_id=mask)
     model = DFlashDrafter(spec, attention="sdpa")
-    weights = load_file(str(ckpt / "drafter.safetensors"))
+    weights, averaged = split_averaged(load_file(str(ckpt / "drafter.safetensors")))
+    if averaged:  # the run evaluated and exported its weight average (train.ema_decay): so does this export
+        weights = weights | {k[len(EMA_PREFIX):]: v for k, v in averaged.items()}
+        print(f"exporting the weight average (train.ema_decay) that {ckpt} holds")
     own = model.state_dict()
     bad = sorted(set(own) ^ set(weights)) + [k for k in own if k in weights and own[k].shape != weights[k].shape]
     if bad:

@@ -34,6 +34,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
+    ema_decay: Optional[float] = None
+    """Evaluate, export and choose the best drafter by an exponential moving average of the weights with this
+    decay per optimizer step (e.g. 0.999); None: the weights as trained."""
     dtype: str = "bfloat16"
     """Compute dtype of the drafter (weights and optimizer state stay fp32)."""
     compile: bool = True
@@ -72,6 +75,8 @@ class TrainConfig:
             raise ConfigError(f"train.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ConfigError(f"train.ema_decay must be in (0, 1) or null, got {self.ema_decay}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not 0 < self.decay_ratio <= 1 - self.warmup_ratio:

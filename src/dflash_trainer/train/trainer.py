@@ -24,10 +24,12 @@ from dflash_trainer.drafter.export import export_drafter, init_from_export
 from dflash_trainer.drafter.init import init_from_target, target_tensor_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.faults import maybe_fault
 from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
+from dflash_trainer.train.ema import WeightAverage, split_averaged
 from dflash_trainer.train.metrics import build_sinks, read_metrics
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step
 from dflash_trainer.train.optim import build_optimizer
@@ -130,6 +132,7 @@ class DrafterTrainer:
             min_lr_ratio=config.train.min_lr_ratio, schedule=config.train.schedule,
             decay_ratio=config.train.decay_ratio, time_fraction=self.time_fraction,
         )
+        self.average = self._weight_average()
         self.ledger: dict[int, list[int]] = {}
         if resume is not None:
             self._restore(resume)
@@ -173,11 +176,25 @@ class DrafterTrainer:
         steps = self.loop.state.step / self.total_steps if hasattr(self, "loop") else 0.0
         return min(1.0, max(steps, self.time_fraction()))
 
+    def _weight_average(self) -> Optional[WeightAverage]:
+        decay = self.config.train.ema_decay
+        if decay is None:
+            return None
+        if self.sharded:
+            raise ConfigError("train.ema_decay is not supported with FSDP2 sharding yet: set train.fsdp=false (or "
+                              "train.ema_decay=null)")
+        return WeightAverage(self.model, decay)
+
     def _restore(self, ckpt: LoadedCheckpoint) -> None:
-        missing = set(self.model.state_dict()) ^ set(ckpt.weights)
+        weights, averaged = split_averaged(ckpt.weights)
+        missing = set(self.model.state_dict()) ^ set(weights)
         if missing:
             raise ValueError(f"checkpoint {ckpt.path} weights do not match the drafter: {sorted(missing)[:4]}")
-        load_full_state(self.model, self.optimizer, ckpt.weights, ckpt.optimizer_state)
+        load_full_state(self.model, self.optimizer, weights, ckpt.optimizer_state)
+        if self.average is not None:
+            loaded = self.average.load_state_dict(averaged)
+            log.info("weight average (train.ema_decay): %s", "resumed" if loaded else
+                     f"{ckpt.path} has none, it starts from the resumed weights")
         self.scheduler.load_state_dict(ckpt.state.scheduler)
         self.ledger = {e: list(ids) for e, ids in ckpt.state.ledger.items()}
         torch.set_rng_state(ckpt.rng["torch"])
@@ -201,6 +218,8 @@ class DrafterTrainer:
             for e, j in self.loop.state.committed[seen:]:
                 self.ledger.setdefault(e, []).append(j)
             seen = len(self.loop.state.committed)
+            if self.average is not None and not record.skipped:
+                self.average.update(self.model)
             rates = meter.step(record.tokens, record.step_time_s, record.wait_time_s, time.perf_counter())
             self._log(record, rates, bar)
             if record.step % self.config.train.checkpoint_interval == 0 and not record.skipped:
@@ -265,6 +284,8 @@ class DrafterTrainer:
         optimizer_state = full_optimizer_state(self.model, self.optimizer)
         if not self.is_leader:
             return None
+        if self.average is not None:
+            weights = weights | self.average.state_dict()
         state = CheckpointState(
             step=step, epoch=max(self.ledger) if self.ledger else 0, ledger=self.ledger,
             model_signature=self.signature, data_fingerprint=self.fingerprint,
@@ -276,8 +297,13 @@ class DrafterTrainer:
         return path
 
     def full_model(self) -> Optional[DFlashDrafter]:
-        """The drafter with full weights: the model itself, or with FSDP2 an unsharded copy on the leader
-        (gathered by every drafter rank together; None on the others)."""
+        """The drafter to evaluate and export, with full weights: the model itself, a copy holding the weight
+        average (`train.ema_decay`), or with FSDP2 an unsharded copy on the leader (gathered by every drafter rank
+        together; None on the others)."""
+        if self.average is not None:
+            copy = DFlashDrafter(self.spec, attention="sdpa").to(self.device)
+            copy.load_state_dict(self.average.averaged_state(self.model))
+            return copy
         if not self.sharded:
             return self.model
         weights = full_weights(self.model)
