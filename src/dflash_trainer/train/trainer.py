@@ -103,9 +103,8 @@ class DrafterTrainer:
         step_metrics: Callable[[], dict] = dict,
     ) -> None:
         """`on_step(trainer, record)`: called after each step (evaluation); `dummy_batch`: a batch with no
-        supervised token (needed with `train.fsdp`; see `parallel.py`);
-        `stop_requested()`: True once this rank is asked to stop (a signal); `step_metrics()`: more figures for
-        each step's metrics row (the pipeline's, e.g. the pool depth)."""
+        supervised token (needed with `train.fsdp`; see `parallel.py`); `stop_requested()`: True once this rank is
+        asked to stop (a signal); `step_metrics()`: more figures for each step's metrics row (e.g. pool depth)."""
         self.config = config
         self.spec = spec
         self.head = head
@@ -127,11 +126,10 @@ class DrafterTrainer:
         if config.train.compile and device.type == "cuda":
             compile_forward_train(self.model, mode=config.train.compile_mode)
         self.optimizer = build_optimizer(self.model, config.train)
-        self.scheduler = build_scheduler(
-            self.optimizer, total_steps=self.total_steps, warmup_ratio=config.train.warmup_ratio,
-            min_lr_ratio=config.train.min_lr_ratio, schedule=config.train.schedule,
-            decay_ratio=config.train.decay_ratio, time_fraction=self.time_fraction,
-        )
+        train = config.train
+        self.scheduler = build_scheduler(self.optimizer, total_steps=self.total_steps, warmup_ratio=train.warmup_ratio,
+                                         min_lr_ratio=train.min_lr_ratio, schedule=train.schedule,
+                                         decay_ratio=train.decay_ratio, time_fraction=self.time_fraction)
         self.average = self._weight_average()
         self.ledger: dict[int, list[int]] = {}
         if resume is not None:
@@ -156,12 +154,10 @@ class DrafterTrainer:
         )
         if resume is not None:
             self.loop.state.tokens = int(resume.state.extra.get("tokens", 0))  # tokens_trained counts every session
-        if resume is not None and is_leader:
-            _truncate_metrics(RunDir(run_dir).metrics, resume.state.step)
-        self.sink = build_sinks(
-            run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb, enabled=is_leader,
-            wandb_project=config.logging.wandb_project, config=asdict(config),
-        )
+            if is_leader:
+                _truncate_metrics(RunDir(run_dir).metrics, resume.state.step)
+        self.sink = build_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
+                                enabled=is_leader, wandb_project=config.logging.wandb_project, config=asdict(config))
         self.checkpoints: list[str] = []
         self.shown: dict[str, str] = {}
         """Latest evaluation figures shown beside the training figures in the progress bar."""
