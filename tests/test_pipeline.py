@@ -54,6 +54,19 @@ def test_two_targets_one_drafter_slow_target(tmp_path):
     assert s["pool_occupied_max"] <= s["pool_capacity"] and s["pool_depth_max"] <= s["pool_capacity"], s
 
 
+def test_tp2_target_group_feeds_a_drafter(tmp_path):
+    """One target group of 2 ranks (tensor-parallel, gloo) + 1 drafter: the run ends ok with every job trained
+    exactly once; the group is one target: only its leader pulls jobs, sends batches and reports (the member runs
+    the same forwards in lockstep, else the sharded layers' all-reduces would never pair up)."""
+    run_dir = tmp_path / "run"
+    launch = torchrun(run_dir, 3, "pipeline.colocated=false", "pipeline.num_targets=1", "pipeline.target_parallel=2",
+                      "eval.interval=0")
+    s = assert_ok(launch)
+    _assert_every_job_once(run_dir, s)
+    assert s["roles"] == ["target", "target-member", "drafter"]
+    assert s["target_batches"] == {"0": len(planned_jobs(run_dir))}
+
+
 DETERMINISTIC = ("pipeline.colocated=false", "pipeline.num_targets=1", "pipeline.deterministic=true",
                  "train.grad_accum=1")
 

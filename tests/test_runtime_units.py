@@ -6,10 +6,14 @@ import time
 import pytest
 import torch.distributed as dist
 
+from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.eval.config import EvalConfig
 from dflash_trainer.runtime.config import PipelineConfig
 from dflash_trainer.runtime.control import Aborted, ControlPlane, StallTimeout
 from dflash_trainer.runtime.roles import Role, plan_placement
+from dflash_trainer.runtime.setup import check_target_groups
+from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.transport.claims import Claim
 from dflash_trainer.transport.pool import BufferedPool
 
@@ -18,6 +22,21 @@ def test_roles_first_local_ranks_are_targets():
     p = plan_placement(rank=5, world_size=8, local_rank=1, local_world_size=4, pipeline=PipelineConfig(num_targets=1))
     assert p.roles == (Role.TARGET, Role.DRAFTER, Role.DRAFTER, Role.DRAFTER) * 2
     assert p.role is Role.DRAFTER and p.target_ranks == (0, 4) and p.drafter_index == 3
+
+
+def test_roles_target_groups_on_two_nodes():
+    # 8 ranks per node: 2 target groups of 2 ranks (leader first), then 4 drafters; the same on node 2.
+    p = plan_placement(rank=10, world_size=16, local_rank=2, local_world_size=8,
+                       pipeline=PipelineConfig(num_targets=2, target_parallel=2))
+    T, M, D = Role.TARGET, Role.TARGET_MEMBER, Role.DRAFTER
+    assert p.roles == (T, M, T, M, D, D, D, D) * 2
+    assert p.target_ranks == (0, 2, 8, 10)  # the producers: one per group
+    assert p.target_groups == ((0, 1), (2, 3), (8, 9), (10, 11))
+    assert p.role is T and p.target_group == (10, 11)
+    member = plan_placement(rank=3, world_size=16, local_rank=3, local_world_size=8,
+                            pipeline=PipelineConfig(num_targets=2, target_parallel=2))
+    assert member.role is M and member.target_group == (2, 3) and not member.role.runs_target
+    assert member.drafter_ranks == (4, 5, 6, 7, 12, 13, 14, 15)
 
 
 def test_roles_single_process_and_colocated():
@@ -33,11 +52,27 @@ def test_roles_single_process_and_colocated():
         (dict(world_size=2, local_world_size=2, pipeline=PipelineConfig(num_targets=2)), "no drafter"),
         (dict(world_size=4, local_world_size=4, pipeline=PipelineConfig(), num_devices=2), "only 2 GPUs"),
         (dict(world_size=3, local_world_size=3, pipeline=PipelineConfig(num_targets=2, deterministic=True)), "exactly one target"),
+        (dict(world_size=4, local_world_size=4, pipeline=PipelineConfig(num_targets=2, target_parallel=2)),
+         r"num_targets=2 x pipeline.target_parallel=2 = 4 target ranks per node leave no drafter.*nproc_per_node > 4"),
+        (dict(world_size=1, local_world_size=1, pipeline=PipelineConfig(target_parallel=2)),
+         r"target_parallel=2 needs a split run under torchrun.*--nproc_per_node 3"),
     ],
 )
 def test_roles_misconfigurations_fail_clearly(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         plan_placement(rank=0, local_rank=0, **kwargs)
+
+
+def test_target_parallel_config_is_validated():
+    with pytest.raises(ConfigError, match="pipeline.target_parallel must be >= 1"):
+        PipelineConfig(target_parallel=0)
+    with pytest.raises(ConfigError, match="target_parallel=2 needs a split run.*pipeline.colocated=false"):
+        PipelineConfig(target_parallel=2, colocated=True)
+    # Tau during the run needs the whole target on one rank: refused with the keys that turn it off.
+    split = dict(pipeline=PipelineConfig(target_parallel=2), target=TargetConfig(random_init="tiny"))
+    with pytest.raises(ConfigError, match="set eval.interval=0 and eval.at_end=false"):
+        check_target_groups(Config(**split, eval=EvalConfig(at_end=True, prompts="prompts.jsonl")))
+    check_target_groups(Config(**split, eval=EvalConfig(at_end=False, interval=0)))
 
 
 def test_credits_never_overclaim_under_races():

@@ -13,6 +13,10 @@ class PipelineConfig:
     """Tokens per packed batch (fixed shape of every hidden-state batch)."""
     num_targets: int = 1
     """Target ranks per node (the first local ranks) of a split run; colocated runs have a target on every rank."""
+    target_parallel: int = 1
+    """Ranks per target: each target is a group of this many consecutive local ranks holding one tensor-parallel
+    copy (for a target larger than one GPU); the group's first rank sends the taps, the others compute only.
+    A split run then has `num_targets * target_parallel` target ranks per node, and at least one drafter."""
     colocated: bool = False
     """Every rank runs both a target and a drafter (forced with one process)."""
     min_ready: int = 2
@@ -33,13 +37,19 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.token_budget < 16:
             raise ConfigError(f"pipeline.token_budget must be >= 16, got {self.token_budget}")
-        for key in ("num_targets", "min_ready", "pool_capacity", "target_postprocess_depth"):
+        for key in ("num_targets", "target_parallel", "min_ready", "pool_capacity", "target_postprocess_depth"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"pipeline.{key} must be >= 1, got {getattr(self, key)}")
         if self.colocated and self.num_targets != 1:
             raise ConfigError(
                 f"pipeline.num_targets={self.num_targets} has no effect with pipeline.colocated=true (every rank runs "
                 "a target and a drafter): drop pipeline.num_targets, or set pipeline.colocated=false for a split run"
+            )
+        if self.colocated and self.target_parallel != 1:
+            raise ConfigError(
+                f"pipeline.target_parallel={self.target_parallel} needs a split run (a target group feeds drafter "
+                "ranks); set pipeline.colocated=false and launch num_targets * target_parallel target ranks plus at "
+                "least one drafter rank per node"
             )
         if self.min_ready > self.pool_capacity:
             raise ConfigError(

@@ -35,6 +35,7 @@ from dflash_trainer.runtime.failures import (
     stop_after_peer_failure,
 )
 from dflash_trainer.runtime.liveness import Liveness
+from dflash_trainer.runtime.roles import Role
 from dflash_trainer.runtime.setup import RunSetup, setup_run
 from dflash_trainer.runtime.summary import (
     TargetStats,
@@ -43,7 +44,7 @@ from dflash_trainer.runtime.summary import (
     write_failed_summary,
     write_summary_file,
 )
-from dflash_trainer.runtime.target_role import run_target
+from dflash_trainer.runtime.target_role import run_target, run_target_member
 from dflash_trainer.transport.pool import PoolReport
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,9 @@ def _run_role(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Opti
     """Run this rank's role; returns the run summary on the leader (the first drafter rank), None elsewhere.
     The other ranks send the leader their figures through the store."""
     rank, placement = setup.env.rank, setup.placement
+    if placement.role is Role.TARGET_MEMBER:  # computes its group's forwards; its leader reports for the group
+        run_target_member(setup)
+        return None
     if placement.role.runs_target and not placement.role.runs_drafter:
         control.set_value(f"target_stats/{rank}", json.dumps(dataclasses.asdict(run_target(setup, control))))
         return None

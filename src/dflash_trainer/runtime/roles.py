@@ -11,6 +11,9 @@ from dflash_trainer.runtime.config import PipelineConfig
 
 class Role(str, enum.Enum):
     TARGET = "target"
+    """A target, or the leader (first rank) of a target group: pulls jobs, captures and sends the taps."""
+    TARGET_MEMBER = "target-member"
+    """Another rank of a target group: runs its leader's jobs on its shard of the target, sends nothing."""
     DRAFTER = "drafter"
     COLOCATED = "colocated"
 
@@ -33,6 +36,8 @@ class Placement:
     local_world_size: int
     roles: tuple[Role, ...]
     """Role of every global rank."""
+    target_parallel: int = 1
+    """Ranks per target group (`pipeline.target_parallel`): a leader and the members that follow it."""
 
     @property
     def role(self) -> Role:
@@ -40,7 +45,18 @@ class Placement:
 
     @property
     def target_ranks(self) -> tuple[int, ...]:
+        """The ranks that send taps: one per target (a group's leader); the drafters' producers."""
         return tuple(r for r, role in enumerate(self.roles) if role.runs_target)
+
+    @property
+    def target_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every target group's ranks, leader first (one rank each without tensor parallelism)."""
+        return tuple(tuple(range(leader, leader + self.target_parallel)) for leader in self.target_ranks)
+
+    @property
+    def target_group(self) -> tuple[int, ...]:
+        """This rank's target group (empty for a drafter)."""
+        return next((g for g in self.target_groups if self.rank in g), ())
 
     @property
     def drafter_ranks(self) -> tuple[int, ...]:
@@ -66,7 +82,8 @@ def plan_placement(
     num_devices: int | None = None,
 ) -> Placement:
     """Assign roles: one process or `pipeline.colocated` -> every rank colocated; otherwise, on each
-    node the first `pipeline.num_targets` local ranks are targets and the rest drafters.
+    node the first `pipeline.num_targets * pipeline.target_parallel` local ranks are targets (groups of
+    `target_parallel` consecutive ranks, the first of each its leader) and the rest drafters.
 
     `num_devices` is the GPU count of this node (None on CPU runs).
     """
@@ -80,20 +97,33 @@ def plan_placement(
             f"{local_world_size} ranks per node but only {num_devices} GPUs: "
             f"use torchrun --nproc_per_node {num_devices} (one process per GPU)"
         )
+    tp = pipeline.target_parallel
+    if world_size == 1 and tp > 1:
+        raise ConfigError(
+            f"pipeline.target_parallel={tp} needs a split run under torchrun: launch num_targets * target_parallel "
+            f"target ranks plus at least one drafter rank per node (e.g. torchrun --nproc_per_node {tp + 1})"
+        )
     if world_size == 1 or pipeline.colocated:
         roles = tuple(Role.COLOCATED for _ in range(world_size))
     else:
-        if pipeline.num_targets >= local_world_size:
+        target_ranks = pipeline.num_targets * tp
+        if target_ranks >= local_world_size:
             raise ConfigError(
-                f"pipeline.num_targets={pipeline.num_targets} leaves no drafter among the "
-                f"{local_world_size} ranks of a node: lower it or set pipeline.colocated=true"
+                f"pipeline.num_targets={pipeline.num_targets} x pipeline.target_parallel={tp} = {target_ranks} target "
+                f"ranks per node leave no drafter among the {local_world_size} ranks of a node: launch more ranks per "
+                f"node (torchrun --nproc_per_node > {target_ranks}), lower pipeline.num_targets"
+                + (" or pipeline.target_parallel" if tp > 1 else ", or set pipeline.colocated=true")
             )
-        roles = tuple(
-            Role.TARGET if r % local_world_size < pipeline.num_targets else Role.DRAFTER
-            for r in range(world_size)
-        )
+        roles = tuple(_split_role(r % local_world_size, target_ranks, tp) for r in range(world_size))
     if pipeline.deterministic and sum(role.runs_target for role in roles) != 1:
         raise ConfigError("pipeline.deterministic=true needs exactly one target rank (one process or num_targets=1 on one node)")
     return Placement(
-        rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size, roles=roles
+        rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size, roles=roles,
+        target_parallel=tp,
     )
+
+
+def _split_role(local_rank: int, target_ranks: int, target_parallel: int) -> Role:
+    if local_rank >= target_ranks:
+        return Role.DRAFTER
+    return Role.TARGET if local_rank % target_parallel == 0 else Role.TARGET_MEMBER

@@ -19,14 +19,17 @@ from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.regen.settings import warn_regen_mismatch
 from dflash_trainer.rundir import RunClaim, RunDir, claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv
+from dflash_trainer.runtime.remote_eval import eval_enabled
 from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.load import load_target, target_model_config
+from dflash_trainer.target.parallel import shard_target
 from dflash_trainer.train.checkpoint import check_fits, read_ledger, read_step, resolve_resume
 from dflash_trainer.train.trainer import data_fingerprint, model_signature
 from dflash_trainer.transport.wire import WireSpec, wire_spec
@@ -51,6 +54,8 @@ class RunSetup:
     """Every epoch's jobs not yet committed (resume skips committed ones)."""
     resume_path: Optional[Path]
     drafter_group: Optional[dist.ProcessGroup]
+    target_group: Optional[dist.ProcessGroup] = None
+    """This rank's target group (`pipeline.target_parallel` > 1 on a target rank): the target is sharded over it."""
     finished: bool = False
     """A resumed run that had already ended well with nothing left to train (every planned job committed, or
     `train.max_steps` reached): it is left as it is."""
@@ -67,6 +72,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
         rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, local_world_size=env.local_world_size,
         pipeline=config.pipeline, num_devices=torch.cuda.device_count() if device.type == "cuda" else None,
     )
+    check_target_groups(config)
     if env.rank == 0:
         claim = claim_run_dir(config, "train")
         on_claim(claim)
@@ -111,16 +117,30 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     ledger = read_ledger(resume_path) if resume_path else {}
     committed = {plan.epoch: set(ledger.get(plan.epoch, [])) for plan in plans}
     remaining = tuple(tuple(j for j in plan.jobs if j.job_id not in committed[plan.epoch]) for plan in plans)
-    group = None
-    if env.distributed:  # every rank takes part in creating the drafters' group
+    group = target_group = None
+    if env.distributed:  # every rank takes part in creating every group, in the same order
         group = dist.new_group(list(placement.drafter_ranks))
+        for ranks in placement.target_groups if placement.target_parallel > 1 else ():
+            created = dist.new_group(list(ranks))
+            target_group = created if env.rank in ranks else target_group
     log.info("rank %d: role %s, run dir %s, %d jobs to train", env.rank, placement.role.value, run_dir,
              sum(len(r) for r in remaining))
     return RunSetup(
         config=config, env=env, device=device, placement=placement, run_dir=run_dir, spec=spec, prepared=prepared,
         plans_jobs=tuple(p.jobs for p in plans), remaining=remaining, resume_path=resume_path, drafter_group=group,
+        target_group=target_group,
         finished=resume_path is not None and _finished(config, run_dir, resume_path, remaining),
     )
+
+
+def check_target_groups(config: Config) -> None:
+    """What a run with target groups cannot do yet: evaluate tau during the run (the evaluating target rank would
+    decode alone, while the other ranks of its group hold the rest of its weights)."""
+    if config.pipeline.target_parallel > 1 and eval_enabled(config):
+        raise ConfigError(
+            f"pipeline.target_parallel={config.pipeline.target_parallel}: evaluating tau during a run needs the whole "
+            "target on one rank; set eval.interval=0 and eval.at_end=false"
+        )
 
 
 def _finished(config: Config, run_dir: Path, resume_path: Path, remaining: tuple[tuple[Job, ...], ...]) -> bool:
@@ -147,11 +167,15 @@ def epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int
 def load_checked_target(setup: RunSetup) -> tuple[torch.nn.Module, TapCapture]:
     """The target, checked against the drafter's spec, and its tap capture (layers compiled when asked)."""
     config, spec = setup.config, setup.spec
-    target = load_target(config.target, setup.device, seed=config.run.seed)
+    # A target group's ranks each build the whole target on the host, identically, then keep their shards.
+    sharded = setup.target_group is not None
+    target = load_target(config.target, "cpu" if sharded else setup.device, seed=config.run.seed)
     check_target(
         target, tap_layer_ids=list(spec.tap_layer_ids), drafter_hidden_size=spec.hidden_size,
         mask_token_id=spec.mask_token_id, max_length=config.data.max_length,
     )
+    if sharded:
+        target = shard_target(target, setup.target_group, setup.device)
     capture = TapCapture(target, spec.tap_layer_ids, capture_last_hidden=config.drafter.kd_weight > 0)
     if config.target.compile and setup.device.type == "cuda":
         # Each layer compiled (hooks and early exit stay eager); padded shapes vary by job, so dynamic.

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dflash_trainer.runtime.control import ControlPlane
-from dflash_trainer.runtime.jobs import StoreJobSource
+from dflash_trainer.runtime.jobs import GroupJobSource, StoreJobSource
 from dflash_trainer.runtime.remote_eval import SplitEvalServer, eval_enabled, make_tau_tracker
 from dflash_trainer.runtime.setup import RunSetup, load_checked_target, run_wire_spec
 from dflash_trainer.runtime.summary import TargetStats
 from dflash_trainer.target.head import head_from_model
-from dflash_trainer.target.worker import run_target_worker
+from dflash_trainer.target.worker import JobSource, run_target_worker
 from dflash_trainer.transport.links import P2PShipper
 from dflash_trainer.transport.sender import BatchSender
 
@@ -23,7 +23,7 @@ def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
         run_wire_spec(setup), setup.device, depth=config.pipeline.target_postprocess_depth, ship=shipper.ship,
         finish=shipper.finish, timeout_s=config.pipeline.timeout_s, name=f"target-sender-{setup.env.rank}",
     )
-    jobs = StoreJobSource(control, setup.remaining)
+    jobs = _group_jobs(setup, StoreJobSource(control, setup.remaining))
     server = None
     if setup.env.rank == setup.placement.target_ranks[0] and eval_enabled(config):
         tracker = make_tau_tracker(config, target=target, capture=capture, head=head_from_model(target),
@@ -38,3 +38,26 @@ def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
         busy_s=sum(b.forward_s for b in report.batches), wall_s=report.wall_s, bytes_moved=shipper.bytes_sent,
         slot_wait_s=sum(b.slot_wait_s for b in report.batches),
     )
+
+
+def run_target_member(setup: RunSetup) -> None:
+    """A member of a target group: run the leader's jobs on this rank's shard of the target, in lockstep with the
+    leader (its sharded layers all-reduce with the group's). The taps it captures are the leader's too: nothing is
+    sent; its batches go to a sender that ships nowhere."""
+    _, capture = load_checked_target(setup)
+    sender = BatchSender.create(
+        run_wire_spec(setup), setup.device, depth=setup.config.pipeline.target_postprocess_depth,
+        ship=lambda batch: None, finish=lambda: None, timeout_s=setup.config.pipeline.timeout_s,
+        name=f"target-member-{setup.env.rank}",
+    )
+    run_target_worker(capture=capture, job_source=_group_jobs(setup, None), dataset=setup.prepared.train,
+                      sender=sender)
+
+
+def _group_jobs(setup: RunSetup, source: JobSource | None) -> JobSource:
+    """`source` itself for a target of one rank; for a target group, the leader's pulls shared with its members."""
+    if setup.target_group is None:
+        assert source is not None
+        return source
+    leader = setup.placement.target_group[0]
+    return GroupJobSource(source, setup.remaining, group=setup.target_group, leader=leader, device=setup.device)

@@ -1,0 +1,57 @@
+"""Tensor-parallel targets: shard a loaded target over the process group of its target group.
+
+The model's own tensor-parallel plan (transformers' `base_model_tp_plan`: attention and MLP projections
+column/row-wise, embeddings vocab-parallel) is applied with transformers' `apply_tensor_parallelism` on a
+one-dimensional `DeviceMesh` built from the group. Each row-wise projection all-reduces its output, so the
+residual stream between decoder layers (what the taps read) is replicated: every rank of the group holds the
+same hidden states, and the layer hooks of `TapCapture` work unchanged on any of them.
+
+transformers' own `from_pretrained(distributed_config=...)` builds its mesh over the whole world; here the
+world also holds drafter ranks, so the plan is applied to a model that every rank of the group built or loaded
+identically (same checkpoint, or the same seed), each keeping its own slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers.distributed.configuration_utils import DistributedConfig
+from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+from dflash_trainer.errors import ConfigError
+
+
+def check_shardable(model_config, size: int) -> None:
+    """The attention heads (query and key/value) must split evenly over `size` ranks."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value is not None and value % size:
+            raise ConfigError(
+                f"pipeline.target_parallel={size} does not divide the target's {name}={value}: each rank of a target "
+                f"group holds whole heads; choose a target_parallel that divides {value}"
+            )
+
+
+def shard_target(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> nn.Module:
+    """Shard `model` (on the host or on `device`) over `group` in place, and move it to `device`.
+
+    Every rank of `group` calls this with identical weights. Parameters are sharded one at a time, each slice
+    copied out on its own (`distribute_tensor` clones it), so a model loaded on the host never needs more device
+    memory than its shards plus one full parameter.
+    """
+    size = dist.get_world_size(group)
+    check_shardable(model.config, size)
+    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
+    # The model's plan with the layer numbers filled in (the library's resolver: EP rules win, `*` expanded).
+    try:
+        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=size))
+    except ValueError as e:  # no plan for this architecture, or a plan the library refuses
+        raise ConfigError(f"pipeline.target_parallel={size}: cannot shard target {type(model).__name__} ({e}); "
+                          "use pipeline.target_parallel=1") from None
+    apply_tensor_parallelism(model, mesh, plan)
+    return model.to(device)
+
