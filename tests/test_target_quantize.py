@@ -215,3 +215,26 @@ def test_layerwise_build_has_one_real_layer_more_at_each_step_and_the_model_init
     assert float(layers[2].mlp.down_proj.weight.abs().max()) == 0.0
     with torch.no_grad():
         assert torch.isfinite(model(torch.arange(12)[None]).logits).all()
+
+
+def test_target_tensors_of_an_fp8_checkpoint_are_never_its_unscaled_fp8_values(checkpoints, monkeypatch):
+    from dflash_trainer.target.head import read_target_tensors
+
+    name = "model.layers.2.mlp.up_proj.weight"
+    fake_packages(monkeypatch, accelerate=False)  # the dequantizing load is refused: an error, not a wrong value
+    with pytest.raises(ConfigError, match="needs the accelerate package"):
+        read_target_tensors(TargetConfig(path=str(checkpoints[1]), dtype="float32"), [name])
+    plain = read_target_tensors(TargetConfig(path=str(checkpoints[0]), dtype="float32", quantize=None), [name])
+    assert plain[name].dtype == torch.float32  # plain checkpoints are still read tensor by tensor
+
+
+def test_target_tensors_of_an_fp8_checkpoint_are_dequantized(checkpoints):
+    pytest.importorskip("accelerate")
+    from dflash_trainer.target.head import read_target_tensors
+
+    name = "model.layers.2.mlp.up_proj.weight"
+    got = read_target_tensors(TargetConfig(path=str(checkpoints[1]), dtype="float32"), [name])[name]
+    shipped = load_file(str(checkpoints[1] / "model.safetensors"))
+    scale = shipped[name.removesuffix("weight") + "weight_scale_inv"]
+    want = shipped[name].float() * scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+    torch.testing.assert_close(got, want)
