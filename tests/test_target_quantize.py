@@ -238,3 +238,16 @@ def test_target_tensors_of_an_fp8_checkpoint_are_dequantized(checkpoints):
     scale = shipped[name.removesuffix("weight") + "weight_scale_inv"]
     want = shipped[name].float() * scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
     torch.testing.assert_close(got, want)
+
+
+def test_llama3_70b_preset_has_the_70b_shape():
+    from dflash_trainer.target.presets import preset_config
+
+    config = preset_config("llama3-70b")
+    assert config.model_type == "llama"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    layers = find_decoder_layers(model)
+    linear = sum(p.numel() for n, p in layers.named_parameters() if n.endswith("proj.weight"))
+    assert len(layers) == 80 and 68.4e9 < linear < 68.5e9  # what FP8 holds: 1 byte each (+ one scale a row)
+    assert 70.5e9 < sum(p.numel() for p in model.parameters()) < 70.6e9
