@@ -251,3 +251,51 @@ def test_llama3_70b_preset_has_the_70b_shape():
     linear = sum(p.numel() for n, p in layers.named_parameters() if n.endswith("proj.weight"))
     assert len(layers) == 80 and 68.4e9 < linear < 68.5e9  # what FP8 holds: 1 byte each (+ one scale a row)
     assert 70.5e9 < sum(p.numel() for p in model.parameters()) < 70.6e9
+
+
+# ------------------------------------------------------------------------- on a GPU with FP8 tensor cores
+
+needs_fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                   reason="needs a GPU with FP8 tensor cores")
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_taps_are_close_to_the_bf16_taps_of_the_same_weights(compiled):
+    pytest.importorskip("torchao")
+    from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs
+    from dflash_trainer.target.quantize import quantize_layer_fp8
+    from dflash_trainer.transport.wire import WireSpec, allocate
+
+    def taps_of(model):
+        sequences = make_sequences(LENGTHS)
+        spec = WireSpec(token_budget=64, max_seqs=6, num_taps=2, hidden=64, dtype=torch.bfloat16,
+                        has_last_hidden=False)
+        out = allocate(spec, "cuda")
+        TapCapture(model, [1, 3]).run(prepare_inputs(sequences, out), out)
+        return out.taps.float()
+
+    model = load_target(TargetConfig(random_init="tiny"), "cuda")
+    want = taps_of(model)
+    for layer in find_decoder_layers(model):
+        quantize_layer_fp8(layer)
+    if compiled:
+        compile_decoder_layers(model)
+    got = taps_of(model)
+    assert type(find_decoder_layers(model)[0].mlp.up_proj.weight).__name__ == "Float8Tensor"
+    error = float((got - want).norm() / want.norm())
+    assert 0 < error < 0.1, error  # e4m3 rounding of weights and activations
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+def test_random_fp8_target_is_made_in_fp8_on_the_gpu_with_bf16_embeddings_and_head():
+    pytest.importorskip("torchao")
+    model = load_target(TargetConfig(random_init="tiny", quantize="fp8"), "cuda")
+    layer = find_decoder_layers(model)[2]
+    assert type(layer.self_attn.q_proj.weight).__name__ == "Float8Tensor"
+    assert model.lm_head.weight.dtype == torch.bfloat16 and type(model.lm_head.weight) is torch.nn.Parameter
+    assert layer.input_layernorm.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.arange(12, device="cuda")[None]).logits).all()
