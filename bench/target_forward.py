@@ -2,6 +2,8 @@
 
     python bench/target_forward.py                 # CUDA: Qwen3-8B shape, random bf16 weights made on the GPU
     python bench/target_forward.py --smoke         # tiny target on the CPU (checks the script runs)
+    python bench/target_forward.py --quantize none,fp8             # bf16 and FP8 targets in the same run
+    python bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192,16384
 
 For each token budget, 3072-token sequences (the last one shorter) fill the budget exactly; they are
 right-padded into one batch as the target worker does. Modes, each eager and with compiled decoder layers:
@@ -9,18 +11,24 @@ right-padded into one batch as the target worker does. Modes, each eager and wit
   to_tap    decoder stopped after the last tap by a hook, no capture
   capture   TapCapture.run: to_tap + one gather-copy per tap into the packed buffer
 Derived: early-exit saving = 1 - capture/full; capture overhead = capture/to_tap - 1 (target < 3%).
-MFU counts useful FLOPs only (real tokens; causal attention within each sequence) against --peak-tflops.
-The last line printed is JSON.
+MFU counts useful FLOPs only (real tokens; causal attention within each sequence) against --peak-tflops
+(the bf16 peak, for FP8 rows too: an FP8 row's MFU above the bf16 one is its speedup).
+--quantize runs each listed target in turn (target.quantize: `none` or `fp8`); FP8 targets with random weights
+are built on the meta device and made real one decoder layer at a time, each quantized as it is made, so a
+Llama-3-70B shape (141 GB in bf16) is ~72 GB on the GPU. Derived: fp8 speedup = bf16 capture time / FP8
+capture time at the same budget and compilation. The last line printed is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -31,6 +39,7 @@ from flops import target_forward_flops  # noqa: E402  (bench/flops.py: the FLOP 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402
+from dflash_trainer.target.checks import choose_tap_layer_ids  # noqa: E402
 from dflash_trainer.target.config import TargetConfig  # noqa: E402
 from dflash_trainer.target.load import find_decoder, load_target  # noqa: E402
 
@@ -46,6 +55,21 @@ def make_sequences(budget: int, seq_len: int, vocab: int, seed: int) -> list[Tok
         TokenizedSequence(input_ids=torch.randint(0, vocab, (n,), generator=g), loss_mask=torch.ones(n, dtype=torch.bool))
         for n in lengths
     ]
+
+
+def reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def allocated_gb(device: torch.device) -> Optional[float]:
+    return torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def peak_gb(device: torch.device) -> Optional[float]:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
 def timed(fn, *, iters: int, warmup: int, device: torch.device) -> float:
@@ -66,13 +90,14 @@ def timed(fn, *, iters: int, warmup: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny target on the CPU, small budgets, no compile")
     p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--quantize", default="none", help="comma list of target.quantize values to run: none, fp8")
     p.add_argument("--budgets", default="8192,16384,32768")
     p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--taps", default="1,9,17,25,33")
+    p.add_argument("--taps", default=None, help="tap layer ids (default: 5 spread as the released drafters)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-compile", action="store_true")
@@ -81,13 +106,18 @@ def main() -> int:
     if args.smoke:
         args.preset, args.budgets, args.seq_len, args.taps = "tiny", "256,512", 96, "0,2,4"
         args.iters, args.warmup, args.no_compile = 2, 1, True
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    taps = [int(t) for t in args.taps.split(",")]
-    budgets = [int(b) for b in args.budgets.split(",")]
+    return args
 
-    model = load_target(TargetConfig(random_init=args.preset, dtype=dtype), device, seed=0)
+
+def run_target(args, quantize: str, device: torch.device, dtype: str, budgets: list[int]) -> tuple[list, dict]:
+    """Rows of every mode x budget x compilation of one target, and what it holds in memory."""
+    reset_memory(device)
+    model = load_target(TargetConfig(random_init=args.preset, dtype=dtype,
+                                     quantize=None if quantize == "none" else quantize), device, seed=0)
     config = model.config
+    taps = ([int(t) for t in args.taps.split(",")] if args.taps
+            else choose_tap_layer_ids(config.num_hidden_layers, 5))
+    memory = dict(quantize=quantize, taps=taps, weights_gb=allocated_gb(device))
     decoder, stop_layer = find_decoder(model), max(taps)
     capture = TapCapture(model, taps)
 
@@ -109,8 +139,7 @@ def main() -> int:
             model(input_ids=inputs.input_ids, use_cache=False)
 
     rows = []
-    variants = [False] if args.no_compile else [False, True]
-    for compiled in variants:
+    for compiled in [False] if args.no_compile else [False, True]:
         if compiled:
             compile_decoder_layers(model)
         for budget in budgets:
@@ -128,32 +157,65 @@ def main() -> int:
             for mode, (fn, layers_run, head) in modes.items():
                 seconds = timed(fn, iters=args.iters, warmup=args.warmup, device=device)
                 flops = target_forward_flops(config, lengths, num_layers=layers_run, lm_head=head)
-                rows.append(dict(budget=budget, compiled=compiled, mode=mode, ms=seconds * 1e3,
+                rows.append(dict(quantize=quantize, budget=budget, compiled=compiled, mode=mode, ms=seconds * 1e3,
                                  tokens_per_s=sum(lengths) / seconds, padded_tokens=inputs.padded_tokens,
                                  mfu=flops / seconds / (args.peak_tflops * 1e12)))
             out = inputs = modes = None  # free this budget's buffers before the next one's
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    memory.update(peak_gb=peak_gb(device), layers=config.num_hidden_layers, hidden=config.hidden_size,
+                  arch=type(model).__name__)
+    model = capture = decoder = None  # free this target before the next one loads
+    torch._dynamo.reset()  # the next target's layers compile afresh
+    return rows, memory
 
-    print(f"target {args.preset} ({config.num_hidden_layers} layers, H={config.hidden_size}) on {device}, "
-          f"{dtype}, taps {taps}, stop after layer {stop_layer}, sequences of {args.seq_len}")
-    print(f"{'budget':>7} {'compiled':>8} {'mode':>8} {'ms':>9} {'tokens/s':>11} {'MFU':>6}")
-    for r in rows:
-        print(f"{r['budget']:>7} {str(r['compiled']):>8} {r['mode']:>8} {r['ms']:>9.2f} "
-              f"{r['tokens_per_s']:>11.0f} {r['mfu'] * 100:>5.1f}%")
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per target, compilation and budget: early-exit saving, capture overhead, and the FP8 speedup."""
+    ms = {(r["quantize"], r["compiled"], r["budget"], r["mode"]): r["ms"] for r in rows}
     summary = []
-    for compiled in variants:
-        for budget in budgets:
-            ms = {r["mode"]: r["ms"] for r in rows if r["budget"] == budget and r["compiled"] == compiled}
-            summary.append(dict(budget=budget, compiled=compiled,
-                                early_exit_saving=1 - ms["capture"] / ms["full"],
-                                capture_overhead=ms["capture"] / ms["to_tap"] - 1))
-    print(f"{'budget':>7} {'compiled':>8} {'early-exit saving':>18} {'capture overhead':>17}")
+    for quantize, compiled, budget in dict.fromkeys((r["quantize"], r["compiled"], r["budget"]) for r in rows):
+        at = {mode: ms[(quantize, compiled, budget, mode)] for mode in ("full", "to_tap", "capture")}
+        base = ms.get(("none", compiled, budget, "capture"))
+        summary.append(dict(quantize=quantize, budget=budget, compiled=compiled,
+                            early_exit_saving=1 - at["capture"] / at["full"],
+                            capture_overhead=at["capture"] / at["to_tap"] - 1,
+                            fp8_speedup=base / at["capture"] if quantize == "fp8" and base else None))
+    return summary
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    budgets = [int(b) for b in args.budgets.split(",")]
+    if "fp8" in args.quantize.split(",") and device.type != "cuda":
+        print("--quantize fp8 needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+)", file=sys.stderr)
+        return 2
+    rows, targets = [], []
+    for quantize in args.quantize.split(","):
+        target_rows, memory = run_target(args, quantize, device, dtype, budgets)
+        rows += target_rows
+        targets.append(memory)
+    summary = summarize(rows)
+
+    for t in targets:
+        print(f"target {args.preset} ({t['arch']}, {t['layers']} layers, H={t['hidden']}) on {device}, {dtype}, "
+              f"quantize {t['quantize']}, taps {t['taps']}, sequences of {args.seq_len}, weights "
+              f"{t['weights_gb'] or 0:.1f} GB, peak {t['peak_gb'] or 0:.1f} GB")
+    print(f"{'quantize':>8} {'budget':>7} {'compiled':>8} {'mode':>8} {'ms':>9} {'tokens/s':>11} {'MFU':>6}")
+    for r in rows:
+        print(f"{r['quantize']:>8} {r['budget']:>7} {str(r['compiled']):>8} {r['mode']:>8} {r['ms']:>9.2f} "
+              f"{r['tokens_per_s']:>11.0f} {r['mfu'] * 100:>5.1f}%")
+    print(f"{'quantize':>8} {'budget':>7} {'compiled':>8} {'early-exit saving':>18} {'capture overhead':>17} "
+          f"{'fp8 speedup':>12}")
     for s in summary:
-        print(f"{s['budget']:>7} {str(s['compiled']):>8} {s['early_exit_saving'] * 100:>17.1f}% "
-              f"{s['capture_overhead'] * 100:>16.2f}%")
-    print(json.dumps(dict(bench="target_forward", preset=args.preset, device=str(device), dtype=dtype, taps=taps,
-                          seq_len=args.seq_len, peak_tflops=args.peak_tflops, rows=rows, summary=summary)))
+        speedup = f"{s['fp8_speedup']:.2f}x" if s["fp8_speedup"] else "-"
+        print(f"{s['quantize']:>8} {s['budget']:>7} {str(s['compiled']):>8} {s['early_exit_saving'] * 100:>17.1f}% "
+              f"{s['capture_overhead'] * 100:>16.2f}% {speedup:>12}")
+    print(json.dumps(dict(bench="target_forward", preset=args.preset, device=str(device), dtype=dtype,
+                          seq_len=args.seq_len, peak_tflops=args.peak_tflops, targets=targets, rows=rows,
+                          summary=summary)))
     return 0
 
 

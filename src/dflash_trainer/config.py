@@ -94,6 +94,9 @@ class Config:
         _check_finite(self, "")
         if self.target.path is None and self.target.random_init is None:
             raise ConfigError("set target.path (a model dir or hub id) or target.random_init (a config)")
+        if self.target.quantize == "fp8" and self.run.device == "cpu":
+            raise ConfigError("target.quantize=fp8 needs a CUDA GPU with FP8 tensor cores (compute capability "
+                              "8.9+) and run.device=cpu: set target.quantize=null on the CPU")
         if self.pipeline.pool_capacity < self.train.grad_accum:
             raise ConfigError(
                 f"pipeline.pool_capacity ({self.pipeline.pool_capacity}) must be >= train.grad_accum "

@@ -9,6 +9,7 @@ from typing import Optional
 from dflash_trainer.errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZE = (None, "fp8")
 
 
 @dataclass
@@ -30,10 +31,23 @@ class TargetConfig:
     (CUDA only; ignored on the CPU; evaluation's decoding runs the layers eager). It costs compile time once
     and pays back in a long run (figures in bench/RESULTS.md). Turn it off for a model that torch.compile
     cannot trace, or a target too small for its forward to matter."""
+    quantize: Optional[str] = None
+    """`fp8`: the linear layers of the decoder layers in FP8 (e4m3, one scale per weight row and per token of
+    the activations, torchao's float8 through `torch._scaled_mm`), on a GPU with FP8 tensor cores (compute
+    capability 8.9+: Hopper, Ada); embeddings, norms and the LM head stay in target.dtype, and so do the
+    hidden states the taps capture. Needs the torchao package and target.dtype=bfloat16. A checkpoint that
+    ships FP8 weights is loaded as it ships with null (that needs transformers' FP8 kernels: the `kernels`
+    package and its hub kernel) or, with fp8, dequantized and quantized again here."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantize not in QUANTIZE:
+            raise ConfigError(f"target.quantize must be null or 'fp8', got {self.quantize!r}")
+        if self.quantize == "fp8" and self.dtype != "bfloat16":
+            # rowwise-scaled FP8 matmuls (torch._scaled_mm) return bfloat16 only
+            raise ConfigError(f"target.quantize=fp8 runs the target in bfloat16 around its FP8 matmuls; "
+                              f"target.dtype={self.dtype!r} conflicts with it: set target.dtype=bfloat16")
         if self.path is not None and self.random_init is not None:
             raise ConfigError("set either target.path or target.random_init, not both")
 

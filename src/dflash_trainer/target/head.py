@@ -4,7 +4,7 @@ other target tensors a drafter rank reads without loading the whole target (init
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -77,9 +77,12 @@ def read_target_tensors(cfg: TargetConfig, names: Sequence[str], seed: int = 0) 
             out = {}
             for name in names:
                 with safe_open(str(files[name]), framework="pt", device="cpu") as f:
-                    out[name] = f.get_tensor(name).to(dtype)
-            return out
-    state = load_target(cfg, "cpu", seed=seed).state_dict()
+                    out[name] = f.get_tensor(name)
+            # FP8 weights mean nothing without their scales: the whole load below dequantizes them
+            if not any(t.is_floating_point() and t.element_size() == 1 for t in out.values()):
+                return {name: t.to(dtype) for name, t in out.items()}
+    # on the CPU, in cfg.dtype: FP8 is the target rank's business (target.quantize), not this copy's
+    state = load_target(replace(cfg, quantize=None), "cpu", seed=seed).state_dict()
     missing = [n for n in names if n not in state]
     if missing:
         raise ConfigError(f"the target has no tensors {missing[:4]} (a Llama/Qwen-like layout is expected)")

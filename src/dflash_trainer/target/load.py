@@ -12,6 +12,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig, loading_error, model_reference
 from dflash_trainer.target.presets import PRESETS, preset_config
+from dflash_trainer.target.quantize import (
+    materialize_layerwise,
+    pretrained_quantization,
+    quantize_layer_fp8,
+    require_fp8_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +54,41 @@ def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) ->
     device = torch.device(device)
     model_config = target_model_config(cfg)
     model_config._attn_implementation = cfg.attn_implementation
-    if cfg.random_init is not None:
+    if cfg.random_init is not None and cfg.quantize == "fp8":
+        model = _random_fp8_target(cfg, model_config, device, seed)
+    elif cfg.random_init is not None:
         with torch.device(device):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(
                 model_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
             )
     else:
+        quantization = pretrained_quantization(cfg, model_config, device)
         model = AutoModelForCausalLM.from_pretrained(
             cfg.path,
             dtype=dtype,
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
-        ).to(device)
+            **quantization.kwargs,
+        ).to(device)  # never .to(dtype): that would cast FP8 weights without their scales
+        if quantization.requantize:
+            for layer in find_decoder_layers(model):
+                quantize_layer_fp8(layer)
     model.eval()
     model.requires_grad_(False)
+    return model
+
+
+def _random_fp8_target(cfg: TargetConfig, model_config: PretrainedConfig, device: torch.device,
+                       seed: int) -> PreTrainedModel:
+    """Random weights with FP8 decoder layers, built on the meta device and made real one layer at a time."""
+    require_fp8_device(device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            model_config, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
+    torch.manual_seed(seed)
+    materialize_layerwise(model, find_decoder_layers(model), device, quantize_layer_fp8)
     return model
 
 

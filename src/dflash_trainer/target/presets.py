@@ -46,6 +46,21 @@ PRESETS: dict[str, dict] = {
         rope_theta=1000000.0,
         tie_word_embeddings=False,
     ),
+    # ---- dense shapes larger than one GPU in bf16 (FP8 targets: target.quantize=fp8) -------------------------
+    "llama3-70b": dict(  # meta-llama/Meta-Llama-3-70B's shape: 70.6B parameters, 141 GB in bf16, ~72 GB in FP8
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
 }
 
 
