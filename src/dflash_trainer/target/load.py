@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig, loading_error, model_reference
@@ -39,6 +40,21 @@ def target_model_config(cfg: TargetConfig) -> PretrainedConfig:
         raise loading_error(key, name, "model config", e) from None
 
 
+_BACKEND_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
+
+
+def check_attention_backend(model_config: PretrainedConfig, attn_implementation: str) -> None:
+    """Refuse, naming the setting, an attention backend the target's architecture lacks (gpt-oss has no sdpa
+    path: its attention sinks). Architectures transformers does not know (remote code) are left to it."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+    flag = _BACKEND_FLAGS.get(attn_implementation)
+    if model_class is not None and flag is not None and not getattr(model_class, flag, True):
+        raise ConfigError(
+            f"target.attn_implementation={attn_implementation!r}: {model_class.__name__} has no such attention "
+            "path; set target.attn_implementation=eager (CPU) or flex_attention (GPU)"
+        )
+
+
 def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) -> PreTrainedModel:
     """The target, frozen and in eval mode, on `device` in `cfg.dtype`.
 
@@ -47,6 +63,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) ->
     dtype = DTYPES[cfg.dtype]
     device = torch.device(device)
     model_config = target_model_config(cfg)
+    check_attention_backend(model_config, cfg.attn_implementation)
     model_config._attn_implementation = cfg.attn_implementation
     if cfg.random_init is not None:
         with torch.device(device):
