@@ -1,7 +1,9 @@
 """Target forward benchmark: tokens/s and MFU of the tap-capture forward, early-exit savings, capture overhead.
 
     python bench/target_forward.py                 # CUDA: Qwen3-8B shape, random bf16 weights made on the GPU
+    python bench/target_forward.py --preset qwen3-30b-a3b   # a MoE shape (FLOPs by active experts)
     python bench/target_forward.py --smoke         # tiny target on the CPU (checks the script runs)
+    python bench/target_forward.py --smoke --preset tiny-moe   # the same with a tiny MoE target
 
 For each token budget, 3072-token sequences (the last one shorter) fill the budget exactly; they are
 right-padded into one batch as the target worker does. Modes, each eager and with compiled decoder layers:
@@ -26,13 +28,16 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from common import target_attention  # noqa: E402  (bench/common.py)
 from flops import target_forward_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402
 from dflash_trainer.target.config import TargetConfig  # noqa: E402
+from dflash_trainer.target.checks import choose_tap_layer_ids  # noqa: E402
 from dflash_trainer.target.load import find_decoder, load_target  # noqa: E402
+from dflash_trainer.target.presets import PRESETS  # noqa: E402
 
 
 class _Stop(Exception):
@@ -66,28 +71,40 @@ def timed(fn, *, iters: int, warmup: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny target on the CPU, small budgets, no compile")
-    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="default qwen3-8b (tiny with --smoke, which takes "
+                   "only the tiny presets)")
     p.add_argument("--budgets", default="8192,16384,32768")
     p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--taps", default="1,9,17,25,33")
+    p.add_argument("--taps", help="tap layer ids, e.g. 1,9,17,25,33 (default: 5 spread as the trainer does)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=789.0, help="measured bf16 matmul peak of one H200 (issue calibration: 789)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
-        args.preset, args.budgets, args.seq_len, args.taps = "tiny", "256,512", 96, "0,2,4"
+        if args.preset is not None and not args.preset.startswith("tiny"):
+            p.error(f"--smoke runs on the CPU: pick a tiny preset, not {args.preset}")
+        args.preset, args.budgets, args.seq_len, args.taps = args.preset or "tiny", "256,512", 96, "0,2,4"
         args.iters, args.warmup, args.no_compile = 2, 1, True
+    args.preset = args.preset or "qwen3-8b"
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    taps = [int(t) for t in args.taps.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
 
-    model = load_target(TargetConfig(random_init=args.preset, dtype=dtype), device, seed=0)
+    attention = target_attention(args.preset, device)
+    model = load_target(TargetConfig(random_init=args.preset, dtype=dtype, attn_implementation=attention), device,
+                        seed=0)
     config = model.config
+    taps = ([int(t) for t in args.taps.split(",")] if args.taps
+            else choose_tap_layer_ids(config.num_hidden_layers, 5))
     decoder, stop_layer = find_decoder(model), max(taps)
     capture = TapCapture(model, taps)
 
@@ -136,7 +153,7 @@ def main() -> int:
                 torch.cuda.empty_cache()
 
     print(f"target {args.preset} ({config.num_hidden_layers} layers, H={config.hidden_size}) on {device}, "
-          f"{dtype}, taps {taps}, stop after layer {stop_layer}, sequences of {args.seq_len}")
+          f"{dtype}, {attention} attention, taps {taps}, stop after layer {stop_layer}, sequences of {args.seq_len}")
     print(f"{'budget':>7} {'compiled':>8} {'mode':>8} {'ms':>9} {'tokens/s':>11} {'MFU':>6}")
     for r in rows:
         print(f"{r['budget']:>7} {str(r['compiled']):>8} {r['mode']:>8} {r['ms']:>9.2f} "
@@ -153,6 +170,7 @@ def main() -> int:
         print(f"{s['budget']:>7} {str(s['compiled']):>8} {s['early_exit_saving'] * 100:>17.1f}% "
               f"{s['capture_overhead'] * 100:>16.2f}%")
     print(json.dumps(dict(bench="target_forward", preset=args.preset, device=str(device), dtype=dtype, taps=taps,
+                          attn_implementation=attention,
                           seq_len=args.seq_len, peak_tflops=args.peak_tflops, rows=rows, summary=summary)))
     return 0
 

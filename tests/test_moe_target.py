@@ -66,5 +66,5 @@ def test_moe_early_exit_runs_only_up_to_the_last_tap(preset, attn_implementation
 
 
 def test_attention_backend_the_target_lacks_is_named():
-    with pytest.raises(ConfigError, match="target.attn_implementation='sdpa'.*GptOssForCausalLM.*eager"):
+    with pytest.raises(ConfigError, match="target.attn_implementation='sdpa'.*GptOssConfig.*eager"):
         load_target(TargetConfig(random_init="tiny-gpt-oss", dtype="float32"), "cpu")

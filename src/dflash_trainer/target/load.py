@@ -43,15 +43,20 @@ def target_model_config(cfg: TargetConfig) -> PretrainedConfig:
 _BACKEND_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
 
 
-def check_attention_backend(model_config: PretrainedConfig, attn_implementation: str) -> None:
-    """Refuse, naming the setting, an attention backend the target's architecture lacks (gpt-oss has no sdpa
-    path: its attention sinks). Architectures transformers does not know (remote code) are left to it."""
+def has_attention_backend(model_config: PretrainedConfig, attn_implementation: str) -> bool:
+    """Whether the target's architecture has that attention path (gpt-oss has no sdpa: its attention sinks).
+    True for architectures transformers does not know (remote code): transformers checks those itself."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
     flag = _BACKEND_FLAGS.get(attn_implementation)
-    if model_class is not None and flag is not None and not getattr(model_class, flag, True):
+    return model_class is None or flag is None or bool(getattr(model_class, flag, True))
+
+
+def check_attention_backend(model_config: PretrainedConfig, attn_implementation: str) -> None:
+    """Refuse, naming the setting, an attention backend the target's architecture lacks."""
+    if not has_attention_backend(model_config, attn_implementation):
         raise ConfigError(
-            f"target.attn_implementation={attn_implementation!r}: {model_class.__name__} has no such attention "
-            "path; set target.attn_implementation=eager (CPU) or flex_attention (GPU)"
+            f"target.attn_implementation={attn_implementation!r}: {type(model_config).__name__} targets have no "
+            "such attention path; set target.attn_implementation=eager (CPU) or flex_attention (GPU)"
         )
 
 
