@@ -3,6 +3,8 @@ training run on a tiny `Qwen3MoeConfig` target, and the drafter's sizes for a Mo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_target_capture import alone_hidden_states, capture, count_calls, make_sequences
@@ -68,3 +70,16 @@ def test_moe_early_exit_runs_only_up_to_the_last_tap(preset, attn_implementation
 def test_attention_backend_the_target_lacks_is_named():
     with pytest.raises(ConfigError, match="target.attn_implementation='sdpa'.*GptOssConfig.*eager"):
         load_target(TargetConfig(random_init="tiny-gpt-oss", dtype="float32"), "cpu")
+
+
+def test_a_moe_target_trains_end_to_end(tmp_path):
+    from pipeline_helpers import summary, train_in_process
+
+    run_dir = tmp_path / "run"
+    assert train_in_process(run_dir, "target.random_init=tiny-moe") == 0
+    s = summary(run_dir)
+    assert s["status"] == "ok" and s["jobs_planned"] == s["jobs_trained"] and s["jobs_duplicated"] == 0, s
+    exported = json.loads((run_dir / "export" / "config.json").read_text())
+    # a dense drafter of the target's dense MLP width (drafter/spec.py), tapping the MoE target's layers
+    assert exported["num_target_layers"] == 6 and exported["intermediate_size"] == 128
+    assert "num_experts" not in exported
