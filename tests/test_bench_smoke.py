@@ -134,8 +134,8 @@ def test_moe_flops_count_active_experts():
 def test_target_forward_smoke_runs_a_moe_target_and_counts_active_experts():
     from dflash_trainer.target.presets import preset_config
 
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "target_forward.py"), "--smoke", "--preset", "tiny-moe"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    cmd = [sys.executable, str(ROOT / "bench" / "target_forward.py"), "--smoke", "--preset", "tiny-moe"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["preset"] == "tiny-moe" and last["taps"] == [0, 2, 4]

@@ -83,3 +83,24 @@ def test_a_moe_target_trains_end_to_end(tmp_path):
     # a dense drafter of the target's dense MLP width (drafter/spec.py), tapping the MoE target's layers
     assert exported["num_target_layers"] == 6 and exported["intermediate_size"] == 128
     assert "num_experts" not in exported
+
+
+def test_drafter_of_a_moe_target_is_dense_with_a_stated_mlp_width():
+    from types import SimpleNamespace
+
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.drafter.spec import drafter_spec
+
+    drafter = DrafterConfig(num_layers=2, block_size=8, tap_layer_ids=[1, 3], mask_token_id=1024)
+    qwen_moe = preset_config("tiny-moe")
+    assert drafter_spec(qwen_moe, drafter).intermediate_size == qwen_moe.intermediate_size  # the dense width
+    assert drafter_spec(preset_config("tiny-gpt-oss"), drafter).intermediate_size == 32  # gpt-oss: the expert width
+    assert drafter_spec(preset_config("qwen3-30b-a3b"), drafter).intermediate_size == 6144
+    # no dense width in the config: the active experts' width, 2 x 32
+    fields = {k: v for k, v in qwen_moe.to_dict().items() if k != "intermediate_size"}
+    assert drafter_spec(SimpleNamespace(**fields), drafter).intermediate_size == 2 * 32
+    fields.pop("moe_intermediate_size")
+    with pytest.raises(ConfigError, match="set drafter.intermediate_size"):
+        drafter_spec(SimpleNamespace(**fields), drafter)
+    chosen = DrafterConfig(num_layers=2, block_size=8, tap_layer_ids=[1, 3], mask_token_id=1024, intermediate_size=96)
+    assert drafter_spec(SimpleNamespace(**fields), chosen).intermediate_size == 96
