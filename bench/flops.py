@@ -115,6 +115,8 @@ def target_forward_flops(config: Any, lengths: Sequence[int], *, num_layers: int
     """Forward FLOPs of `num_layers` decoder layers (and the LM head if `lm_head`) over sequences `lengths`."""
     s, moe = LayerShape.of(config), MoeShape.of(config)
     q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    if num_layers > config.num_hidden_layers:
+        raise ValueError(f"num_layers={num_layers} > the target's {config.num_hidden_layers} decoder layers")
     tokens = sum(lengths)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
     total = 0

@@ -101,6 +101,8 @@ def test_flops_scale_as_documented():
     assert target_forward_flops(cfg, [100, 100], num_layers=2, lm_head=False) == 2 * one
     assert target_forward_flops(cfg, [100], num_layers=4, lm_head=False) == 2 * one
     assert target_forward_flops(cfg, [100], num_layers=2, lm_head=True) - one == 2 * 100 * 64 * cfg.vocab_size
+    with pytest.raises(ValueError, match="num_layers=7 > the target's 6"):  # layer types are read per layer
+        target_forward_flops(cfg, [100], num_layers=7, lm_head=False)
     spec = drafter_spec(cfg, DrafterConfig(num_layers=2, block_size=4, gamma=1.0, tap_layer_ids=[1, 3],
                                          mask_token_id=1024))
     anchors = torch.tensor([10, 20])
