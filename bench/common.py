@@ -29,17 +29,25 @@ from dflash_trainer.config import Config, load_config  # noqa: E402
 from dflash_trainer.data.types import Job, TokenizedSequence  # noqa: E402
 from dflash_trainer.drafter.spec import DrafterSpec  # noqa: E402
 from dflash_trainer.target.head import TargetHead  # noqa: E402
+from dflash_trainer.target.load import has_attention_backend  # noqa: E402
+from dflash_trainer.target.presets import preset_config  # noqa: E402
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step  # noqa: E402
 from dflash_trainer.train.optim import build_optimizer  # noqa: E402
 from dflash_trainer.train.schedule import build_scheduler  # noqa: E402
 from dflash_trainer.train.step_loop import StepLoop  # noqa: E402
 from dflash_trainer.train.trainer import build_drafter  # noqa: E402
 
-MODELS = {  # preset -> (tap layer ids or None for the default spread, mask token id = first spare row)
+MODELS = {  # preset -> (tap layer ids or None for the default spread, mask token id: a spare embedding row)
     "qwen3-8b": ([1, 9, 17, 25, 33], 151669),
     "qwen3-1.7b": (None, 151669),
+    "qwen3-30b-a3b": (None, 151669),
+    "gpt-oss-20b": (None, 201087),  # the embedding's last row (random weights: any row serves)
     "tiny": ([1, 3], 1024),
+    "tiny-moe": ([1, 3], 1024),
+    "tiny-gpt-oss": ([1, 3], 1024),
 }
+SMOKE_MODELS = ("tiny", "tiny-moe", "tiny-gpt-oss")
+"""The presets --smoke keeps when asked for (any other model becomes `tiny`)."""
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -58,13 +66,15 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--out", default=str(RESULTS), help="directory for the JSON result")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU, tiny preset, 2 x 128 tokens, 32 blocks, B=8, 2 drafter layers: proves the code paths")
+                   help="CPU, tiny preset (or --model tiny-moe / tiny-gpt-oss), 2 x 128 tokens, 32 blocks, B=8, "
+                   "2 drafter layers: proves the code paths")
 
 
 def apply_smoke(args: argparse.Namespace) -> None:
     """The --smoke shape (CPU-sized); call after parsing."""
     if args.smoke:
-        args.model, args.seqs, args.seq_len, args.blocks_per_seq, args.block_size = "tiny", 2, 128, 16, 8
+        args.model = args.model if args.model in SMOKE_MODELS else "tiny"
+        args.seqs, args.seq_len, args.blocks_per_seq, args.block_size = 2, 128, 16, 8
         args.drafter_layers, args.steps, args.warmup = 2, 2, 1
 
 
@@ -86,10 +96,19 @@ def bench_config(args: argparse.Namespace, device: torch.device, extra: tuple[st
         f"drafter.mask_token_id={mask_token}", f"drafter.num_blocks={args.seqs * args.blocks_per_seq}",
         f"drafter.attention={'flex' if device.type == 'cuda' else 'sdpa'}", "train.dtype=bfloat16",
         f"pipeline.token_budget={args.seqs * args.seq_len}",
+        f"target.attn_implementation={target_attention(args.model, device)}",
     ]
     if taps is not None:
         overrides.append(f"drafter.tap_layer_ids=[{','.join(map(str, taps))}]")
     return load_config(None, [*overrides, *extra])
+
+
+def target_attention(preset: str, device: torch.device) -> str:
+    """The target's attention backend: sdpa, or for an architecture without it (gpt-oss: attention sinks)
+    flex_attention on CUDA and eager on the CPU (flex attention with sinks needs CUDA)."""
+    if has_attention_backend(preset_config(preset), "sdpa"):
+        return "sdpa"
+    return "flex_attention" if device.type == "cuda" else "eager"
 
 
 # ------------------------------------------------------------------------------------------- workload

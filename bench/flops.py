@@ -8,6 +8,13 @@ Target forward (frozen, no backward), per sequence of n real tokens, per decoder
   linear      2 * n * (H*(q + 2*kv) + q*H + 3*H*I)        q = heads*hd, kv = kv_heads*hd (q/k/v/o, SwiGLU)
   attention   2 * 2 * q * n*(n+1)/2                        QK^T and PV over the causal half
   lm head     2 * n * H * V                                only when the LM head runs (the naive baseline)
+A sparse (MoE) layer counts the experts a token runs, not a dense MLP: its 3*H*I term is
+              H*E + k*3*H*I_e + 3*H*I_s                    router over E experts, k active experts of width I_e
+                                                           (moe_intermediate_size, else intermediate_size as
+                                                           gpt-oss), shared experts of total width I_s if any
+Which layers are sparse follows the config (mlp_only_layers, decoder_sparse_step, first_k_dense_replace /
+moe_layer_freq); the others are dense with intermediate_size. A sliding-attention layer (layer_types, window
+W) counts min(t + 1, W) keys for token t instead of t + 1.
 The fast path runs layers 0..last tap (last tap + 1 layers); the LM head never.
 
 Drafter step, with N_v valid blocks of B slots, Q = N_v*B block queries, T real context tokens:
@@ -57,15 +64,70 @@ class LayerShape:
         )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoeShape:
+    """The sparse MLP of a MoE config: what one token runs in a sparse layer."""
+
+    experts: int
+    active: int
+    expert_intermediate: int
+    shared_intermediate: int
+    """Total width of the shared experts every token runs (0: none)."""
+
+    @classmethod
+    def of(cls, config: Any) -> Optional["MoeShape"]:
+        """From an HF config; None for a dense model."""
+        experts = next((n for n in (getattr(config, k, None) for k in _EXPERT_COUNT_KEYS) if n), 0)
+        if not experts:
+            return None
+        expert_intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        shared = getattr(config, "shared_expert_intermediate_size", None) or (
+            (getattr(config, "n_shared_experts", None) or 0) * expert_intermediate)
+        return cls(experts=experts, active=config.num_experts_per_tok, expert_intermediate=expert_intermediate,
+                   shared_intermediate=shared)
+
+    def mlp_weights(self, hidden: int) -> int:
+        """Multiply-adds per token of the router, the active experts and the shared experts."""
+        return hidden * self.experts + 3 * hidden * (self.active * self.expert_intermediate + self.shared_intermediate)
+
+
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def is_sparse_layer(config: Any, layer: int) -> bool:
+    """Whether decoder layer `layer` of a MoE config runs experts (Qwen-MoE and DeepSeek-style layouts)."""
+    if layer in (getattr(config, "mlp_only_layers", None) or ()):
+        return False
+    if (layer + 1) % (getattr(config, "decoder_sparse_step", None) or 1):
+        return False
+    return layer >= (getattr(config, "first_k_dense_replace", None) or 0) and not (
+        layer % (getattr(config, "moe_layer_freq", None) or 1))
+
+
+def causal_pairs(n: int, window: Optional[int]) -> int:
+    """Visible (query, key) pairs of an n-token causal sequence, all keys or the last `window` (self included)."""
+    if window is None or n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
 def target_forward_flops(config: Any, lengths: Sequence[int], *, num_layers: int, lm_head: bool) -> float:
     """Forward FLOPs of `num_layers` decoder layers (and the LM head if `lm_head`) over sequences `lengths`."""
-    s = LayerShape.of(config)
+    s, moe = LayerShape.of(config), MoeShape.of(config)
     q, kv, h = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    if num_layers > config.num_hidden_layers:
+        raise ValueError(f"num_layers={num_layers} > the target's {config.num_hidden_layers} decoder layers")
     tokens = sum(lengths)
-    linear = 2 * tokens * (h * (q + 2 * kv) + q * h + 3 * h * s.intermediate)
-    attention = sum(2 * 2 * q * n * (n + 1) / 2 for n in lengths)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    total = 0
+    for layer in range(num_layers):
+        sparse = moe is not None and is_sparse_layer(config, layer)
+        mlp = moe.mlp_weights(h) if sparse else 3 * h * s.intermediate
+        window = config.sliding_window if layer_types[layer] == "sliding_attention" else None
+        total += 2 * tokens * (h * (q + 2 * kv) + q * h + mlp)
+        total += sum(2 * 2 * q * causal_pairs(n, window) for n in lengths)
     head = 2 * tokens * h * config.vocab_size if lm_head else 0
-    return float(num_layers * (linear + attention) + head)
+    return float(total + head)
 
 
 def visible_pairs(anchor_pos: torch.Tensor, block_size: int, window: Optional[int] = None) -> float:

@@ -1,9 +1,11 @@
 """Target forward benchmark: tokens/s and MFU of the tap-capture forward, early-exit savings, capture overhead.
 
     python bench/target_forward.py                 # CUDA: Qwen3-8B shape, random bf16 weights made on the GPU
+    python bench/target_forward.py --preset qwen3-30b-a3b   # a MoE shape (FLOPs by active experts)
     python bench/target_forward.py --smoke         # tiny target on the CPU (checks the script runs)
     python bench/target_forward.py --quantize none,fp8             # bf16 and FP8 targets in the same run
     python bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192,16384
+    python bench/target_forward.py --smoke --preset tiny-moe   # the same with a tiny MoE target
 
 For each token budget, 3072-token sequences (the last one shorter) fill the budget exactly; they are
 right-padded into one batch as the target worker does. Modes, each eager and with compiled decoder layers:
@@ -34,6 +36,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+from common import target_attention  # noqa: E402  (bench/common.py)
 from flops import target_forward_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
@@ -42,6 +45,7 @@ from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, pr
 from dflash_trainer.target.checks import choose_tap_layer_ids  # noqa: E402
 from dflash_trainer.target.config import TargetConfig  # noqa: E402
 from dflash_trainer.target.load import find_decoder, load_target  # noqa: E402
+from dflash_trainer.target.presets import PRESETS  # noqa: E402
 
 
 class _Stop(Exception):
@@ -90,34 +94,39 @@ def timed(fn, *, iters: int, warmup: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny target on the CPU, small budgets, no compile")
-    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="default qwen3-8b (tiny with --smoke, which takes "
+                   "only the tiny presets)")
     p.add_argument("--quantize", default="none", help="comma list of target.quantize values to run: none, fp8")
     p.add_argument("--budgets", default="8192,16384,32768")
     p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--taps", default=None, help="tap layer ids (default: 5 spread as the released drafters)")
+    p.add_argument("--taps", help="tap layer ids, e.g. 1,9,17,25,33 (default: 5 spread as the trainer does)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=789.0, help="measured bf16 matmul peak of one H200 (issue calibration: 789)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
-        args.preset, args.budgets, args.seq_len, args.taps = "tiny", "256,512", 96, "0,2,4"
+        if args.preset is not None and not args.preset.startswith("tiny"):
+            p.error(f"--smoke runs on the CPU: pick a tiny preset, not {args.preset}")
+        args.preset, args.budgets, args.seq_len, args.taps = args.preset or "tiny", "256,512", 96, "0,2,4"
         args.iters, args.warmup, args.no_compile = 2, 1, True
+    args.preset = args.preset or "qwen3-8b"
     return args
 
 
 def run_target(args, quantize: str, device: torch.device, dtype: str, budgets: list[int]) -> tuple[list, dict]:
     """Rows of every mode x budget x compilation of one target, and what it holds in memory."""
     reset_memory(device)
-    model = load_target(TargetConfig(random_init=args.preset, dtype=dtype,
+    attention = target_attention(args.preset, device)
+    model = load_target(TargetConfig(random_init=args.preset, dtype=dtype, attn_implementation=attention,
                                      quantize=None if quantize == "none" else quantize), device, seed=0)
     config = model.config
     taps = ([int(t) for t in args.taps.split(",")] if args.taps
             else choose_tap_layer_ids(config.num_hidden_layers, 5))
-    memory = dict(quantize=quantize, taps=taps, weights_gb=allocated_gb(device))
+    memory = dict(quantize=quantize, taps=taps, attn_implementation=attention, weights_gb=allocated_gb(device))
     decoder, stop_layer = find_decoder(model), max(taps)
     capture = TapCapture(model, taps)
 
@@ -201,7 +210,7 @@ def main() -> int:
 
     for t in targets:
         print(f"target {args.preset} ({t['arch']}, {t['layers']} layers, H={t['hidden']}) on {device}, {dtype}, "
-              f"quantize {t['quantize']}, taps {t['taps']}, sequences of {args.seq_len}, weights "
+              f"{t['attn_implementation']} attention, quantize {t['quantize']}, taps {t['taps']}, sequences of {args.seq_len}, weights "
               f"{t['weights_gb'] or 0:.1f} GB, peak {t['peak_gb'] or 0:.1f} GB")
     print(f"{'quantize':>8} {'budget':>7} {'compiled':>8} {'mode':>8} {'ms':>9} {'tokens/s':>11} {'MFU':>6}")
     for r in rows:

@@ -101,6 +101,8 @@ def test_flops_scale_as_documented():
     assert target_forward_flops(cfg, [100, 100], num_layers=2, lm_head=False) == 2 * one
     assert target_forward_flops(cfg, [100], num_layers=4, lm_head=False) == 2 * one
     assert target_forward_flops(cfg, [100], num_layers=2, lm_head=True) - one == 2 * 100 * 64 * cfg.vocab_size
+    with pytest.raises(ValueError, match="num_layers=7 > the target's 6"):  # layer types are read per layer
+        target_forward_flops(cfg, [100], num_layers=7, lm_head=False)
     spec = drafter_spec(cfg, DrafterConfig(num_layers=2, block_size=4, gamma=1.0, tap_layer_ids=[1, 3],
                                          mask_token_id=1024))
     anchors = torch.tensor([10, 20])
@@ -108,6 +110,55 @@ def test_flops_scale_as_documented():
     # moving anchors later adds only attention pairs: B * delta per block, 4*hd*heads per pair, x3, per layer
     later = drafter_step_flops(spec, anchor_pos=anchors + 1, context_tokens=50)
     assert later - base == 2 * 4 * (4 * 16 * 4) * 3 * 2
+
+
+def test_moe_flops_count_active_experts():
+    from dflash_trainer.target.presets import preset_config
+
+    moe, dense = preset_config("tiny-moe"), preset_config("tiny")
+    h, q, kv, experts, active, width = 64, 4 * 16, 2 * 16, 4, 2, 32  # the tiny-moe preset's sizes
+    per_token = h * (q + 2 * kv) + q * h + h * experts + active * 3 * h * width  # attention linears, router, experts
+    by_hand = 2 * (2 * 100 * per_token + 2 * 2 * q * 100 * 101 // 2)  # two layers, one 100-token sequence
+    assert target_forward_flops(moe, [100], num_layers=2, lm_head=False) == by_hand
+    assert target_forward_flops(moe, [100], num_layers=2, lm_head=False) != target_forward_flops(
+        dense, [100], num_layers=2, lm_head=False)
+    # a layer listed in mlp_only_layers is a dense MLP of intermediate_size, as in the dense tiny preset
+    moe.mlp_only_layers = [0]
+    assert target_forward_flops(moe, [100], num_layers=1, lm_head=False) == target_forward_flops(
+        dense, [100], num_layers=1, lm_head=False)
+    # gpt-oss: layer 0 slides (window 4: token t sees min(t + 1, 4) keys), layer 1 sees all; same MLP cost
+    oss = preset_config("tiny-gpt-oss")
+    layer0 = target_forward_flops(oss, [10], num_layers=1, lm_head=False)
+    layer1 = target_forward_flops(oss, [10], num_layers=2, lm_head=False) - layer0
+    assert layer1 - layer0 == 2 * 2 * q * (sum(range(1, 11)) - sum(min(t + 1, 4) for t in range(10)))
+
+
+def test_target_forward_smoke_runs_a_moe_target_and_counts_active_experts():
+    from dflash_trainer.target.presets import preset_config
+
+    cmd = [sys.executable, str(ROOT / "bench" / "target_forward.py"), "--smoke", "--preset", "tiny-moe"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["preset"] == "tiny-moe" and [t["taps"] for t in last["targets"]] == [[0, 2, 4]]
+    config = preset_config("tiny-moe")
+    for row in last["rows"]:
+        lengths = [96] * (row["budget"] // 96) + [row["budget"] % 96]  # the smoke's 96-token sequences
+        layers, head = (6, True) if row["mode"] == "full" else (5, False)
+        flops = target_forward_flops(config, lengths, num_layers=layers, lm_head=head)
+        assert row["mfu"] == pytest.approx(flops / (row["ms"] / 1e3) / (last["peak_tflops"] * 1e12))
+
+
+def test_bench_scripts_take_the_moe_presets():
+    import run
+
+    for model, attention in (("tiny-moe", "sdpa"), ("tiny-gpt-oss", "eager")):
+        args = run.parse_args(["--smoke", "--model", model])
+        config = run.bench_config(args, torch.device("cpu"))
+        assert config.target.random_init == model and config.target.attn_implementation == attention
+    assert run.parse_args(["--smoke", "--model", "qwen3-30b-a3b"]).model == "tiny"  # --smoke keeps tiny models only
+    for model in ("qwen3-30b-a3b", "gpt-oss-20b"):
+        assert run.parse_args(["--model", model]).model == model
 
 
 def test_sharegpt_workload_packs_approximate_lengths_into_the_budget():

@@ -31,7 +31,8 @@ class DrafterConfig:
     """Start from an exported drafter directory (e.g. a released DFlash drafter), or `target`: from the
     target's own decoder layers (see drafter/init.py)."""
     intermediate_size: Optional[int] = None
-    """MLP width; None: the target's."""
+    """MLP width; None: the target's `intermediate_size` (for a MoE target its dense MLP width, or the expert
+    width where the config has no other, as gpt-oss), else `moe_intermediate_size x num_experts_per_tok`."""
     attention: str = "auto"
     """auto (flex on GPU, sdpa on CPU) | flex | sdpa."""
     flex_kernel_options: dict[str, Any] = field(default_factory=dict)

@@ -91,6 +91,24 @@ def first_spare_row(tokenizer) -> int:
     return len(tokenizer)
 
 
+def mlp_width(target_config: Any) -> int:
+    """The drafter's default MLP width for `target_config`; the drafter is dense whatever the target is.
+
+    The config's `intermediate_size` when it has one: a dense target's MLP width, a Qwen-MoE or DeepSeek-style
+    target's dense-layer width (Qwen3-30B-A3B: 6144), and for MoE configs that have no other (gpt-oss, Mixtral)
+    the expert width. A MoE config without it gets the width of the experts a token runs,
+    `moe_intermediate_size x num_experts_per_tok`: a dense MLP with the sparse layer's per-token MLP FLOPs.
+    """
+    width = getattr(target_config, "intermediate_size", None)
+    if width:
+        return int(width)
+    expert, active = (getattr(target_config, k, None) for k in ("moe_intermediate_size", "num_experts_per_tok"))
+    if expert and active:
+        return int(expert) * int(active)
+    raise ConfigError("the target config has neither intermediate_size nor moe_intermediate_size with "
+                      "num_experts_per_tok: set drafter.intermediate_size (the drafter's MLP width)")
+
+
 def drafter_spec(
     target_config: Any, drafter: DrafterConfig, *, mask_token_id: Optional[int] = None
 ) -> DrafterSpec:
@@ -114,7 +132,7 @@ def drafter_spec(
         num_attention_heads=heads,
         num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
         head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
-        intermediate_size=drafter.intermediate_size or target_config.intermediate_size,
+        intermediate_size=drafter.intermediate_size or mlp_width(target_config),
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
         rope_parameters=rope,
         max_position_embeddings=target_config.max_position_embeddings,

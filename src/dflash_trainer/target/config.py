@@ -17,8 +17,9 @@ class TargetConfig:
     path: Optional[str] = None
     """HF model directory or hub id of the target (AutoModelForCausalLM)."""
     random_init: Optional[str] = None
-    """Build the target with random weights from a config instead: a builtin preset
-    (tiny | qwen3-1.7b | qwen3-8b) or a path to a config.json / model directory."""
+    """Build the target with random weights from a config instead: a builtin preset (target/presets.py:
+    tiny | tiny-moe | tiny-gpt-oss | qwen3-1.7b | qwen3-8b | qwen3-30b-a3b | gpt-oss-20b) or a path to a
+    config.json / model directory."""
     tokenizer: Optional[str] = None
     """Tokenizer directory or hub id (default: target.path); `tiny` builds the test tokenizer."""
     dtype: str = "bfloat16"

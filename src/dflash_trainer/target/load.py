@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig, loading_error, model_reference
@@ -45,6 +46,26 @@ def target_model_config(cfg: TargetConfig) -> PretrainedConfig:
         raise loading_error(key, name, "model config", e) from None
 
 
+_BACKEND_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
+
+
+def has_attention_backend(model_config: PretrainedConfig, attn_implementation: str) -> bool:
+    """Whether the target's architecture has that attention path (gpt-oss has no sdpa: its attention sinks).
+    True for architectures transformers does not know (remote code): transformers checks those itself."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(model_config), None)
+    flag = _BACKEND_FLAGS.get(attn_implementation)
+    return model_class is None or flag is None or bool(getattr(model_class, flag, True))
+
+
+def check_attention_backend(model_config: PretrainedConfig, attn_implementation: str) -> None:
+    """Refuse, naming the setting, an attention backend the target's architecture lacks."""
+    if not has_attention_backend(model_config, attn_implementation):
+        raise ConfigError(
+            f"target.attn_implementation={attn_implementation!r}: {type(model_config).__name__} targets have no "
+            "such attention path; set target.attn_implementation=eager (CPU) or flex_attention (GPU)"
+        )
+
+
 def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) -> PreTrainedModel:
     """The target, frozen and in eval mode, on `device` in `cfg.dtype`.
 
@@ -53,6 +74,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) ->
     dtype = DTYPES[cfg.dtype]
     device = torch.device(device)
     model_config = target_model_config(cfg)
+    check_attention_backend(model_config, cfg.attn_implementation)
     model_config._attn_implementation = cfg.attn_implementation
     if cfg.random_init is not None and cfg.quantize == "fp8":
         model = _random_fp8_target(cfg, model_config, device, seed)

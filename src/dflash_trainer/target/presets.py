@@ -1,28 +1,46 @@
-"""Model configs for targets built with random weights (tests, the demo, benchmarks)."""
+"""Model configs for targets built with random weights (tests, the demo, benchmarks).
+
+Each preset names its architecture by `model_type` (as a config.json does), so `preset_config` returns that
+architecture's config class: `Qwen3Config` for the dense presets, `Qwen3MoeConfig` / `GptOssConfig` for the
+MoE ones. The full-size presets copy the published models' config.json values (shapes only: random weights).
+"""
 
 from __future__ import annotations
 
-from transformers import Qwen3Config
+from transformers import AutoConfig, PretrainedConfig
 
 from dflash_trainer.data.tiny_tokenizer import TINY_VOCAB_SIZE
 
 TINY_SPARE_ROWS = 64
 """Embedding rows past the tiny tokenizer's vocabulary, as Qwen3 has; the mask token is the first."""
 
+_TINY_SHAPE = dict(
+    vocab_size=TINY_VOCAB_SIZE + TINY_SPARE_ROWS,
+    hidden_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
 PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        vocab_size=TINY_VOCAB_SIZE + TINY_SPARE_ROWS,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
+    "tiny": dict(model_type="qwen3", **_TINY_SHAPE, intermediate_size=128, rope_theta=10000.0),
+    "tiny-moe": dict(
+        # Every layer sparse: 4 experts of width 32, 2 active per token. `intermediate_size` is the dense MLP
+        # width a layer listed in `mlp_only_layers` would have (none here); the drafter takes it (drafter/spec.py).
+        model_type="qwen3_moe", **_TINY_SHAPE, intermediate_size=128, moe_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=10000.0,
+    ),
+    "tiny-gpt-oss": dict(
+        # gpt-oss layout in small: alternating sliding (window 4) / full attention, attention sinks and biases,
+        # 4 experts of width 32 (gpt-oss's `intermediate_size` is the expert width), 2 active, yarn RoPE.
+        model_type="gpt_oss", **_TINY_SHAPE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4,
     ),
     "qwen3-1.7b": dict(
+        model_type="qwen3",
         vocab_size=151936,
         hidden_size=2048,
         intermediate_size=6144,
@@ -35,6 +53,7 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
     "qwen3-8b": dict(
+        model_type="qwen3",
         vocab_size=151936,
         hidden_size=4096,
         intermediate_size=12288,
@@ -44,6 +63,42 @@ PRESETS: dict[str, dict] = {
         head_dim=128,
         max_position_embeddings=40960,
         rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-30b-a3b": dict(  # Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 active; every layer sparse
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    "gpt-oss-20b": dict(  # openai/gpt-oss-20b: 32 experts of width 2880, 4 active; the config's default
+        # layer_types (sliding window 128 on even layers, full on odd) and yarn RoPE (theta 150000, factor 32)
+        model_type="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     ),
     # ---- dense shapes larger than one GPU in bf16 (FP8 targets: target.quantize=fp8) -------------------------
@@ -64,7 +119,9 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def preset_config(name: str) -> Qwen3Config:
+def preset_config(name: str) -> PretrainedConfig:
+    """The HF config of preset `name`, of its architecture's config class."""
     if name not in PRESETS:
         raise ValueError(f"unknown target preset {name!r}; choose one of {sorted(PRESETS)} or a config path")
-    return Qwen3Config(**PRESETS[name])
+    fields = dict(PRESETS[name])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
