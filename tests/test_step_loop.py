@@ -66,6 +66,7 @@ def _worker(rank, port, shards, out_dir, sharded):
     weight, records, state = _run(shards[rank], dist.group.WORLD, grad_accum=2, sharded=sharded)
     torch.save({"weight": weight, "steps": state.step, "committed": state.committed, "skipped": state.skipped_steps,
                 "losses": [r.loss for r in records]}, os.path.join(out_dir, f"r{rank}.pt"))
+    dist.barrier()  # neither rank tears its connections down while the other still finishes the last collective
     dist.destroy_process_group()
 
 
