@@ -196,6 +196,11 @@ def peak_gb(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
+def allocated_gb(device: torch.device) -> Optional[float]:
+    """GiB held by tensors now (CUDA; None elsewhere)."""
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
 

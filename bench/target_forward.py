@@ -24,19 +24,17 @@ capture time at the same budget and compilation. The last line printed is JSON.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
-from common import target_attention  # noqa: E402  (bench/common.py)
+from common import allocated_gb, peak_gb, reset_memory, target_attention  # noqa: E402  (bench/common.py)
 from flops import target_forward_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
@@ -59,21 +57,6 @@ def make_sequences(budget: int, seq_len: int, vocab: int, seed: int) -> list[Tok
         TokenizedSequence(input_ids=torch.randint(0, vocab, (n,), generator=g), loss_mask=torch.ones(n, dtype=torch.bool))
         for n in lengths
     ]
-
-
-def reset_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def allocated_gb(device: torch.device) -> Optional[float]:
-    return torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None
-
-
-def peak_gb(device: torch.device) -> Optional[float]:
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
 def timed(fn, *, iters: int, warmup: int, device: torch.device) -> float:
@@ -211,7 +194,7 @@ def main() -> int:
     for t in targets:
         print(f"target {args.preset} ({t['arch']}, {t['layers']} layers, H={t['hidden']}) on {device}, {dtype}, "
               f"{t['attn_implementation']} attention, quantize {t['quantize']}, taps {t['taps']}, sequences of {args.seq_len}, weights "
-              f"{t['weights_gb'] or 0:.1f} GB, peak {t['peak_gb'] or 0:.1f} GB")
+              f"{t['weights_gb'] or 0:.1f} GiB, peak {t['peak_gb'] or 0:.1f} GiB")
     print(f"{'quantize':>8} {'budget':>7} {'compiled':>8} {'mode':>8} {'ms':>9} {'tokens/s':>11} {'MFU':>6}")
     for r in rows:
         print(f"{r['quantize']:>8} {r['budget']:>7} {str(r['compiled']):>8} {r['mode']:>8} {r['ms']:>9.2f} "
