@@ -18,7 +18,7 @@ def test_the_average_moves_towards_the_weights_by_one_minus_decay():
     assert average.names == ["weight"]
     with torch.no_grad():
         model.weight.add_(4.0)
-    average.update(model)
+    average.update()
     assert torch.allclose(average.average[0], start + 1.0)  # 0.75 * w + 0.25 * (w + 4)
     state = average.averaged_state(model)
     assert torch.equal(state["weight"], start + 1.0) and torch.equal(state["bias"], model.bias)

@@ -15,17 +15,17 @@ class WeightAverage:
     avg <- decay * avg + (1 - decay) * param (on the parameters' device, no host sync)."""
 
     def __init__(self, model: torch.nn.Module, decay: float) -> None:
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.average = [p.detach().float().clone() for p in self._params(model)]
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in trained]
+        self.params = [p for _, p in trained]
+        """The model's own parameter tensors (updated in place by the optimizer; not sharded: FSDP2 is refused)."""
+        self.average = [p.detach().float().clone() for p in self.params]
         self._update = get_ema_multi_avg_fn(decay)
 
-    def _params(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        named = dict(model.named_parameters())
-        return [named[n] for n in self.names]
-
     @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
-        self._update(self.average, [p.detach().float() for p in self._params(model)], None)
+    def update(self) -> None:
+        """After an optimizer step: one foreach lerp over all parameters (fp32 parameters are not copied)."""
+        self._update(self.average, [p.detach().float() for p in self.params], None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The averaged weights under checkpoint keys (`ema.<name>`)."""

@@ -215,7 +215,7 @@ class DrafterTrainer:
                 self.ledger.setdefault(e, []).append(j)
             seen = len(self.loop.state.committed)
             if self.average is not None and not record.skipped:
-                self.average.update(self.model)
+                self.average.update()
             rates = meter.step(record.tokens, record.step_time_s, record.wait_time_s, time.perf_counter())
             self._log(record, rates, bar)
             if record.step % self.config.train.checkpoint_interval == 0 and not record.skipped:
