@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def build_backend(config: Config) -> Backend:
     """The backend named by `regenerate.backend`, ready to run (server checked / target loaded)."""
     regen = config.regenerate
-    seed = settings_from_config(config).seed
+    settings = settings_from_config(config)
     if regen.backend == "openai":
         from dflash_trainer.regen.openai import OpenAIBackend
 
@@ -31,11 +31,11 @@ def build_backend(config: Config) -> Backend:
             raise ConfigError("regenerate.backend=openai needs regenerate.url, e.g. http://127.0.0.1:8000/v1")
         backend = OpenAIBackend(
             url=regen.url,
-            model=settings_from_config(config).model,
+            model=settings.model,
             max_new_tokens=regen.max_new_tokens,
             temperature=regen.temperature,
             top_p=regen.top_p,
-            seed=seed,
+            seed=settings.seed,
             thinking=regen.thinking,
             concurrency=regen.concurrency,
             request_timeout_s=regen.request_timeout_s,
@@ -60,7 +60,7 @@ def build_backend(config: Config) -> Backend:
         temperature=regen.temperature,
         thinking=regen.thinking,
         batch_size=regen.batch_size,
-        seed=seed,
+        seed=settings.seed,
         max_prompt_tokens=regen.max_prompt_tokens,
         top_p=regen.top_p,
     )
