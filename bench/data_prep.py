@@ -3,10 +3,13 @@
     python bench/data_prep.py                          # bundled ShareGPT, 3000 conversations, tiny tokenizer
     python bench/data_prep.py --conversations 20000 --workers 1,4,16
     python bench/data_prep.py --smoke                  # 300 conversations, workers 1 and 2 (checks the script)
+    python bench/data_prep.py data.path=FILE.jsonl target.path=DIR target.random_init=null target.tokenizer=null
+                                                       # other data or tokenizer: the demo recipe's overrides
 
 Loads the conversations once (`data/sources.py`, the demo recipe's source), then times `tokenize_all` for each
-worker count (workers 1 = in this process, the baseline), checks every result equals the baseline's, and
-prints conversations/s and the speedup. CPU work: run it on the machine that will train. Last line: JSON.
+worker count (workers 1 = in this process, the baseline; N > 1: the first `PROBE_CONVERSATIONS` here, the rest
+in N processes however fast this one is), checks every result equals the baseline's, and prints conversations/s
+and the speedup. CPU work: run it on the machine that will train. Last line: JSON.
 """
 
 from __future__ import annotations
@@ -34,18 +37,20 @@ def main(argv=None) -> int:
     p.add_argument("--workers", default="1,2,4,8,16", help="comma-separated worker counts; 1 is the baseline")
     p.add_argument("--max-length", type=int, default=3072)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the demo recipe (data.path=..., target.path=...)")
     args = p.parse_args(argv)
     if args.smoke:
         args.conversations, args.workers = 300, "1,2"
     counts = sorted({int(w) for w in args.workers.split(",")} | {1})
-    config = load_config("demo", [f"data.max_conversations={args.conversations}", f"data.max_length={args.max_length}"])
+    config = load_config("demo", [f"data.max_conversations={args.conversations}", f"data.max_length={args.max_length}",
+                                  *args.overrides])
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     chats = load_conversations(config.data, seed=0).conversations
     rows, base = [], None
     for workers in counts:
         t0 = time.perf_counter()
         out = tokenize_all(chats, tokenizer, thinking=False, max_length=args.max_length, min_supervised=32,
-                           num_workers=workers, parallel_min=1)
+                           num_workers=workers, parallel_min_s=0.0)
         seconds = time.perf_counter() - t0
         if base is None:
             base = out

@@ -97,13 +97,15 @@ def write_prompts(cache: Path, args) -> None:
     first-turn regeneration needs only the first (a small file to carry to a machine without the package)."""
     train, evals = split_sharegpt(args.eval_prompts, args.train_conversations)
     if args.prompt_turns is not None:
-        from dflash_trainer.data.types import Conversation
+        from dflash_trainer.data.types import Conversation, Message
         from dflash_trainer.regen.turns import limit_turns
 
-        def prompt_only(c):  # the assistant turns are answered again: the last user turn ends the prompt
-            c = limit_turns(c, args.prompt_turns)
+        def prompt_only(c):  # the assistant turns are answered again: the last user turn ends the prompt, and
+            c = limit_turns(c, args.prompt_turns)  # their text is left out (a smaller file to carry)
             last_user = max(i for i, m in enumerate(c.messages) if m.role == "user")
-            return Conversation(messages=c.messages[: last_user + 1], source=c.source, source_index=c.source_index)
+            messages = tuple(m if m.role != "assistant" else Message(role="assistant", content="")
+                             for m in c.messages[: last_user + 1])
+            return Conversation(messages=messages, source=c.source, source_index=c.source_index)
 
         train = [prompt_only(c) for c in train]
     _write_messages(cache / "train_prompts.jsonl", train)

@@ -205,3 +205,24 @@ def test_walk_tau_equals_real_decoding_on_greedy_replies():
     assert report.walk_tau > 1.2  # the fitted drafter drafts beyond the bonus token
     assert report.anchors == sum(max_new + 6 - 1 for _ in prompts)  # every anchor of every reply
     assert len(report.slot_accuracy) == spec.block_size - 1 and report.loss > 0
+
+
+def test_decoding_runs_every_attention_without_cudnn(monkeypatch):
+    """cuDNN's attention builds a plan per new key length, and every decode step has a new one: decoding (target
+    and drafter forwards alike) runs with it off, and the setting is restored afterwards."""
+    setup = fitted()
+    drafter = setup.drafter
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    decode_batch(setup.target, setup.prompts, proposer=batch_proposer_for(drafter, setup.target), block_size=4,
+                 tap_layer_ids=drafter.spec.tap_layer_ids, max_new_tokens=6, stop_token_ids=[])
+    target_generate(setup.target, setup.prompts[0], max_new_tokens=3, stop_token_ids=[])
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dflash_trainer.config import load_config
-from dflash_trainer.data import tokenize_pool
+from dflash_trainer.data import tokenize_pool, tokenized
 from dflash_trainer.data.masks import end_of_turn_marker
-from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers
+from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers, tokenize_one
 from dflash_trainer.data.tokenized import tokenize_all
 from dflash_trainer.data.types import Conversation, Message
 from dflash_trainer.errors import ConfigError, DataError
@@ -37,7 +37,8 @@ def test_workers_give_the_same_dataset_and_drop_counts_as_one_process(tiny_token
     chats = conversations(150)
     kwargs = dict(thinking=False, max_length=96, min_supervised=8)
     one = tokenize_all(chats, tiny_tokenizer, **kwargs)
-    many = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min=1, **kwargs)
+    monkeypatch.setattr(tokenized, "PROBE_CONVERSATIONS", 40)  # the rest (110) goes to the workers
+    many = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min_s=0.0, **kwargs)
     assert one.dropped == many.dropped and one.dropped.get("too_few_supervised_tokens", 0) > 0
     assert len(one.dataset) == len(many.dataset) > 100
     for name in ("input_ids", "loss_mask", "offsets", "source_index", "source_id"):
@@ -79,6 +80,29 @@ def test_a_tokenizer_the_workers_cannot_rebuild_fails_at_once():
         tokenize_in_workers(conversations(40), UnrebuildableTokenizer(), settings, num_workers=2,
                             chunk_timeout_s=100)
     assert time.monotonic() - start < 60  # the first chunk reports it, long before the timeout
+
+
+def test_a_fast_template_is_tokenized_in_this_process(tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenized, "tokenize_in_workers", lambda *a, **k: pytest.fail("worker processes started"))
+    out = tokenize_all(conversations(600), tiny_tokenizer, num_workers=4, thinking=False, max_length=96,
+                       min_supervised=8)
+    assert len(out.dataset) > 500
+
+
+def test_workers_take_the_rest_when_this_process_would_be_slow(tiny_tokenizer, monkeypatch):
+    calls = []
+
+    def workers(rest, tokenizer, settings, *, num_workers):
+        calls.append((len(rest), num_workers))
+        return [tokenize_one(c, tokenizer, settings) for c in rest]
+
+    monkeypatch.setattr(tokenized, "PROBE_CONVERSATIONS", 10)
+    monkeypatch.setattr(tokenized, "tokenize_in_workers", workers)
+    chats = conversations(50)
+    kwargs = dict(thinking=False, max_length=96, min_supervised=8)
+    spread = tokenize_all(chats, tiny_tokenizer, num_workers=3, parallel_min_s=1e-9, **kwargs)
+    assert calls == [(40, 3)]
+    assert torch.equal(spread.dataset.input_ids, tokenize_all(chats, tiny_tokenizer, **kwargs).dataset.input_ids)
 
 
 def test_num_workers_is_validated_and_not_part_of_the_cache_key():

@@ -52,8 +52,9 @@ class DataConfig:
     num_buckets: int = 8
     """Length buckets for batching (sequences of similar length share a batch)."""
     num_workers: Optional[int] = None
-    """Processes that tokenize on a cache miss of 2000+ conversations (None: one per CPU, at most 16;
-    1: in the main process). The result is the same for any value, so it is not part of the cache key."""
+    """Processes that tokenize on a cache miss when the main process would take over a minute (timed on the
+    first conversations; None: one per CPU, at most 16; 1: always the main process). The result is the same for
+    any value, so it is not part of the cache key."""
 
     def __post_init__(self) -> None:
         if self.max_length < 8:

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,22 +109,32 @@ class TokenizeOutcome:
     """Tokens those cuts left out."""
 
 
-PARALLEL_MIN_CONVERSATIONS = 2000
-"""Below this, worker processes cost more to start (each imports torch) than they save."""
+PROBE_CONVERSATIONS = 512
+"""Conversations tokenized in this process first, timed, to decide whether worker processes would pay."""
+PARALLEL_MIN_SECONDS = 60.0
+"""Worker processes are used only when tokenizing the rest here would take longer than this: each one imports
+torch before it starts, and on a fast chat template a pool of them can be slower than this process."""
 
 
 def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
                  max_length: int, min_supervised: int, num_workers: int = 1,
-                 parallel_min: int = PARALLEL_MIN_CONVERSATIONS) -> TokenizeOutcome:
-    """Tokenize every conversation: in this process, or in `num_workers` processes when there are at least
-    `parallel_min` conversations (`tokenize_pool.py`; the same result either way)."""
+                 parallel_min_s: float = PARALLEL_MIN_SECONDS) -> TokenizeOutcome:
+    """Tokenize every conversation (the same result however it is spread): the first `PROBE_CONVERSATIONS` in
+    this process, timed; the rest here too, or in `num_workers` processes (`tokenize_pool.py`) when that would
+    take longer than `parallel_min_s` here."""
     settings = TokenizeSettings(thinking=thinking, end_of_turn=end_of_turn_marker(tokenizer, thinking=thinking),
                                 max_length=max_length, min_supervised=min_supervised)
-    if num_workers > 1 and len(conversations) >= parallel_min:
-        log.info("tokenizing %d conversations in %d worker processes", len(conversations), num_workers)
-        results = tokenize_in_workers(conversations, tokenizer, settings, num_workers=num_workers)
+    probe = conversations[:PROBE_CONVERSATIONS] if num_workers > 1 else conversations
+    start = time.perf_counter()
+    results = [tokenize_one(c, tokenizer, settings) for c in probe]
+    rest = conversations[len(probe):]
+    projected_s = (time.perf_counter() - start) / max(1, len(probe)) * len(rest)
+    if rest and projected_s > parallel_min_s:
+        log.info("tokenizing %d more conversations in %d worker processes (~%.0f s in this one)", len(rest),
+                 num_workers, projected_s)
+        results += tokenize_in_workers(rest, tokenizer, settings, num_workers=num_workers)
     else:
-        results = [tokenize_one(c, tokenizer, settings) for c in conversations]
+        results += [tokenize_one(c, tokenizer, settings) for c in rest]
     kept = [(c, r) for c, r in zip(conversations, results) if not isinstance(r, str)]
     dropped = Counter(r for r in results if isinstance(r, str))
     cut = [r.truncated_tokens for _, r in kept if r.truncated_tokens]

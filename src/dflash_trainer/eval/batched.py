@@ -24,7 +24,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from dflash_trainer.eval.speculative import DecodeResult, _forward, eager_decoding
+from dflash_trainer.eval.speculative import DecodeResult, _forward, decoding_kernels
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -298,7 +298,7 @@ class _BatchDecode:
 
 
 @torch.no_grad()
-@eager_decoding
+@decoding_kernels
 def decode_batch(
     target,
     prompts: Sequence[torch.Tensor],

@@ -25,6 +25,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 
@@ -68,17 +69,23 @@ def _crop(cache: DynamicCache, keep: int) -> None:
         cache.crop(-remove)
 
 
-def eager_decoding(fn):
-    """Run a decoding function with the target eager, also when the trainer compiled the target's layers for
-    tap capture (`target.compile`): a compiled layer would recompile for every layer's cache state and every
-    new length (on the GPU a 4-prompt evaluation of a 28-layer target hit 91 recompiles and did not finish in
-    3 minutes). The stance is process-wide: this relies on evaluation running on the thread that trains (it
-    does, in every role), never beside a compiled training step. Entered once per decoding call rather than per
-    forward: entering it is not free."""
+DECODING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""Attention kernels while decoding: not cuDNN's, which builds an execution plan for every new key length, and
+in decoding every step has a new one (on the H200 that made a step several times slower; bench/RESULTS.md)."""
+
+
+def decoding_kernels(fn):
+    """Run a decoding function with the target eager and without cuDNN attention (`DECODING_SDPA_BACKENDS`).
+
+    Eager also when the trainer compiled the target's layers for tap capture (`target.compile`): a compiled
+    layer would recompile for every layer's cache state and every new length (on the GPU a 4-prompt evaluation
+    of a 28-layer target hit 91 recompiles and did not finish in 3 minutes). The stance is process-wide: this
+    relies on evaluation running on the thread that trains (it does, in every role), never beside a compiled
+    training step. Both are entered once per decoding call rather than per forward: entering them is not free."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with torch.compiler.set_stance("force_eager"):
+        with torch.compiler.set_stance("force_eager"), sdpa_kernel(list(DECODING_SDPA_BACKENDS)):
             return fn(*args, **kwargs)
 
     return wrapper
@@ -117,7 +124,7 @@ def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> tuple[list[
 
 
 @torch.no_grad()
-@eager_decoding
+@decoding_kernels
 def target_generate(
     target, prompt_ids: torch.Tensor, *, max_new_tokens: int, stop_token_ids: Sequence[int],
     temperature: float = 0.0, generator: Optional[torch.Generator] = None,
@@ -142,7 +149,7 @@ def target_generate(
 
 
 @torch.no_grad()
-@eager_decoding
+@decoding_kernels
 def speculative_generate(
     target, proposer: Proposer, prompt_ids: torch.Tensor, *, block_size: int, tap_layer_ids: Sequence[int],
     max_new_tokens: int, stop_token_ids: Sequence[int], temperature: float = 0.0,
