@@ -41,6 +41,7 @@ HELD_OUT_RECORDS = 500
 """The practice target never saw the bundled ShareGPT file's last 500 records."""
 MAX_PROMPT_CHARS = 1500
 PART_BYTES = 15 * 2**20
+PLACEHOLDER_REPLY = "(answered again by regeneration)"
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
 TABLE_HEADER = "| date | commit | name | recipe, overrides | steps | train s | real tau | prompt lookup | ratio | walk tau (held-out) | walk/real | eval s | notes |"
 
@@ -101,9 +102,10 @@ def write_prompts(cache: Path, args) -> None:
         from dflash_trainer.regen.turns import limit_turns
 
         def prompt_only(c):  # the assistant turns are answered again: the last user turn ends the prompt, and
-            c = limit_turns(c, args.prompt_turns)  # their text is left out (a smaller file to carry)
+            c = limit_turns(c, args.prompt_turns)  # their text is a placeholder (a smaller file to carry; an
+            # empty turn would drop the row)
             last_user = max(i for i, m in enumerate(c.messages) if m.role == "user")
-            messages = tuple(m if m.role != "assistant" else Message(role="assistant", content="")
+            messages = tuple(m if m.role != "assistant" else Message(role="assistant", content=PLACEHOLDER_REPLY)
                              for m in c.messages[: last_user + 1])
             return Conversation(messages=messages, source=c.source, source_index=c.source_index)
 

@@ -39,13 +39,15 @@ else
   cd "$W" || exit 1
   export PYTHONPATH=$W/src:/tmp/site
   follow
+fi
+if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the run ended: its result, and its export evaluated alone
   tail -n 5 "$W/train.log"
   export_dir=$(ls -d "$W"/runs/*/export 2>/dev/null | head -n 1)
   if [ -n "$export_dir" ]; then
     step eval-alone 300 python3 -m dflash_trainer eval --drafter "$export_dir" --out "$W/results/eval-alone" \
       eval.prompts="$W/cache/eval.jsonl" eval.num_prompts=40 eval.max_new_tokens=128 run.device=cuda
   fi
-  cp "$W/train.log" "$LOGS/"; cp "$W"/results/*.json "$RESULTS/" 2>/dev/null
+  cp "$W/train.log" "$LOGS/"; cp -r "$W"/results/* "$RESULTS/" 2>/dev/null
 fi
 echo "suite: $((SECONDS - T0)) s"
 finish
