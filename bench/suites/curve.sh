@@ -4,7 +4,8 @@
 # while the machine is still warm (30 s) waits for it. Everything lives under /tmp/curve on the device.
 #   PHASE=start [MINUTES=15] [PROMPTS=.quality/turns4] [NAME=...] bash bench/suites/curve.sh [our overrides ...]
 #       regenerates the replies to PROMPTS (train_prompts.jsonl[.gz], eval_prompts.jsonl; `regenerate.*` overrides
-#       apply), packs the data cache into $OUT, starts the training, then follows it until DEADLINE_S (570).
+#       apply), packs the data cache into $OUT (DATA_ONLY=1: and stops), starts the training, then follows it until
+#       DEADLINE_S (570).
 #   PHASE=wait bash bench/suites/curve.sh
 #       follows the training to its end, evaluates its export alone (`dflash-train eval`, timed: the <= 20 s bar),
 #       and brings back results.tar.gz.
@@ -18,6 +19,7 @@ follow() {  # follow the training log until the run ends or DEADLINE_S seconds i
   done
 }
 if [ "${PHASE:-start}" = start ]; then
+  rm -rf "$W"  # a warm machine keeps the last call's /tmp: never train on an earlier call's data
   mkdir -p "$W/cache" "$W/results" && cp -r src bench configs "$W/" && cp -r .practice/model "$W/target"
   PROMPTS=${PROMPTS:-.quality/turns4}
   if [ -e "$PROMPTS/train_prompts.jsonl.gz" ]; then gunzip -c "$PROMPTS/train_prompts.jsonl.gz" > "$W/cache/train_prompts.jsonl"
@@ -30,6 +32,7 @@ if [ "${PHASE:-start}" = start ]; then
   step data 400 python3 bench/quality.py "${COMMON[@]}" --data-only "${REGEN[@]}"
   python3 bench/quality.py "${COMMON[@]}" --data-only --no-regen --pack "$OUT" > "$LOGS/pack.log" 2>&1
   grep -E "^data:|packed" "$LOGS/pack.log" | cut -c1-400
+  if [ -n "${DATA_ONLY:-}" ]; then finish; exit 0; fi
   setsid nohup python3 bench/quality.py "${COMMON[@]}" --no-regen --runs "$W/runs" --results "$W/results" \
     --name "$NAME" "train.max_minutes=${MINUTES:-15}" "$@" > "$W/train.log" 2>&1 < /dev/null &
   echo $! > "$W/train.pid"
