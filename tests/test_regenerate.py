@@ -488,3 +488,37 @@ def test_prompts_over_max_prompt_tokens_are_skipped_and_counted_and_no_row_is_an
     assert "Train on it" not in captured.out
     one = limit.replace("40", "1")
     assert f"wrote no row to {tmp_path / 'b'}: of 3 conversations, 3 skipped ({one})" in captured.err
+
+
+def test_a_later_turn_over_max_prompt_tokens_ends_the_conversation_and_keeps_the_answered_turns(tmp_path, capsys):
+    """Multi-turn: a first turn over the limit skips the row; a later one ends it there (the turns answered
+    before it are written, the row counted as cut, also after a resume's rescan of the shards)."""
+    from dflash_trainer import cli
+    from dflash_trainer.regen import read_rows
+
+    def conv(*users):
+        turns = []
+        for text in users:
+            turns += [{"role": "user", "content": text}, {"role": "assistant", "content": "old"}]
+        return json.dumps({"messages": turns}) + "\n"
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(conv("hi", "word " * 60) + conv("hello", "and you?") + conv("word " * 60, "hi"))
+    tiny = ["target.random_init=tiny", "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu",
+            "regenerate.max_new_tokens=4", "regenerate.max_turns=2", "logging.progress=false", f"data.path={data}",
+            "regenerate.max_prompt_tokens=60"]  # the short 2-turn prompts are ~40 tokens, "word " * 60 is ~130
+    out = tmp_path / "out"
+    assert cli.main(["regenerate", "--out", str(out), *tiny]) == 0
+    limit = "prompt over regenerate.max_prompt_tokens=60"
+    printed = capsys.readouterr().out
+    assert f"2 rows done (2 new), 1 skipped ({limit}) (reasons in" in printed
+    assert f"1 cut short before a later turn ({limit})" in printed
+    rows = {r["id"]: r for r in read_rows(out)}
+    cut, full = rows[f"{data}:0"], rows[f"{data}:1"]
+    assert [m["role"] for m in cut["messages"]] == ["user", "assistant"] and cut["cut"] == limit
+    assert cut["messages"][0]["content"] == "hi" and cut["messages"][1]["content"] != "old"
+    assert [m["role"] for m in full["messages"]] == ["user", "assistant"] * 2 and "cut" not in full
+    manifest = read_manifest(out)
+    assert manifest["rows_cut"] == {limit: 1} and manifest["rows_skipped"] == {limit: 1} and manifest["complete"]
+    assert cli.main(["regenerate", "--out", str(out), *tiny]) == 0  # a rerun rescans the shards
+    assert read_manifest(out)["rows_cut"] == {limit: 1}

@@ -120,6 +120,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
         left_out += f", {summary.rows_failed} failed"
     if left_out:
         left_out += f" (reasons in {summary.failed_log})"
+    left_out += "".join(f", {n} cut short before a later turn ({limit})" for limit, n in summary.rows_cut.items())
     if summary.rows_done == 0:
         raise DataError(f"regenerate wrote no row to {summary.out_dir}: of {summary.rows_total} conversations"
                         f"{left_out}; nothing to train on. Fix the cause (raise the limit) and rerun the same command")

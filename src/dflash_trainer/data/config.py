@@ -87,11 +87,12 @@ class RegenerateConfig:
     model: Optional[str] = None
     """Model name the server must report; defaults to target.path."""
     max_new_tokens: int = 512
+    """Cap on each generated reply's tokens."""
     max_turns: Optional[int] = None
     """Regenerate at most this many user turns per conversation (later turns are dropped); None: all."""
     max_prompt_tokens: Optional[int] = None
-    """(local) Fail rows whose prompt is longer than this many tokens; None: only the target's context limit."""
-    """Cap on each generated reply's tokens."""
+    """(local) A prompt longer than this many tokens ends its conversation there: skipped at the first turn,
+    kept up to the turns answered before it at a later one (counted as cut); None: only the target's context."""
     concurrency: int = 8
     """Conversations answered in parallel by the openai backend (worker threads)."""
     temperature: float = 0.0

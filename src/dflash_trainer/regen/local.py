@@ -77,14 +77,14 @@ class LocalBackend:
             yield from self._run_chunk(chunk)
 
     def _run_chunk(self, states: list[TurnState]) -> Iterator[RegenOutcome]:
-        errors: dict[str, RegenOutcome] = {}
+        ended: dict[str, RegenOutcome] = {}  # skipped at the first turn, or cut short at a later one
         active = states
         while active:
             prompts = []
             for state in active:
                 prompt = self._encode(state.row_id, state.next_prompt())  # type: ignore[arg-type]
                 if isinstance(prompt, RegenOutcome):
-                    errors[state.row_id] = prompt
+                    ended[state.row_id] = state.outcome(cut=prompt.skipped) if state.replied else prompt
                 else:
                     prompts.append((state, *prompt))
             prompts.sort(key=lambda p: len(p[1]))
@@ -93,9 +93,9 @@ class LocalBackend:
                 replies = self._generate([ids for _, ids, _ in batch])
                 for (state, _, prefix), reply in zip(batch, replies):
                     state.add_reply(prefix + reply)
-            active = [s for s in active if s.row_id not in errors and s.next_prompt() is not None]
+            active = [s for s in active if s.row_id not in ended and s.next_prompt() is not None]
         for state in states:
-            yield errors.get(state.row_id) or state.outcome()
+            yield ended.get(state.row_id) or state.outcome()
 
     def _encode(self, rid: str, messages: tuple[Message, ...]) -> tuple[list[int], str] | RegenOutcome:
         """(prompt ids, reply prefix), or the row's skip when the prompt is over a length limit.

@@ -37,6 +37,8 @@ class RegenSummary:
     """Rows whose latest attempt failed (reasons in `failed.jsonl`)."""
     rows_skipped: dict[str, int]
     """Rows left out by a limit (a prompt over `regenerate.max_prompt_tokens`), per limit; not failures."""
+    rows_cut: dict[str, int]
+    """Rows written short: a limit ended the conversation before its last user turn (per limit)."""
     rows_new: int
     """Rows written by this run."""
     complete: bool
@@ -101,7 +103,7 @@ def regenerate(
         with bar:
             for outcome in backend.run(todo):
                 if outcome.messages is not None:
-                    store.add_row(outcome.row_id, outcome.messages)
+                    store.add_row(outcome.row_id, outcome.messages, cut=outcome.cut)
                     new += 1
                 else:
                     store.add_failed(outcome.row_id, outcome.error or "unknown error", skipped=outcome.skipped)
@@ -115,6 +117,7 @@ def regenerate(
         rows_done=store.rows_done,
         rows_failed=store.rows_failed,
         rows_skipped=store.skip_counts,
+        rows_cut=store.cut_counts,
         rows_new=new,
         complete=store.complete,
     )

@@ -1,7 +1,8 @@
 """The output directory of `dflash-train regenerate`: JSONL shards, a failure log and a manifest.
 
 Layout of DIR:
-- `shard_00000.jsonl`, ...: one row per line, `{"messages": [{"role", "content"}, ...], "id": "<source>:<index>"}`.
+- `shard_00000.jsonl`, ...: one row per line, `{"messages": [{"role", "content"}, ...], "id": "<source>:<index>"}`,
+  plus `"cut": LIMIT` when a limit ended the conversation before its last user turn (the answered turns are kept).
   Only the last shard is ever appended to; each row is one write of one line, flushed.
 - `failed.jsonl`: `{"id", "reason"}` per failed row (latest attempt); a row left out by a limit (a prompt over
   `regenerate.max_prompt_tokens`) is skipped, not failed: its entry adds `"skipped": LIMIT`.
@@ -70,6 +71,8 @@ class RegenStore:
         self.failed: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
         """Rows left out by a limit: id -> the limit (their reasons are in `failed`)."""
+        self.cut: dict[str, str] = {}
+        """Rows written short, ended by a limit before their last user turn: id -> the limit."""
         self._shard_counts: list[int] = []
         self._file = None
         self._failed_file = None
@@ -140,7 +143,10 @@ class RegenStore:
         for path in paths:
             count = 0
             for lineno, line in enumerate(complete_lines(path, repair=True), 1):
-                rid = parse_row(path, lineno, line)["id"]
+                row = parse_row(path, lineno, line)
+                rid = row["id"]
+                if row.get("cut"):
+                    self.cut[rid] = row["cut"]
                 if rid in self.done_ids:
                     raise DataError(f"{path}:{lineno}: row {rid!r} appears twice; the directory was edited by hand")
                 self.done_ids.add(rid)
@@ -174,22 +180,31 @@ class RegenStore:
         return dict(Counter(self.skipped.values()))
 
     @property
+    def cut_counts(self) -> dict[str, int]:
+        """Rows written short, per limit."""
+        return dict(Counter(self.cut.values()))
+
+    @property
     def complete(self) -> bool:
         return all(i in self.done_ids or i in self.failed for i in self.expected_ids)
 
-    def add_row(self, rid: str, messages: tuple[Message, ...]) -> None:
+    def add_row(self, rid: str, messages: tuple[Message, ...], cut: str | None = None) -> None:
+        """A regenerated row; `cut`: the limit that ended it before its last user turn, if one did."""
         if rid in self.done_ids:
             raise RuntimeError(f"row {rid!r} is already written; the runner must skip it")
         if self._file is None:
             if not self._shard_counts or self._shard_counts[-1] >= self.shard_rows:
                 self._shard_counts.append(0)
             self._file = open(self.out_dir / shard_name(len(self._shard_counts) - 1), "a", encoding="utf-8")
-        line = json.dumps({"messages": as_dicts(messages), "id": rid}, ensure_ascii=False) + "\n"
+        row = {"messages": as_dicts(messages), "id": rid} | ({"cut": cut} if cut else {})
+        line = json.dumps(row, ensure_ascii=False) + "\n"
         self._file.write(line)  # one write of one whole line: a crash leaves at most this line partial
         self._file.flush()
         self.done_ids.add(rid)
         self.failed.pop(rid, None)
         self.skipped.pop(rid, None)
+        if cut:
+            self.cut[rid] = cut
         self._shard_counts[-1] += 1
         if self._shard_counts[-1] >= self.shard_rows:
             self._close_shard()
@@ -237,6 +252,7 @@ class RegenStore:
                 "rows_done": self.rows_done,
                 "rows_failed": self.rows_failed,
                 "rows_skipped": self.skip_counts,
+                "rows_cut": self.cut_counts,
                 "complete": self.complete,
                 "shards": [{"file": shard_name(i), "rows": n} for i, n in enumerate(self._shard_counts) if n],
                 "failed_log": FAILED,

@@ -2,7 +2,9 @@
 
 The system and user turns are kept; every assistant turn is replaced by the target's reply, generated in
 order, each conditioned on the regenerated earlier turns. A trailing user turn gets a reply too, so
-prompt-only datasets work. Both backends drive a conversation through `TurnState`.
+prompt-only datasets work. When a later turn's prompt is over a limit, the conversation ends before it (the
+answered turns are kept, the row counted as cut); over the limit at its first turn, the row is skipped. Both
+backends drive a conversation through `TurnState`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ class RegenOutcome:
     """Why the row failed or was skipped (None on success)."""
     skipped: str | None = None
     """Set when the row was left out by a limit rather than failed: the limit, short (the count's key)."""
+    cut: str | None = None
+    """Set when a limit ended the conversation before its last user turn (the limit, short): `messages` holds
+    the turns answered before it."""
 
 
 def row_id(conversation: Conversation) -> str:
@@ -60,9 +65,16 @@ class TurnState:
         self._messages.append(Message(role="assistant", content=text))
         self._replied += 1
 
-    def outcome(self) -> RegenOutcome:
-        assert self.next_prompt() is None, "outcome() before every user turn has a reply"
-        return RegenOutcome(row_id=self.row_id, messages=tuple(self._messages), error=None)
+    @property
+    def replied(self) -> int:
+        """User turns answered so far."""
+        return self._replied
+
+    def outcome(self, cut: str | None = None) -> RegenOutcome:
+        """The rebuilt conversation; before every user turn has a reply only when a limit `cut` it short."""
+        assert cut is not None or self.next_prompt() is None, "outcome() before every user turn has a reply"
+        assert self._replied > 0, "a conversation cut before its first reply is skipped, not written"
+        return RegenOutcome(row_id=self.row_id, messages=tuple(self._messages), error=None, cut=cut)
 
 
 def limit_turns(conversation: Conversation, max_turns: int | None) -> Conversation:
