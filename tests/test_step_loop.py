@@ -113,6 +113,39 @@ def test_a_spent_time_budget_ends_the_run_after_the_current_step():
     assert len(records) == 3 and not state.out_of_time and 0 < state.time_fraction < 0.1
 
 
+def test_training_time_counts_earlier_sessions_and_leaves_pauses_out(monkeypatch):
+    """A fake clock: each microbatch takes 10 s, an evaluation after each step 5 s (paused). With 30 s spent by an
+    earlier session and a 100 s budget, the spent time reads 50, 70, 90, 110 and the fourth step is the last."""
+    from types import SimpleNamespace
+
+    from dflash_trainer.train import step_loop
+
+    clock = [1000.0]
+    monkeypatch.setattr(step_loop, "time", SimpleNamespace(monotonic=lambda: clock[0], perf_counter=lambda: clock[0]))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    micro = _micro(model)
+
+    def slow_micro(batch):
+        clock[0] += 10.0
+        return micro(batch)
+
+    loop = StepLoop(model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                    micro_step=slow_micro, job_key=lambda b: (b[0], b[1]), grad_accum=2, block_size=2, grad_clip=0.0,
+                    group=None, device=torch.device("cpu"), time_budget_s=100.0, time_spent_s=30.0)
+    queue = _batches() * 3
+    spent = []
+
+    def on_step(record):
+        spent.append(loop.state.time_spent_s)
+        clock[0] += 5.0  # an evaluation
+        loop.pause(5.0)
+
+    state = loop.run(lambda: (queue.pop(0), lambda: None) if queue else None, on_step)
+    assert spent == pytest.approx([50.0, 70.0, 90.0, 110.0])
+    assert state.step == 4 and state.out_of_time and state.time_fraction == pytest.approx(1.1)
+
+
 def test_schedule_follows_the_time_budget_when_it_runs_out_first():
     from dflash_trainer.train.schedule import build_scheduler, lr_factor
 

@@ -256,6 +256,24 @@ def test_a_resumed_run_counts_the_tokens_of_every_session(tmp_path):
     assert summary(run)["tokens_trained"] == sum(r["tokens"] for r in rows)
 
 
+def test_a_resumed_run_counts_the_training_time_of_every_session(tmp_path, capsys):
+    """`train.max_minutes` covers every session: a budget the first session already spent leaves nothing to do,
+    a larger one continues and the checkpoint's training time keeps counting from the first session."""
+    run = tmp_path / "run"
+
+    def time_spent(step):
+        return json.loads((run / "checkpoints" / f"step_{step}" / "state.json").read_text())["extra"]["time_spent_s"]
+
+    assert train_in_process(run, "train.max_steps=2") == 0
+    spent = time_spent(2)
+    assert spent > 0
+    capsys.readouterr()
+    assert train_in_process(run, "train.max_steps=4", f"train.max_minutes={spent / 120}", resume=True) == 0
+    assert "is finished" in capsys.readouterr().out
+    assert train_in_process(run, "train.max_steps=4", "train.max_minutes=100", resume=True) == 0
+    assert summary(run)["steps"] == 4 and time_spent(4) > spent
+
+
 def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
     """`export --checkpoint RUN/checkpoints/step_N` and `eval --drafter RUN/export` read RUN/config.yaml (and
     say so); eval writes RUN/eval.json on the run's held-out prompts."""

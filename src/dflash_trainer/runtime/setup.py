@@ -30,7 +30,7 @@ from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.load import load_target, target_model_config
 from dflash_trainer.target.parallel import shard_target
-from dflash_trainer.train.checkpoint import check_fits, read_ledger, read_step, resolve_resume
+from dflash_trainer.train.checkpoint import check_fits, read_ledger, read_step, read_time_spent_s, resolve_resume
 from dflash_trainer.train.trainer import data_fingerprint, model_signature
 from dflash_trainer.transport.wire import WireSpec, wire_spec
 
@@ -145,13 +145,14 @@ def check_target_groups(config: Config) -> None:
 
 def _finished(config: Config, run_dir: Path, resume_path: Path, remaining: tuple[tuple[Job, ...], ...]) -> bool:
     """Whether the run to resume ended well (summary status ok) with nothing left: a resume would only replace its
-    summary with an empty session's. More epochs or a higher `train.max_steps` leave work to do."""
+    summary with an empty session's. More epochs, a higher `train.max_steps` or `train.max_minutes` leave work."""
     try:
         status = json.loads(RunDir(run_dir).summary.read_text()).get("status")
     except (OSError, ValueError, AttributeError):
         return False
-    max_steps = config.train.max_steps
-    done = not any(remaining) or (max_steps is not None and read_step(resume_path) >= max_steps)
+    max_steps, max_minutes = config.train.max_steps, config.train.max_minutes
+    done = (not any(remaining) or (max_steps is not None and read_step(resume_path) >= max_steps)
+            or (max_minutes is not None and read_time_spent_s(resume_path) >= 60.0 * max_minutes))
     return status == "ok" and done
 
 

@@ -246,6 +246,12 @@ def read_step(path: Path) -> int:
     return int(json.loads((Path(path) / "state.json").read_text())["step"])
 
 
+def read_time_spent_s(path: Path) -> float:
+    """The training time (seconds, every session) a complete checkpoint had spent; 0 for one that did not say."""
+    extra = json.loads((Path(path) / "state.json").read_text()).get("extra") or {}
+    return float(extra.get("time_spent_s", 0.0))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadedCheckpoint:
     path: Path

@@ -20,7 +20,8 @@ class TrainConfig:
     max_minutes: Optional[float] = None
     """Also stop once training has run this many minutes (None: no time limit); the final checkpoint, export
     and evaluation follow. The lr schedule (and the noise schedule) then advance by steps or by time,
-    whichever is further along, so they end with the budget. A resumed run gets the whole budget again."""
+    whichever is further along, so they end with the budget. Evaluations during training do not count; the
+    training time of earlier sessions of a resumed run does (up to its checkpoint)."""
     grad_accum: int = 1
     """Pool batches per optimizer step on each drafter rank."""
     lr: float = 6e-4

@@ -7,8 +7,9 @@ backward on the *unnormalised* weighted loss sum, then all ranks all-reduce one 
   normalised over the whole step (all microbatches of all ranks), not per microbatch;
 - whether any rank saw NaN/inf: then every rank skips the step together;
 - whether every rank ran dry: then the run ends together (a partial last step is still taken);
-- the fraction of the time budget spent (the mean over ranks: one value everywhere, for the schedule);
-  once it reaches 1, this is the last step everywhere;
+- the training time spent (the mean of the ranks' clocks, less the time the leader paused them for an
+  evaluation, plus what earlier sessions of a resumed run spent: one value everywhere, for the schedule); once
+  it reaches the time budget, this is the last step everywhere;
 - whether a rank was asked to stop (SIGTERM, Ctrl-C): then this is the last step everywhere.
 A job is committed (enters the ledger) when the optimizer step that used it completes.
 """
@@ -82,8 +83,10 @@ class LoopState:
     tokens: int = 0
     committed: list[tuple[int, int]] = field(default_factory=list)
     """(epoch, job_id) committed by this run, in commit order."""
+    time_spent_s: float = 0.0
+    """Training time by the last step, earlier sessions included, evaluations not (the same on every rank)."""
     time_fraction: float = 0.0
-    """Fraction of the time budget spent by the last step (the same on every rank; 0 without a budget)."""
+    """`time_spent_s` over the time budget (0 without a budget)."""
 
     stop_requested: bool = False
     """A rank was asked to stop (a signal): the run stopped after the last step."""
@@ -110,13 +113,15 @@ class StepTotals:
     slot_count: tuple[float, ...]
     batches: float
     tokens: float
-    time_fraction: float
-    """Sum over ranks of the time budget's spent fraction."""
+    elapsed_s: float
+    """Sum over ranks of the seconds since this session's loop started."""
+    paused_s: float
+    """Sum over ranks of the seconds paused (`StepLoop.pause`: only the leader pauses, for an evaluation)."""
     stop: float
     """Ranks asked to stop."""
 
     DEVICE_SUMS = ("loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite")
-    HOST_SUMS = ("batches", "tokens", "time_fraction", "stop")
+    HOST_SUMS = ("batches", "tokens", "elapsed_s", "paused_s", "stop")
 
     @classmethod
     def width(cls, slots: int) -> int:
@@ -154,10 +159,12 @@ class StepLoop(Generic[B]):
         max_nonfinite_steps: int = 10,
         dummy_batch: Optional[B] = None,
         time_budget_s: Optional[float] = None,
+        time_spent_s: float = 0.0,
         stop_requested: Callable[[], bool] = lambda: False,
     ) -> None:
         """`dummy_batch` (FSDP2 only): a batch with no supervised token, run by a rank that has no batch;
-        `time_budget_s`: the run stops once it has trained this long (counted from `run`); `stop_requested()`:
+        `time_budget_s`: the run stops once it has trained this long (counted from `run`, plus `time_spent_s`, the
+        training time of earlier sessions of a resumed run, less the paused time); `stop_requested()`:
         True once this rank is asked to stop (every rank then stops after the same step)."""
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -174,8 +181,10 @@ class StepLoop(Generic[B]):
         self.max_nonfinite_steps = max_nonfinite_steps
         self.dummy_batch = dummy_batch
         self.time_budget_s = time_budget_s
+        self.time_spent_before_s = time_spent_s
         self.stop_requested = stop_requested
         self._started = time.monotonic()
+        self._paused_s = 0.0
         self.world = dist.get_world_size(group) if group is not None else 1
         self.state = LoopState(step=start_step)
 
@@ -195,6 +204,12 @@ class StepLoop(Generic[B]):
                 break
         return self.state
 
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` (spent between steps, e.g. on an evaluation) out of the training time. Only the
+        leader pauses: the other ranks wait through it in the next step's collective, and every rank subtracts
+        the sum of the pauses."""
+        self._paused_s += seconds
+
     def step(self, take) -> Optional[StepRecord]:
         maybe_fault("drafter_step", self.state.step + 1)  # test-only hook
         start = time.perf_counter()
@@ -211,7 +226,9 @@ class StepLoop(Generic[B]):
         width = StepTotals.width(self.slots)
         totals, grad_norm, rows = StepTotals.unpack(flat, self.slots), flat[width], flat[width + 1 :]
         job_ids = [(int(e), int(j)) for e, j in zip(rows[0::2], rows[1::2]) if j >= 0]
-        self.state.time_fraction = totals.time_fraction / self.world  # the mean: the same on every rank
+        # the mean of the clocks less every pause (the other ranks waited through the leader's): one value everywhere
+        self.state.time_spent_s = self.time_spent_before_s + totals.elapsed_s / self.world - totals.paused_s
+        self.state.time_fraction = self.state.time_spent_s / self.time_budget_s if self.time_budget_s else 0.0
         self.state.stop_requested = totals.stop > 0
         if totals.batches == 0:
             for release in releases:
@@ -276,8 +293,8 @@ class StepLoop(Generic[B]):
                 1.0 - torch.isfinite(out.loss_sum).to(torch.float64),
             ])
             slots += torch.stack([out.slot_correct.detach().double(), out.slot_count.detach().double()])
-        if self.time_budget_s is not None:
-            host["time_fraction"] = (time.monotonic() - self._started) / self.time_budget_s
+        host["elapsed_s"] = time.monotonic() - self._started
+        host["paused_s"] = self._paused_s
         host["stop"] = float(self.stop_requested())
         host_t = torch.tensor([host[k] for k in StepTotals.HOST_SUMS], dtype=torch.float64)
         packed = torch.cat([sums, slots.reshape(-1), host_t.to(self.device, non_blocking=True)])  # one copy a step

@@ -150,6 +150,7 @@ class DrafterTrainer:
             max_nonfinite_steps=config.train.max_nonfinite_steps,
             dummy_batch=dummy_batch if self.sharded else None,
             time_budget_s=60.0 * config.train.max_minutes if config.train.max_minutes is not None else None,
+            time_spent_s=float(resume.state.extra.get("time_spent_s", 0.0)) if resume is not None else 0.0,
             stop_requested=stop_requested,
         )
         if resume is not None:
@@ -222,7 +223,10 @@ class DrafterTrainer:
                 self.save_checkpoint(record.step)
             maybe_fault("kill", record.step)  # test-only hooks: SIGKILL this rank / the whole job
             maybe_fault("kill_job", record.step)
-            self.on_step_extra(self, record)
+            extra_start = time.monotonic()
+            self.on_step_extra(self, record)  # evaluations: not training time (the leader runs them)
+            if self.is_leader:
+                self.loop.pause(time.monotonic() - extra_start)
 
         state = self.loop.run(take, on_step)
         if bar is not None:
@@ -285,7 +289,8 @@ class DrafterTrainer:
         state = CheckpointState(
             step=step, epoch=max(self.ledger) if self.ledger else 0, ledger=self.ledger,
             model_signature=self.signature, data_fingerprint=self.fingerprint,
-            scheduler=self.scheduler.state_dict(), extra={"tokens": self.loop.state.tokens},
+            scheduler=self.scheduler.state_dict(),
+            extra={"tokens": self.loop.state.tokens, "time_spent_s": self.loop.state.time_spent_s},
         )
         path = save_checkpoint(self.run_dir, state, weights, optimizer_state, keep_last=self.config.train.keep_last)
         self.checkpoints.append(str(path))
