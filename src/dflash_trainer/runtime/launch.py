@@ -79,8 +79,9 @@ def run_training(config: Config) -> int:
         if setup.finished:
             if env.rank == 0:
                 print(f"run.dir={setup.run_dir} is finished: its summary says ok and nothing is left to train "
-                      f"(every planned job committed, or train.max_steps={config.train.max_steps} reached). It is "
-                      "left as it is. To train on, resume with a higher train.max_steps or train.num_epochs; its "
+                      f"(every planned job committed, train.max_steps={config.train.max_steps} reached, or "
+                      f"train.max_minutes={config.train.max_minutes} spent over its sessions). It is left as it is. "
+                      "To train on, resume with a higher train.max_steps, train.num_epochs or train.max_minutes; its "
                       "drafters are in export/ and best/.", flush=True)
         elif summary is not None:
             if stop.requested():
