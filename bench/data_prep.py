@@ -7,8 +7,8 @@
                                                        # other data or tokenizer: the demo recipe's overrides
 
 Loads the conversations once (`data/sources.py`, the demo recipe's source), then times `tokenize_all` for each
-worker count (workers 1 = in this process, the baseline; N > 1: the first `PROBE_CONVERSATIONS` here, the rest
-in N processes however fast this one is), checks every result equals the baseline's, and prints conversations/s
+worker count (workers 1 = in this process, the baseline; N > 1: all in N processes, however fast this one
+is), checks every result equals the baseline's, and prints conversations/s
 and the speedup. CPU work: run it on the machine that will train. Last line: JSON.
 """
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     for workers in counts:
         t0 = time.perf_counter()
         out = tokenize_all(chats, tokenizer, thinking=False, max_length=args.max_length, min_supervised=32,
-                           num_workers=workers, parallel_min_s=0.0)
+                           num_workers=workers, parallel_min_s=0.0, probe=0)
         seconds = time.perf_counter() - t0
         if base is None:
             base = out

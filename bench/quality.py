@@ -101,9 +101,10 @@ def write_prompts(cache: Path, args) -> None:
         from dflash_trainer.data.types import Conversation, Message
         from dflash_trainer.regen.turns import limit_turns
 
-        def prompt_only(c):  # the assistant turns are answered again: the last user turn ends the prompt, and
-            c = limit_turns(c, args.prompt_turns)  # their text is a placeholder (a smaller file to carry; an
-            # empty turn would drop the row)
+        def prompt_only(c):
+            """The last user turn ends the prompt; the assistant turns are answered again, so their text is a
+            placeholder (a smaller file to carry; an empty turn would drop the row)."""
+            c = limit_turns(c, args.prompt_turns)
             last_user = max(i for i, m in enumerate(c.messages) if m.role == "user")
             messages = tuple(m if m.role != "assistant" else Message(role="assistant", content=PLACEHOLDER_REPLY)
                              for m in c.messages[: last_user + 1])

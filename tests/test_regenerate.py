@@ -511,8 +511,8 @@ def test_a_later_turn_over_max_prompt_tokens_ends_the_conversation_and_keeps_the
     assert cli.main(["regenerate", "--out", str(out), *tiny]) == 0
     limit = "prompt over regenerate.max_prompt_tokens=60"
     printed = capsys.readouterr().out
-    assert f"2 rows done (2 new), 1 skipped ({limit}) (reasons in" in printed
-    assert f"1 cut short before a later turn ({limit})" in printed
+    assert f"2 rows done (2 new; 1 of them cut short before a later turn ({limit})), 1 skipped ({limit}) (reasons in" \
+        in printed
     rows = {r["id"]: r for r in read_rows(out)}
     cut, full = rows[f"{data}:0"], rows[f"{data}:1"]
     assert [m["role"] for m in cut["messages"]] == ["user", "assistant"] and cut["cut"] == limit

@@ -3,6 +3,7 @@ ends together with uneven inputs (2 gloo ranks against a single-process referenc
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -144,6 +145,39 @@ def test_training_time_counts_earlier_sessions_and_leaves_pauses_out(monkeypatch
     state = loop.run(lambda: (queue.pop(0), lambda: None) if queue else None, on_step)
     assert spent == pytest.approx([50.0, 70.0, 90.0, 110.0])
     assert state.step == 4 and state.out_of_time and state.time_fraction == pytest.approx(1.1)
+
+
+def _paused_worker(rank, port, out_dir):
+    """Rank 0 evaluates (sleeps 0.3 s, paused) after the first step; rank 1 waits for it in the next step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = StepLoop(model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                    micro_step=_micro(model), job_key=lambda b: (b[0], b[1]), grad_accum=1, block_size=2,
+                    grad_clip=0.0, group=dist.group.WORLD, device=torch.device("cpu"), time_budget_s=600.0,
+                    time_spent_s=5.0)
+    queue = _batches()[rank::2]
+    spent = []
+
+    def on_step(record):
+        spent.append(loop.state.time_spent_s)
+        if rank == 0 and record.step == 1:
+            time.sleep(0.3)
+            loop.pause(0.3)
+
+    loop.run(lambda: (queue.pop(0), lambda: None) if queue else None, on_step)
+    torch.save({"spent": spent}, os.path.join(out_dir, f"t{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_every_rank_reads_the_first_ranks_training_time_without_its_pauses(tmp_path):
+    mp.start_processes(_paused_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    s0, s1 = (torch.load(tmp_path / f"t{i}.pt", weights_only=True)["spent"] for i in range(2))
+    assert s0 == s1 and len(s0) == 3  # one value on every rank, step by step
+    assert all(5.0 <= a <= b for a, b in zip(s0, s0[1:]))  # from the earlier sessions' 5 s on, never backwards
+    assert s0[-1] < 5.0 + 0.25  # the 0.3 s evaluation is left out (each step takes milliseconds)
 
 
 def test_schedule_follows_the_time_budget_when_it_runs_out_first():

@@ -37,8 +37,7 @@ def test_workers_give_the_same_dataset_and_drop_counts_as_one_process(tiny_token
     chats = conversations(150)
     kwargs = dict(thinking=False, max_length=96, min_supervised=8)
     one = tokenize_all(chats, tiny_tokenizer, **kwargs)
-    monkeypatch.setattr(tokenized, "PROBE_CONVERSATIONS", 40)  # the rest (110) goes to the workers
-    many = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min_s=0.0, **kwargs)
+    many = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min_s=0.0, probe=40, **kwargs)  # 110 to workers
     assert one.dropped == many.dropped and one.dropped.get("too_few_supervised_tokens", 0) > 0
     assert len(one.dataset) == len(many.dataset) > 100
     for name in ("input_ids", "loss_mask", "offsets", "source_index", "source_id"):
@@ -100,7 +99,7 @@ def test_workers_take_the_rest_when_this_process_would_be_slow(tiny_tokenizer, m
     monkeypatch.setattr(tokenized, "tokenize_in_workers", workers)
     chats = conversations(50)
     kwargs = dict(thinking=False, max_length=96, min_supervised=8)
-    spread = tokenize_all(chats, tiny_tokenizer, num_workers=3, parallel_min_s=1e-9, **kwargs)
+    spread = tokenize_all(chats, tiny_tokenizer, num_workers=3, parallel_min_s=1e-9, **kwargs)  # any time is over
     assert calls == [(40, 3)]
     assert torch.equal(spread.dataset.input_ids, tokenize_all(chats, tiny_tokenizer, **kwargs).dataset.input_ids)
 

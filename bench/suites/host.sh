@@ -22,7 +22,7 @@ step decode-expandable 150 "${D[@]}" --profile
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False step decode-plain-allocator 120 "${D[@]}" --pyprofile
 step decode-threads-1 120 "${D[@]}" --threads 1
 # tokenizing the practice target's regenerated replies (the data cache carried in .quality)
-mkdir -p /tmp/qc && tar xzf .quality/quality-cache.tar.gz.part00 -C /tmp/qc && cat /tmp/qc/train/shard_*.jsonl > /tmp/qc.jsonl
+mkdir -p /tmp/qc && cat .quality/quality-cache.tar.gz.part* | tar xzf - -C /tmp/qc && cat /tmp/qc/train/shard_*.jsonl > /tmp/qc.jsonl
 step data-prep 300 python3 bench/data_prep.py --conversations 20000 --workers 1,16 data.path=/tmp/qc.jsonl \
   target.path=.practice/model target.random_init=null target.tokenizer=null
 cat /sys/fs/cgroup/cpu.stat 2>/dev/null | tr '\n' ' '; echo

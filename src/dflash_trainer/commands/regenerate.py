@@ -115,17 +115,17 @@ def run(config: Config, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"regenerate: interrupted; the rows written are kept in {out}. Rerun the same command to resume.")
         return 130
+    cut = "".join(f"; {n} of them cut short before a later turn ({limit})" for limit, n in summary.rows_cut.items())
     left_out = "".join(f", {n} skipped ({limit})" for limit, n in summary.rows_skipped.items())
     if summary.rows_failed:
         left_out += f", {summary.rows_failed} failed"
     if left_out:
         left_out += f" (reasons in {summary.failed_log})"
-    left_out += "".join(f", {n} cut short before a later turn ({limit})" for limit, n in summary.rows_cut.items())
     if summary.rows_done == 0:
         raise DataError(f"regenerate wrote no row to {summary.out_dir}: of {summary.rows_total} conversations"
                         f"{left_out}; nothing to train on. Fix the cause (raise the limit) and rerun the same command")
     print(
-        f"regenerate: {summary.rows_done} rows done ({summary.rows_new} new){left_out} of {summary.rows_total} "
+        f"regenerate: {summary.rows_done} rows done ({summary.rows_new} new{cut}){left_out} of {summary.rows_total} "
         f"conversations; output in {summary.out_dir}. Train on it with data.path={summary.out_dir}"
     )
     if not summary.complete:

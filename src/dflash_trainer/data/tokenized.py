@@ -118,18 +118,18 @@ torch before it starts, and on a fast chat template a pool of them can be slower
 
 def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
                  max_length: int, min_supervised: int, num_workers: int = 1,
-                 parallel_min_s: float = PARALLEL_MIN_SECONDS) -> TokenizeOutcome:
-    """Tokenize every conversation (the same result however it is spread): the first `PROBE_CONVERSATIONS` in
-    this process, timed; the rest here too, or in `num_workers` processes (`tokenize_pool.py`) when that would
-    take longer than `parallel_min_s` here."""
+                 parallel_min_s: float = PARALLEL_MIN_SECONDS, probe: Optional[int] = None) -> TokenizeOutcome:
+    """Tokenize every conversation (the same result however it is spread): the first `probe` (default
+    `PROBE_CONVERSATIONS`) in this process, timed; the rest here too, or in `num_workers` processes
+    (`tokenize_pool.py`) when that would take longer than `parallel_min_s` here (0: always)."""
     settings = TokenizeSettings(thinking=thinking, end_of_turn=end_of_turn_marker(tokenizer, thinking=thinking),
                                 max_length=max_length, min_supervised=min_supervised)
-    probe = conversations[:PROBE_CONVERSATIONS] if num_workers > 1 else conversations
+    head = conversations[: PROBE_CONVERSATIONS if probe is None else probe] if num_workers > 1 else conversations
     start = time.perf_counter()
-    results = [tokenize_one(c, tokenizer, settings) for c in probe]
-    rest = conversations[len(probe):]
-    projected_s = (time.perf_counter() - start) / max(1, len(probe)) * len(rest)
-    if rest and projected_s > parallel_min_s:
+    results = [tokenize_one(c, tokenizer, settings) for c in head]
+    rest = conversations[len(head):]
+    projected_s = (time.perf_counter() - start) / max(1, len(head)) * len(rest)
+    if rest and (parallel_min_s <= 0 or projected_s > parallel_min_s):
         log.info("tokenizing %d more conversations in %d worker processes (~%.0f s in this one)", len(rest),
                  num_workers, projected_s)
         results += tokenize_in_workers(rest, tokenizer, settings, num_workers=num_workers)

@@ -108,7 +108,8 @@ def regenerate(
                 else:
                     store.add_failed(outcome.row_id, outcome.error or "unknown error", skipped=outcome.skipped)
                 bar.update(1)
-                bar.set_postfix(failed=store.rows_failed, skipped=len(store.skipped), refresh=False)
+                bar.set_postfix(failed=store.rows_failed, skipped=len(store.skipped), cut=len(store.cut),
+                                refresh=False)
     finally:
         store.close()
     return RegenSummary(

@@ -39,7 +39,8 @@ class RegenSettings:
     max_turns: Optional[int] = None
     """User turns regenerated per conversation (None: all)."""
     max_prompt_tokens: Optional[int] = None
-    """Prompts longer than this failed (local backend; None: no cap but the target's context)."""
+    """(local backend) A prompt longer than this ended its conversation: skipped at the first turn, cut short
+    after the turns answered before it at a later one (None: no cap but the target's context)."""
     top_p: float = 1.0
     """Sampling's nucleus (1.0: the whole distribution)."""
     num_samples: int = 1

@@ -7,9 +7,9 @@ backward on the *unnormalised* weighted loss sum, then all ranks all-reduce one 
   normalised over the whole step (all microbatches of all ranks), not per microbatch;
 - whether any rank saw NaN/inf: then every rank skips the step together;
 - whether every rank ran dry: then the run ends together (a partial last step is still taken);
-- the training time spent (the mean of the ranks' clocks, less the time the leader paused them for an
-  evaluation, plus what earlier sessions of a resumed run spent: one value everywhere, for the schedule); once
-  it reaches the time budget, this is the last step everywhere;
+- the training time spent (the first rank's clock less its pauses for evaluations, plus what earlier sessions
+  of a resumed run spent: one value everywhere, for the schedule); once it reaches the time budget, this is the
+  last step everywhere;
 - whether a rank was asked to stop (SIGTERM, Ctrl-C): then this is the last step everywhere.
 A job is committed (enters the ledger) when the optimizer step that used it completes.
 """
@@ -113,15 +113,14 @@ class StepTotals:
     slot_count: tuple[float, ...]
     batches: float
     tokens: float
-    elapsed_s: float
-    """Sum over ranks of the seconds since this session's loop started."""
-    paused_s: float
-    """Sum over ranks of the seconds paused (`StepLoop.pause`: only the leader pauses, for an evaluation)."""
+    time_spent_s: float
+    """The first rank's training time (the others add 0): read before the collective, the clocks of the other
+    ranks may not yet include a pause of the first one that they will wait through."""
     stop: float
     """Ranks asked to stop."""
 
     DEVICE_SUMS = ("loss_sum", "weight_sum", "tau_sum", "blocks", "nonfinite")
-    HOST_SUMS = ("batches", "tokens", "elapsed_s", "paused_s", "stop")
+    HOST_SUMS = ("batches", "tokens", "time_spent_s", "stop")
 
     @classmethod
     def width(cls, slots: int) -> int:
@@ -186,7 +185,10 @@ class StepLoop(Generic[B]):
         self._started = time.monotonic()
         self._paused_s = 0.0
         self.world = dist.get_world_size(group) if group is not None else 1
-        self.state = LoopState(step=start_step)
+        self.clock_rank = group is None or dist.get_rank(group) == 0
+        """This rank's clock is the run's (its pauses, for the evaluations it runs, are left out)."""
+        self.state = LoopState(step=start_step, time_spent_s=time_spent_s,
+                               time_fraction=time_spent_s / time_budget_s if time_budget_s else 0.0)
 
     def run(
         self,
@@ -205,9 +207,8 @@ class StepLoop(Generic[B]):
         return self.state
 
     def pause(self, seconds: float) -> None:
-        """Leave `seconds` (spent between steps, e.g. on an evaluation) out of the training time. Only the
-        leader pauses: the other ranks wait through it in the next step's collective, and every rank subtracts
-        the sum of the pauses."""
+        """Leave `seconds` (spent between steps on this rank, e.g. on an evaluation) out of the training time.
+        Only the first rank's pauses count: its clock is the run's, and the other ranks wait for it."""
         self._paused_s += seconds
 
     def step(self, take) -> Optional[StepRecord]:
@@ -226,8 +227,7 @@ class StepLoop(Generic[B]):
         width = StepTotals.width(self.slots)
         totals, grad_norm, rows = StepTotals.unpack(flat, self.slots), flat[width], flat[width + 1 :]
         job_ids = [(int(e), int(j)) for e, j in zip(rows[0::2], rows[1::2]) if j >= 0]
-        # the mean of the clocks less every pause (the other ranks waited through the leader's): one value everywhere
-        self.state.time_spent_s = self.time_spent_before_s + totals.elapsed_s / self.world - totals.paused_s
+        self.state.time_spent_s = totals.time_spent_s  # the first rank's, on every rank
         self.state.time_fraction = self.state.time_spent_s / self.time_budget_s if self.time_budget_s else 0.0
         self.state.stop_requested = totals.stop > 0
         if totals.batches == 0:
@@ -293,8 +293,8 @@ class StepLoop(Generic[B]):
                 1.0 - torch.isfinite(out.loss_sum).to(torch.float64),
             ])
             slots += torch.stack([out.slot_correct.detach().double(), out.slot_count.detach().double()])
-        host["elapsed_s"] = time.monotonic() - self._started
-        host["paused_s"] = self._paused_s
+        if self.clock_rank:
+            host["time_spent_s"] = self.time_spent_before_s + time.monotonic() - self._started - self._paused_s
         host["stop"] = float(self.stop_requested())
         host_t = torch.tensor([host[k] for k in StepTotals.HOST_SUMS], dtype=torch.float64)
         packed = torch.cat([sums, slots.reshape(-1), host_t.to(self.device, non_blocking=True)])  # one copy a step

@@ -224,9 +224,8 @@ class DrafterTrainer:
             maybe_fault("kill", record.step)  # test-only hooks: SIGKILL this rank / the whole job
             maybe_fault("kill_job", record.step)
             extra_start = time.monotonic()
-            self.on_step_extra(self, record)  # evaluations: not training time (the leader runs them)
-            if self.is_leader:
-                self.loop.pause(time.monotonic() - extra_start)
+            self.on_step_extra(self, record)  # evaluations: not training time
+            self.loop.pause(time.monotonic() - extra_start)
 
         state = self.loop.run(take, on_step)
         if bar is not None:
