@@ -91,8 +91,9 @@ def test_a_fast_template_is_tokenized_in_this_process(tiny_tokenizer, monkeypatc
 def test_workers_take_the_rest_when_this_process_would_be_slow(tiny_tokenizer, monkeypatch):
     calls = []
 
-    def workers(rest, tokenizer, settings, *, num_workers):
+    def workers(rest, tokenizer, settings, *, num_workers, slower_than, check_after_s):
         calls.append((len(rest), num_workers))
+        assert slower_than > 0  # the pool must beat this process's own rate
         return [tokenize_one(c, tokenizer, settings) for c in rest]
 
     monkeypatch.setattr(tokenized, "PROBE_CONVERSATIONS", 10)
@@ -102,6 +103,25 @@ def test_workers_take_the_rest_when_this_process_would_be_slow(tiny_tokenizer, m
     spread = tokenize_all(chats, tiny_tokenizer, num_workers=3, parallel_min_s=1e-9, **kwargs)  # any time is over
     assert calls == [(40, 3)]
     assert torch.equal(spread.dataset.input_ids, tokenize_all(chats, tiny_tokenizer, **kwargs).dataset.input_ids)
+
+
+def test_a_pool_slower_than_this_process_hands_the_rest_back(tiny_tokenizer, monkeypatch, caplog):
+    """Spawned workers take seconds to start: against this process's thousands of conversations a second, the
+    pool is stopped at its first check and the rest is tokenized here, with the same result."""
+    monkeypatch.setattr(tokenize_pool, "CHUNK_SIZE", 16)
+    monkeypatch.setattr(tokenized, "POOL_CHECK_S", 0.0)
+    chats = conversations(150)
+    kwargs = dict(thinking=False, max_length=96, min_supervised=8)
+    with caplog.at_level("WARNING", logger="dflash_trainer.data.tokenize_pool"):
+        spread = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min_s=1e-9, probe=20, **kwargs)
+    assert "fewer than one process" in caplog.text and "the rest is tokenized in the main process" in caplog.text
+    one = tokenize_all(chats, tiny_tokenizer, **kwargs)
+    assert spread.dropped == one.dropped and torch.equal(spread.dataset.input_ids, one.dataset.input_ids)
+    settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tiny_tokenizer, thinking=False),
+                                max_length=96, min_supervised=8)
+    done = tokenize_in_workers(chats, tiny_tokenizer, settings, num_workers=2, slower_than=1e12, check_after_s=0.0)
+    assert 16 <= len(done) < 150  # stopped after its first chunks
+    assert [type(r) for r in done] == [type(tokenize_one(c, tiny_tokenizer, settings)) for c in chats[: len(done)]]
 
 
 def test_num_workers_is_validated_and_not_part_of_the_cache_key():

@@ -53,8 +53,9 @@ class DataConfig:
     """Length buckets for batching (sequences of similar length share a batch)."""
     num_workers: Optional[int] = None
     """Processes that tokenize on a cache miss when the main process would take over a minute (timed on the
-    first conversations; None: one per CPU, at most 16; 1: always the main process). The result is the same for
-    any value, so it is not part of the cache key."""
+    first conversations; a pool slower than the main process is stopped and the main process goes on; None: one
+    per CPU, at most 16; 1: always the main process). The result is the same for any value, so it is not part of
+    the cache key."""
 
     def __post_init__(self) -> None:
         if self.max_length < 8:

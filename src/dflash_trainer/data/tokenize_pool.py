@@ -6,7 +6,8 @@ so a large dataset is split into chunks that spawned processes tokenize. The res
 Pool invariant: at most `num_workers` processes; at most `2 * num_workers` chunks submitted and not yet
 consumed (bounded memory); every wait for a chunk is bounded by `chunk_timeout_s`; a worker's exception is
 raised here, a dead worker or a stuck chunk becomes a `DataError` that names `data.num_workers`; the workers
-are joined on return and terminated on every error, Ctrl-C included.
+are joined on return and terminated on every error, Ctrl-C included, and when the pool turns out slower than
+the caller's own rate (`slower_than`): the conversations done so far are returned, the caller does the rest.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.pool import AsyncResult
@@ -122,9 +124,11 @@ def _from_row(row: TokenizedRow) -> Result:
 
 
 def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast,
-                        settings: TokenizeSettings, *, num_workers: int,
-                        chunk_timeout_s: float = CHUNK_TIMEOUT_S) -> list[Result]:
-    """`tokenize_one` of every conversation, in order, computed by `num_workers` spawned processes."""
+                        settings: TokenizeSettings, *, num_workers: int, chunk_timeout_s: float = CHUNK_TIMEOUT_S,
+                        slower_than: Optional[float] = None, check_after_s: float = 30.0) -> list[Result]:
+    """`tokenize_one` of a prefix of the conversations, in order, computed by `num_workers` spawned processes:
+    all of them, unless the pool, `check_after_s` or more after its start, has tokenized fewer than
+    `slower_than` conversations per second (its start included): then it stops with those it has done."""
     chunks = [list(conversations[i : i + CHUNK_SIZE]) for i in range(0, len(conversations), CHUNK_SIZE)]
     results: list[Result] = []
     # spawn, not fork: the parent may hold CUDA, torch's thread pools or the tokenizer's own threads.
@@ -132,6 +136,7 @@ def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTra
                                                      initargs=(pickle.dumps(tokenizer), settings))
     pending: deque[AsyncResult] = deque()
     next_chunk = 0
+    start = time.perf_counter()
     try:
         while next_chunk < len(chunks) or pending:
             while next_chunk < len(chunks) and len(pending) < 2 * num_workers:
@@ -145,6 +150,13 @@ def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTra
                                 "conversations): it died (out of memory?) or hangs; set data.num_workers=1 "
                                 "to tokenize in the main process") from None
             results.extend(_from_row(row) for row in rows)
+            elapsed = time.perf_counter() - start
+            if slower_than is not None and elapsed >= check_after_s and len(results) < slower_than * elapsed:
+                log.warning("tokenizer worker processes did %.0f conversations/s, fewer than one process (%.0f/s): "
+                            "stopped after %d of %d, the rest is tokenized in the main process",
+                            len(results) / elapsed, slower_than, len(results), len(conversations))
+                pool.terminate()
+                return results
         pool.close()
     except BaseException:
         pool.terminate()  # stop the workers now, whatever they were doing

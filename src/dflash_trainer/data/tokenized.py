@@ -114,6 +114,8 @@ PROBE_CONVERSATIONS = 512
 PARALLEL_MIN_SECONDS = 60.0
 """Worker processes are used only when tokenizing the rest here would take longer than this: each one imports
 torch before it starts, and on a fast chat template a pool of them can be slower than this process."""
+POOL_CHECK_S = 30.0
+"""A pool that, this long after its start, has been slower than this process is stopped (the rest done here)."""
 
 
 def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
@@ -128,13 +130,17 @@ def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTok
     start = time.perf_counter()
     results = [tokenize_one(c, tokenizer, settings) for c in head]
     rest = conversations[len(head):]
-    projected_s = (time.perf_counter() - start) / max(1, len(head)) * len(rest)
+    seconds_each = (time.perf_counter() - start) / max(1, len(head))
+    projected_s = seconds_each * len(rest)
     if rest and (parallel_min_s <= 0 or projected_s > parallel_min_s):
         log.info("tokenizing %d more conversations in %d worker processes (~%.0f s in this one)", len(rest),
                  num_workers, projected_s)
-        results += tokenize_in_workers(rest, tokenizer, settings, num_workers=num_workers)
-    else:
-        results += [tokenize_one(c, tokenizer, settings) for c in rest]
+        own_rate = 1.0 / seconds_each if parallel_min_s > 0 and seconds_each > 0 else None  # 0: the pool, always
+        done = tokenize_in_workers(rest, tokenizer, settings, num_workers=num_workers, slower_than=own_rate,
+                                   check_after_s=POOL_CHECK_S)
+        results += done
+        rest = rest[len(done):]
+    results += [tokenize_one(c, tokenizer, settings) for c in rest]
     kept = [(c, r) for c, r in zip(conversations, results) if not isinstance(r, str)]
     dropped = Counter(r for r in results if isinstance(r, str))
     cut = [r.truncated_tokens for _, r in kept if r.truncated_tokens]
