@@ -249,6 +249,23 @@ def test_http_retries_then_fails(tmp_path):
     assert read_manifest(tmp_path)["rows_failed"] == 2
 
 
+def test_a_later_turn_the_server_refuses_ends_the_conversation_and_keeps_the_answered_turns(tmp_path):
+    """HTTP 400 at a later turn (a server's context limit): the row is written with the turns before it and
+    counted as cut; at the first turn the row fails, as before."""
+    from dflash_trainer.regen.openai import REFUSED_LATER_TURN
+
+    behaviour = Behaviour(reject=frozenset({"too long", "first too long"}))
+    convs = [conv(0, ("user", "hi"), ("assistant", "a"), ("user", "too long"), ("assistant", "b")),
+             conv(1, ("user", "first too long"), ("assistant", "a"))]
+    with FakeServer(behaviour) as server:
+        summary = regenerate(convs, backend=http_backend(server.url), out_dir=tmp_path, settings=SETTINGS,
+                             progress=False)
+    assert (summary.rows_done, summary.rows_failed, summary.rows_cut) == (1, 1, {REFUSED_LATER_TURN: 1})
+    [row] = list(read_rows(tmp_path))
+    assert row["id"] == "src:0" and row["cut"] == REFUSED_LATER_TURN
+    assert [m["content"] for m in row["messages"]] == ["hi", "re:hi"]
+
+
 def test_http_timeout_is_retried(tmp_path):
     behaviour = Behaviour(slow_first=1, slow_s=3.0)
     with FakeServer(behaviour) as server:

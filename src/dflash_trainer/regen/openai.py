@@ -35,6 +35,15 @@ QUEUE_POLL_S = 0.5
 class RequestFailed(Exception):
     """A request failed for good (not retryable, or out of retries); the row is logged as failed."""
 
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+        """The server refused this request (HTTP 400: e.g. a prompt over its context length), not failed."""
+
+
+REFUSED_LATER_TURN = "HTTP 400 from the server at a later turn (e.g. over its context length)"
+"""The cut of a conversation whose later turn the server refused (the turns before it are kept)."""
+
 
 class _Retryable(Exception):
     pass
@@ -144,7 +153,7 @@ class OpenAIBackend:
             detail = e.read()[:300].decode("utf-8", errors="replace")
             if e.code >= 500 or e.code in RETRY_STATUS:
                 raise _Retryable(f"HTTP {e.code}: {detail}") from None
-            raise RequestFailed(f"HTTP {e.code}: {detail}") from None
+            raise RequestFailed(f"HTTP {e.code}: {detail}", refused=e.code == 400) from None
         except (TimeoutError, socket.timeout) as e:
             raise _Retryable(f"timed out after {self.timeout}s ({e})") from None
         except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as e:
@@ -166,6 +175,9 @@ class OpenAIBackend:
             try:
                 state.add_reply(self.complete(prompt, f"{state.row_id}/{turn}"))
             except RequestFailed as e:
+                if e.refused and state.replied:  # the conversation ends before the turn the server refused
+                    log.debug("row %s cut before user turn %d: %s", state.row_id, turn, e)
+                    return state.outcome(cut=REFUSED_LATER_TURN)
                 return failed(state.row_id, f"user turn {turn}: {e}")
             turn += 1
         return state.outcome()

@@ -2,10 +2,10 @@
 
 The system and user turns are kept; every assistant turn is replaced by the target's reply, generated in
 order, each conditioned on the regenerated earlier turns. A trailing user turn gets a reply too, so
-prompt-only datasets work. With the local backend, a prompt over `regenerate.max_prompt_tokens` at a later
-turn ends the conversation before it (the answered turns are kept, the row counted as cut); at its first turn
-the row is skipped. (The openai backend has no such limit: a server that refuses a long prompt fails the row.)
-Both backends drive a conversation through `TurnState`.
+prompt-only datasets work. A later turn that cannot be asked (local backend: its prompt is over
+`regenerate.max_prompt_tokens`; openai backend: the server refuses it with HTTP 400, e.g. over its context
+length) ends the conversation before it: the answered turns are kept, the row counted as cut. At the first
+turn the row is skipped (local) or failed (openai). Both backends drive a conversation through `TurnState`.
 """
 
 from __future__ import annotations
