@@ -165,6 +165,31 @@ def test_unwritable_checkpoints_folder_fails_at_start_not_at_the_first_save(tmp_
     assert not (run / "metrics.jsonl").exists()  # refused before training
 
 
+def test_a_cpu_step_that_cannot_fit_in_memory_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """The CPU's dense attention masks grow with the square of the token budget: a budget whose step needs more
+    than the host has is named with the fix, not killed by the kernel mid-step."""
+    from pipeline_helpers import SMALL
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.drafter.attention_mask import dense_step_bytes
+    from dflash_trainer.runtime import setup
+
+    config = load_config("demo", list(SMALL))
+    step = dense_step_bytes(num_blocks=config.batch.num_blocks, block_size=config.drafter.block_size,
+                            token_budget=config.batch.token_budget, num_layers=config.drafter.num_layers)
+    assert 1 * 2**20 < step < 100 * 2**20  # a few MiB: the tests' shape
+    monkeypatch.setattr(setup, "available_host_bytes", lambda: step // 2)
+    run = tmp_path / "run"
+    assert train_in_process(run, "train.max_steps=2") == 2
+    err = capsys.readouterr().err
+    budget = config.batch.token_budget
+    assert f"pipeline.token_budget={budget} is too large for training on the CPU" in err
+    assert "Lower pipeline.token_budget" in err
+    assert not (run / "metrics.jsonl").exists()
+    monkeypatch.setattr(setup, "available_host_bytes", lambda: step * 2)
+    assert train_in_process(tmp_path / "run2", "train.max_steps=1") == 0
+
+
 def test_overwrite_of_a_directory_that_was_never_a_run_keeps_its_files(tmp_path, capsys):
     mine = tmp_path / "mine"
     for name in ("export", "best"):

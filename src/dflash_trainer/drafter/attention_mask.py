@@ -90,6 +90,13 @@ def visible(
     return seen
 
 
+def dense_step_bytes(*, num_blocks: int, block_size: int, token_budget: int, num_layers: int) -> int:
+    """A low estimate of one training step's memory on the dense-mask path (`dense_mask`, the CPU's): the masks
+    and every layer's fp32 (queries x keys) attention, kept for the backward, each ~4 bytes a (query, key) pair."""
+    queries = num_blocks * block_size
+    return queries * (token_budget + queries) * 4 * (num_layers + 1)
+
+
 def dense_mask(index: MaskIndex, sliding_window: Optional[int] = None) -> torch.Tensor:
     """(N*B, T + N*B) bool mask for `F.scaled_dot_product_attention` (True = attend)."""
     device = index.q_block.device

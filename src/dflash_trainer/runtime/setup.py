@@ -18,6 +18,7 @@ from dflash_trainer.data.plan import EpochPlan, plan_epoch, read_epoch_plan, wri
 from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
+from dflash_trainer.drafter.attention_mask import dense_step_bytes
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.regen.settings import warn_regen_mismatch
@@ -94,6 +95,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     target_config = target_model_config(config.target)
     spec = drafter_spec(target_config, config.drafter, mask_token_id=first_spare_row(tokenizer))
+    check_cpu_step_memory(config, spec, device)
     token = ordinary_token(tokenizer, spec.mask_token_id)
     if token is not None and env.rank == 0:
         log.warning("drafter.mask_token_id=%d is %r, an ordinary token of the tokenizer: the drafter's MASK slots "
@@ -140,6 +142,36 @@ def check_target_groups(config: Config) -> None:
         raise ConfigError(
             f"pipeline.target_parallel={config.pipeline.target_parallel}: evaluating tau during a run needs the whole "
             "target on one rank; set eval.interval=0 and eval.at_end=false"
+        )
+
+
+def available_host_bytes() -> Optional[int]:
+    """The host memory available to new allocations (`MemAvailable`), or None where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_cpu_step_memory(config: Config, spec: DrafterSpec, device: torch.device) -> None:
+    """On the CPU the drafter attends through dense (queries x keys) masks, whose memory grows with the square of
+    the batch: refuse a token budget whose step would not fit, rather than be killed by the kernel mid-step."""
+    if device.type != "cpu":
+        return
+    shape = config.batch
+    need = dense_step_bytes(num_blocks=shape.num_blocks, block_size=spec.block_size,
+                            token_budget=shape.token_budget, num_layers=spec.num_layers)
+    free = available_host_bytes()
+    if free is not None and need > free:
+        raise ConfigError(
+            f"pipeline.token_budget={shape.token_budget} is too large for training on the CPU: its {shape.num_blocks} "
+            f"blocks of {spec.block_size} attend through dense masks, about {need / 2**30:.1f} GiB a step, and "
+            f"{free / 2**30:.1f} GiB is available. Lower pipeline.token_budget (the memory grows with its square), "
+            "or train on a GPU (flex attention)"
         )
 
 
