@@ -17,7 +17,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import drafter_spec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.drafter_eval import eval_prompts_path
-from dflash_trainer.eval.evaluate import evaluate_tau
+from dflash_trainer.eval.evaluate import GREEDY_MISMATCH_NOTE, evaluate_tau, format_report
 from dflash_trainer.eval.speculative import speculative_generate, target_generate
 from dflash_trainer.target.presets import preset_config
 from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
@@ -88,6 +88,8 @@ def test_evaluate_tau_histogram_and_formula():
                            tap_layer_ids=taps, stop_token_ids=[], temperature=0.8, with_prompt_lookup=False)
     assert sampled.greedy_match_rate is None and sampled.tokens_generated == 20 and sampled.prompt_lookup_tau is None
     assert sum(k * c for k, c in enumerate(sampled.acceptance_histogram, 1)) == 20 - 2
+    assert GREEDY_MISMATCH_NOTE not in format_report(report)  # every output matched
+    assert GREEDY_MISMATCH_NOTE in format_report(dataclasses.replace(report, greedy_match_rate=0.5))
 
 
 def _tiny_config(tmp_path, *overrides):

@@ -9,7 +9,8 @@
 #   PHASE=wait bash bench/suites/curve.sh
 #       follows the training to its end, evaluates its export alone (`dflash-train eval`, timed: the <= 20 s bar),
 #       and brings back results.tar.gz.
-# Carry .whl (omegaconf, datasets, dill, multiprocess), .practice/model and PROMPTS.
+# Carry .whl (omegaconf, datasets, dill, multiprocess), .practice/model and PROMPTS. DEVICE=cpu (with a small
+# pipeline.token_budget) checks the flow on a machine without a GPU.
 T0=$SECONDS
 source "$(dirname "$0")/common.sh"
 W=/tmp/curve; NAME=${NAME:-ours-${MINUTES:-15}min}
@@ -54,7 +55,7 @@ if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the run ended: its res
   export_dir=$(ls -d "$W"/runs/*/export 2>/dev/null | head -n 1)
   if [ -n "$export_dir" ]; then
     step eval-alone 300 python3 -m dflash_trainer eval --drafter "$export_dir" --out "$W/results/eval-alone" \
-      eval.prompts="$W/cache/eval.jsonl" eval.num_prompts=40 eval.max_new_tokens=128 run.device=cuda
+      eval.prompts="$W/cache/eval.jsonl" eval.num_prompts=40 eval.max_new_tokens=128 "run.device=${DEVICE:-cuda}"
   fi
   cp "$W/train.log" "$LOGS/"; cp -r "$W"/results/* "$RESULTS/" 2>/dev/null
 fi

@@ -22,6 +22,11 @@ TAU_NOTE = (
     "token (from the prefill) is not a verification step"
 )
 
+GREEDY_MISMATCH_NOTE = (
+    "some outputs differ from plain decoding: expected in bf16/fp16, where verifying a block rounds differently "
+    "from one-token steps and flips near-tied argmaxes; in fp32 the outputs must match, otherwise it is a bug"
+)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EvalReport:
@@ -194,4 +199,6 @@ def format_report(report: EvalReport) -> str:
     hist = " ".join(f"{k + 1}:{c}" for k, c in enumerate(report.acceptance_histogram) if c)
     lines.append(f"{'acceptance histogram':<{width}}  {hist}")
     lines.append(f"note: {report.note}")
+    if report.greedy_match_rate is not None and report.greedy_match_rate < 1:
+        lines.append(f"note: {GREEDY_MISMATCH_NOTE}")
     return "\n".join(lines)
