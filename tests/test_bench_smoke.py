@@ -326,3 +326,22 @@ def test_peer_driver_template_shape_and_step_budget(tmp_path):
     (regen / "shard_00000.jsonl").write_text(json.dumps({"messages": rows[0], "id": "s:0"}) + "\n")
     assert write_peer_data(regen, tmp_path / "peer.jsonl") == 1
     assert json.loads((tmp_path / "peer.jsonl").read_text()) == {"messages": rows[0]}
+
+
+def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):
+    def result(name, rows, minutes, tau):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"name": name, "commit": "abc1234", "data": {"train_rows": rows},
+                                    "train_loop_s": minutes * 60, "budget_minutes": minutes, "tau": tau,
+                                    "prompt_lookup_tau": 2.0}))
+        return str(path)
+
+    files = [result("a5", 100, 5, 3.0), result("a15", 100, 15, 3.6), result("b5", 300, 5, 3.3)]
+    png = tmp_path / "curve.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "curve.py"), *files, "--regen", "100=1.5",
+                           "--out", str(png)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| 100 | a15 | abc1234 | 15.0 | 16.5 | 3.60 | 2.00 | 1.80x |" in proc.stdout
+    assert "| 300 | b5 | abc1234 | 5.0 | 5.0 + regeneration | 3.30 | 2.00 | 1.65x |" in proc.stdout
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert len(json.loads(proc.stdout.strip().splitlines()[-1])["points"]) == 3
