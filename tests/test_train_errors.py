@@ -310,6 +310,7 @@ def test_a_resumed_run_counts_the_training_time_of_every_session(tmp_path, capsy
     assert "is finished" in capsys.readouterr().out
     assert train_in_process(run, "train.max_steps=4", "train.max_minutes=100", resume=True) == 0
     assert summary(run)["steps"] == 4 and 1000.0 < time_spent(4) < 1100.0
+    assert summary(run)["training_minutes"] == pytest.approx(time_spent(4) / 60, abs=1e-3)
 
 
 def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):

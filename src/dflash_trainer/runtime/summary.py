@@ -50,6 +50,7 @@ def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStat
         "jobs_trained": {str(e): trained.get(e, 0) for e in planned},
         "jobs_duplicated": duplicated,
         "tokens_trained": result.state.tokens,
+        "training_minutes": round(result.state.time_spent_s / 60, 3),
         "I_tokens_per_s": target_tokens / target_busy if target_busy > 0 else None,
         "T_tokens_per_s": rates.drafter_tokens_per_s if rates else None,
         "tokens_per_s": rates.tokens_per_s if rates else None,
@@ -95,11 +96,12 @@ def write_failed_summary(run_dir: Optional[Path], rank: int, cause: str, *, keep
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:
-    keys = ["status", "steps", "tokens_trained", "final_loss", "final_acc", "final_sim_tau", "eval", "jobs_planned",
-            "jobs_trained", "jobs_duplicated", "tokens_per_s", "overall_tokens_per_s", "I_tokens_per_s",
+    keys = ["status", "steps", "tokens_trained", "training_minutes", "final_loss", "final_acc", "final_sim_tau", "eval",
+            "jobs_planned", "jobs_trained", "jobs_duplicated", "tokens_per_s", "overall_tokens_per_s", "I_tokens_per_s",
             "T_tokens_per_s", "drafter_wait_frac", "target_idle_frac", "pool_depth_max", "elapsed_s", "export_dir"]
     labels = {"tokens_per_s": f"tokens_per_s (steady, after {summary.get('warmup_steps')} warm-up steps)",
               "overall_tokens_per_s": "overall_tokens_per_s (warm-up included)",
+              "training_minutes": "training_minutes (every session, evaluations left out)",
               "I_tokens_per_s": "I_tokens_per_s (target capacity)",
               "T_tokens_per_s": "T_tokens_per_s (drafter capacity, waits left out)"}
     width = max(len(labels.get(k, k)) for k in keys)
