@@ -135,7 +135,8 @@ def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTok
     if rest and (parallel_min_s <= 0 or projected_s > parallel_min_s):
         log.info("tokenizing %d more conversations in %d worker processes (~%.0f s in this one)", len(rest),
                  num_workers, projected_s)
-        own_rate = 1.0 / seconds_each if parallel_min_s > 0 and seconds_each > 0 else None  # 0: the pool, always
+        # parallel_min_s <= 0 asks for the pool whatever its speed: no fallback then
+        own_rate = 1.0 / seconds_each if parallel_min_s > 0 and seconds_each > 0 else None
         done = tokenize_in_workers(rest, tokenizer, settings, num_workers=num_workers, slower_than=own_rate,
                                    check_after_s=POOL_CHECK_S)
         results += done

@@ -71,7 +71,7 @@ def _crop(cache: DynamicCache, keep: int) -> None:
 
 DECODING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 """Attention kernels while decoding: not cuDNN's, which builds an execution plan for every new key length, and
-in decoding every step has a new one (on the H200 that made a step several times slower; bench/RESULTS.md)."""
+in decoding every step has a new one (bench/RESULTS.md, "Host time on the device machine")."""
 
 
 def decoding_kernels(fn):
