@@ -345,3 +345,11 @@ def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):
     assert "| 300 | b5 | abc1234 | 5.0 | 5.0 + regeneration | 3.30 | 2.00 | 1.65x |" in proc.stdout
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert len(json.loads(proc.stdout.strip().splitlines()[-1])["points"]) == 3
+
+
+@pytest.mark.parametrize("suite", sorted(p.name for p in (ROOT / "bench" / "suites").glob("*.sh")))
+def test_device_suites_parse(suite):
+    """The suites run only on the device machine, whose time is scarce: a syntax error is caught here first."""
+    proc = subprocess.run(["bash", "-n", str(ROOT / "bench" / "suites" / suite)], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
