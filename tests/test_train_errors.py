@@ -306,8 +306,10 @@ def test_a_resumed_run_counts_the_training_time_of_every_session(tmp_path, capsy
     assert time_spent(2) > 0
     reseal_state(run / "checkpoints" / "step_2", time_spent_s=1000.0)  # as if the first session trained 1000 s
     capsys.readouterr()
+    before = (run / "summary.json").read_text()
     assert train_in_process(run, "train.max_steps=4", "train.max_minutes=16", resume=True) == 0
     assert "is finished" in capsys.readouterr().out
+    assert (run / "summary.json").read_text() == before and (run / "checkpoints" / "step_2").is_dir()  # left as is
     assert train_in_process(run, "train.max_steps=4", "train.max_minutes=100", resume=True) == 0
     assert summary(run)["steps"] == 4 and 1000.0 < time_spent(4) < 1100.0
     assert summary(run)["training_minutes"] == pytest.approx(time_spent(4) / 60, abs=1e-3)

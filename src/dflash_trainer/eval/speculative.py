@@ -78,8 +78,7 @@ def decoding_kernels(fn):
     """Run a decoding function with the target eager and without cuDNN attention (`DECODING_SDPA_BACKENDS`).
 
     Eager also when the trainer compiled the target's layers for tap capture (`target.compile`): a compiled
-    layer would recompile for every layer's cache state and every new length (on the GPU a 4-prompt evaluation
-    of a 28-layer target hit 91 recompiles and did not finish in 3 minutes). The stance is process-wide: this
+    layer would recompile for every layer's cache state and every new length. The stance is process-wide: this
     relies on evaluation running on the thread that trains (it does, in every role), never beside a compiled
     training step. Both are entered once per decoding call rather than per forward: entering them is not free."""
 
