@@ -17,8 +17,8 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import drafter_spec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.drafter_eval import eval_prompts_path
-from dflash_trainer.eval.evaluate import GREEDY_MISMATCH_NOTE, evaluate_tau, format_report
-from dflash_trainer.eval.speculative import speculative_generate, target_generate
+from dflash_trainer.eval.evaluate import GREEDY_MISMATCH_NOTE, _tau_stderr, evaluate_tau, format_report
+from dflash_trainer.eval.speculative import DecodeResult, speculative_generate, target_generate
 from dflash_trainer.target.presets import preset_config
 from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
 from tests.eval_helpers import batch_proposer_for, fitted, proposer_for
@@ -90,6 +90,20 @@ def test_evaluate_tau_histogram_and_formula():
     assert sum(k * c for k, c in enumerate(sampled.acceptance_histogram, 1)) == 20 - 2
     assert GREEDY_MISMATCH_NOTE not in format_report(report)  # every output matched
     assert GREEDY_MISMATCH_NOTE in format_report(dataclasses.replace(report, greedy_match_rate=0.5))
+    assert 0 < report.tau_stderr < 1 and report.prompt_lookup_tau_stderr is not None
+    assert f"± {report.tau_stderr:.3f} (standard error over prompts)" in format_report(report)
+
+
+def test_tau_stderr_treats_prompts_as_the_sampled_units():
+    def prompt(*lengths):
+        return DecodeResult(output_ids=[], acceptance_lengths=list(lengths), stop_reason="max_new_tokens", seconds=0.0)
+
+    # equal steps per prompt: the standard error of the mean of the per-prompt taus 1 and 3 (sd sqrt(2), n 2)
+    assert _tau_stderr([prompt(1, 1), prompt(3, 3)]) == pytest.approx(1.0)
+    # many steps do not shrink it when the prompts disagree: 2 prompts are 2 samples
+    assert _tau_stderr([prompt(*[1] * 50), prompt(*[3] * 50)]) == pytest.approx(1.0)
+    assert _tau_stderr([prompt(2, 4), prompt(3, 3, 3, 3)]) == pytest.approx(0.0)  # every prompt has tau 3
+    assert _tau_stderr([prompt(2, 4)]) is None and _tau_stderr([prompt(), prompt()]) is None
 
 
 def _tiny_config(tmp_path, *overrides):

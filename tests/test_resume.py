@@ -141,7 +141,7 @@ def test_a_resumed_run_keeps_its_best_drafter(tmp_path, monkeypatch):
     def evaluate(*args, **kwargs):
         tau = next(taus)
         return SimpleNamespace(tau=tau, greedy_match_rate=None, acceptance_histogram=[1], prompt_lookup_tau=None,
-                               prompts=1, seconds=0.0, to_json=lambda: {"tau": tau})
+                               tau_stderr=None, prompts=1, seconds=0.0, to_json=lambda: {"tau": tau})
 
     monkeypatch.setattr(tau_eval, "evaluate_drafter", evaluate)
     config = load_config("demo", [f"run.dir={tmp_path}"])

@@ -45,6 +45,9 @@ class EvalReport:
     prompt_lookup_tau: Optional[float] = None
     """tau of prompt lookup (n-gram copying, no training) on the same prompts; None when not measured."""
     prompt_lookup_histogram: Optional[list[int]] = None
+    tau_stderr: Optional[float] = None
+    """Standard error of `tau` over the prompts (steps within one prompt are not independent); None under 2."""
+    prompt_lookup_tau_stderr: Optional[float] = None
     seconds: float = 0.0
     """Wall time of the whole evaluation (every pass)."""
     note: str = TAU_NOTE
@@ -105,6 +108,18 @@ def _histogram(results: Sequence[DecodeResult], block_size: int) -> list[int]:
 def _tau(histogram: Sequence[int]) -> float:
     steps = sum(histogram)
     return sum(k * c for k, c in enumerate(histogram, 1)) / steps if steps else 0.0
+
+
+def _tau_stderr(results: Sequence[DecodeResult]) -> Optional[float]:
+    """Standard error of the ratio tau = sum(committed) / sum(steps) with prompts as the sampled units
+    (linearised: the spread of committed_i - tau * steps_i across prompts)."""
+    per_prompt = [(sum(r.acceptance_lengths), len(r.acceptance_lengths)) for r in results]
+    n, steps = len(per_prompt), sum(s for _, s in per_prompt)
+    if n < 2 or steps == 0:
+        return None
+    tau = sum(c for c, _ in per_prompt) / steps
+    spread = sum((c - tau * s) ** 2 for c, s in per_prompt) * n / (n - 1)
+    return spread**0.5 / steps
 
 
 def evaluate_tau(
@@ -176,13 +191,19 @@ def evaluate_tau(
                            if plain is not None and temperature <= 0 and prompts else None),
         prompt_lookup_tau=_tau(lookup_histogram) if lookup_histogram is not None else None,
         prompt_lookup_histogram=lookup_histogram,
+        tau_stderr=_tau_stderr(spec),
+        prompt_lookup_tau_stderr=_tau_stderr(lookup) if lookup is not None else None,
         seconds=time.perf_counter() - start,
     )
 
 
+def _plus_minus(stderr: Optional[float]) -> str:
+    return "" if stderr is None else f" ± {stderr:.3f} (standard error over prompts)"
+
+
 def format_report(report: EvalReport) -> str:
     rows = [
-        ("tau", f"{report.tau:.3f}"),
+        ("tau", f"{report.tau:.3f}" + _plus_minus(report.tau_stderr)),
         ("prompts", str(report.prompts)),
         ("verification steps", str(report.steps)),
         ("tokens generated", str(report.tokens_generated)),
@@ -191,7 +212,8 @@ def format_report(report: EvalReport) -> str:
         ("speculative tokens/s", f"{report.speculative_tokens_per_s:.1f}"),
         ("target-only tokens/s", "-" if report.target_tokens_per_s is None else f"{report.target_tokens_per_s:.1f}"),
         ("greedy match rate", "-" if report.greedy_match_rate is None else f"{report.greedy_match_rate:.3f}"),
-        ("prompt lookup tau", "-" if report.prompt_lookup_tau is None else f"{report.prompt_lookup_tau:.3f}"),
+        ("prompt lookup tau", "-" if report.prompt_lookup_tau is None
+         else f"{report.prompt_lookup_tau:.3f}" + _plus_minus(report.prompt_lookup_tau_stderr)),
         ("seconds", f"{report.seconds:.1f}"),
     ]
     width = max(len(k) for k, _ in rows)

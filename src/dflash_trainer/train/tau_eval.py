@@ -103,8 +103,9 @@ class TauTracker:
         summary = self.summary(step)
         if sink is not None:
             sink.log(step, summary_values(summary))
-        log.info("step %d: real tau %.3f on %d held-out prompts in %.1f s (prompt lookup %s)%s", step, report.tau,
-                 report.prompts, report.seconds, _fmt(report.prompt_lookup_tau),
+        stderr = f" ± {report.tau_stderr:.3f}" if report.tau_stderr is not None else ""
+        log.info("step %d: real tau %.3f%s on %d held-out prompts in %.1f s (prompt lookup %s)%s", step, report.tau,
+                 stderr, report.prompts, report.seconds, _fmt(report.prompt_lookup_tau),
                  f", held-out walk tau {self.last_val.walk_tau:.3f}" if self.last_val is not None else "")
         return summary
 
