@@ -1,11 +1,13 @@
 """The scaling curve: real tau against GPU-minutes, one line per training set, from `bench/quality.py` results.
 
-    python bench/curve.py RESULT.json ... [--regen ROWS=MINUTES ...] [--out curve.png]
+    python bench/curve.py RESULT.json ... [--regen ROWS=MINUTES ...] [--label ROWS=TEXT ...] [--out curve.png]
 
 Each result is one run; its x is the minutes it trained (`train_loop_s`, else its budget) plus the minutes its
 data took to regenerate (`--regen`, keyed by the training set's row count, since a result made on a cached set
-does not carry them). Runs on the same number of training rows form one line. Prints a markdown table (for
-bench/RESULTS.md) and writes the figure; the last line printed is JSON.
+does not carry them). Runs on the same number of training rows form one line. Evaluations made during a run
+(`eval.interval`) are drawn too, hollow, at the run's minutes times their share of its steps: they come from a
+schedule whose lr has not yet decayed, so they sit below what a run of that budget would give. Prints a markdown
+table (for bench/RESULTS.md) and writes the figure; the last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
 
-def point(result: dict, regen_minutes: dict[int, float]) -> dict:
+def points(result: dict, regen_minutes: dict[int, float]) -> list[dict]:
+    """The run's end point, then one per evaluation made before its last step (`during`: the step it was at)."""
     rows = int(result["data"]["train_rows"])
     train_min = result["train_loop_s"] / 60 if result.get("train_loop_s") else float(result["budget_minutes"])
-    return {"name": result["name"], "rows": rows, "train_min": train_min,
-            "gpu_min": train_min + regen_minutes.get(rows, 0.0), "regen_known": rows in regen_minutes,
-            "tau": result["tau"], "lookup": result["prompt_lookup_tau"], "ratio": result["tau"] / result["prompt_lookup_tau"],
-            "commit": result.get("commit", "?")}
+
+    def at(minutes: float, tau: float, lookup: float, during: int | None) -> dict:
+        return {"name": result["name"], "rows": rows, "train_min": minutes, "during": during,
+                "gpu_min": minutes + regen_minutes.get(rows, 0.0), "regen_known": rows in regen_minutes,
+                "tau": tau, "lookup": lookup, "ratio": tau / lookup, "commit": result.get("commit", "?")}
+
+    steps = result.get("steps") or 0
+    earlier = [e for e in result.get("evals") or [] if e.get("eval_tau") and steps and e["step"] < steps]
+    return [at(train_min, result["tau"], result["prompt_lookup_tau"], None)] + [
+        at(train_min * e["step"] / steps, e["eval_tau"], e["eval_prompt_lookup_tau"], e["step"]) for e in earlier]
 
 
 def table(points: list[dict]) -> str:
@@ -36,12 +45,13 @@ def table(points: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for p in sorted(points, key=lambda p: (p["rows"], p["gpu_min"])):
         gpu = f"{p['gpu_min']:.1f}" if p["regen_known"] else f"{p['gpu_min']:.1f} + regeneration"
-        lines.append(f"| {p['rows']:,} | {p['name']} | {p['commit']} | {p['train_min']:.1f} | {gpu} | {p['tau']:.2f} | "
+        name = p["name"] if p["during"] is None else f"{p['name']} (at step {p['during']:,})"
+        lines.append(f"| {p['rows']:,} | {name} | {p['commit']} | {p['train_min']:.1f} | {gpu} | {p['tau']:.2f} | "
                      f"{p['lookup']:.2f} | {p['ratio']:.2f}x |")
     return "\n".join(lines)
 
 
-def figure(points: list[dict], out: Path) -> None:
+def figure(points: list[dict], out: Path, labels: dict[int, str]) -> None:
     fig = Figure(figsize=(7.5, 4.2), dpi=110, layout="constrained")
     ax = fig.add_subplot(1, 1, 1)
     ax.grid(alpha=0.3)
@@ -49,8 +59,12 @@ def figure(points: list[dict], out: Path) -> None:
     for p in points:
         lines[p["rows"]].append(p)
     for rows, pts in sorted(lines.items()):
-        pts.sort(key=lambda p: p["gpu_min"])
-        ax.plot([p["gpu_min"] for p in pts], [p["tau"] for p in pts], marker="o", label=f"{rows:,} training rows")
+        ends = sorted((p for p in pts if p["during"] is None), key=lambda p: p["gpu_min"])
+        line = ax.plot([p["gpu_min"] for p in ends], [p["tau"] for p in ends], marker="o", label=labels.get(rows, f"{rows:,} training rows"))
+        for name in dict.fromkeys(p["name"] for p in pts if p["during"] is not None):
+            run = sorted((p for p in pts if p["name"] == name), key=lambda p: p["gpu_min"])
+            ax.plot([p["gpu_min"] for p in run], [p["tau"] for p in run], marker="o", markerfacecolor="none",
+                    linestyle=":", color=line[0].get_color(), label=f"{name}, during training")
     lookup = sum(p["lookup"] for p in points) / len(points)
     ax.axhline(lookup, color="#8c8c8c", linestyle="--", label=f"prompt lookup ({lookup:.2f})")
     ax.axhline(2 * lookup, color="#c44e52", linestyle=":", label=f"2x prompt lookup ({2 * lookup:.2f})")
@@ -61,24 +75,32 @@ def figure(points: list[dict], out: Path) -> None:
     fig.savefig(out)
 
 
+def by_rows(items: list[str], convert, flag: str, expected: str) -> dict:
+    """`ROWS=VALUE` items keyed by their row count."""
+    out = {}
+    for item in items:
+        rows, _, value = item.partition("=")
+        try:
+            out[int(rows.replace(",", ""))] = convert(value)
+        except ValueError:
+            raise SystemExit(f"{flag} {item!r}: expected {expected}") from None
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", type=Path)
     p.add_argument("--regen", action="append", default=[], help="ROWS=MINUTES: regeneration time of a training set")
+    p.add_argument("--label", action="append", default=[], help="ROWS=TEXT: the figure's name for a training set")
     p.add_argument("--out", type=Path, default=Path("curve.png"))
     args = p.parse_args(argv)
-    regen = {}
-    for item in args.regen:
-        rows, _, minutes = item.partition("=")
-        try:
-            regen[int(rows.replace(",", ""))] = float(minutes)
-        except ValueError:
-            raise SystemExit(f"--regen {item!r}: expected ROWS=MINUTES, e.g. 15763=1.6") from None
-    points = [point(json.loads(path.read_text()), regen) for path in args.results]
-    print(table(points))
-    figure(points, args.out)
+    regen = by_rows(args.regen, float, "--regen", "ROWS=MINUTES, e.g. 15763=1.6")
+    labels = by_rows(args.label, str, "--label", "ROWS=TEXT, e.g. 15763=first turns")
+    every = [p for path in args.results for p in points(json.loads(path.read_text()), regen)]
+    print(table(every))
+    figure(every, args.out, labels)
     print(f"figure: {args.out}")
-    print(json.dumps({"bench": "curve", "points": points, "figure": str(args.out)}))
+    print(json.dumps({"bench": "curve", "points": every, "figure": str(args.out)}))
     return 0
 
 

@@ -95,7 +95,8 @@ def _write_messages(path: Path, conversations) -> None:
 
 def write_prompts(cache: Path, args) -> None:
     """The training and evaluation prompts (`split_sharegpt`), cut after `--prompt-turns` user turns: a
-    first-turn regeneration needs only the first (a small file to carry to a machine without the package)."""
+    first-turn regeneration needs only the first (a small file to carry to a machine without the package).
+    A prompt file already in the cache is kept."""
     train, evals = split_sharegpt(args.eval_prompts, args.train_conversations)
     if args.prompt_turns is not None:
         from dflash_trainer.data.types import Conversation, Message
@@ -111,8 +112,9 @@ def write_prompts(cache: Path, args) -> None:
             return Conversation(messages=messages, source=c.source, source_index=c.source_index)
 
         train = [prompt_only(c) for c in train]
-    _write_messages(cache / "train_prompts.jsonl", train)
-    _write_messages(cache / "eval_prompts.jsonl", evals)
+    for name, conversations in (("train_prompts.jsonl", train), ("eval_prompts.jsonl", evals)):
+        if not (cache / name).is_file():  # a prompt file put there by hand (more held-out prompts) stays
+            _write_messages(cache / name, conversations)
 
 
 def _complete(regen_dir: Path) -> bool:
@@ -135,10 +137,11 @@ def prepare_data(args) -> dict:
         info["cached"] = "partial"
     else:
         info["cached"] = False
-        if not ((cache / "train_prompts.jsonl").is_file() and (cache / "eval_prompts.jsonl").is_file()):
+        todo = [name for name in ("eval", "train") if not _complete(cache / name)]  # a finished part stays
+        if not all((cache / f"{name}_prompts.jsonl").is_file() for name in todo):
             write_prompts(cache, args)
         t0 = time.perf_counter()
-        for name in ("eval", "train"):
+        for name in todo:
             regen = [o for o in args.overrides if o.startswith(("regenerate.", "run."))]
             rc = cli.main(["regenerate", "--config", args.recipe, "--out", str(cache / name),
                            f"data.path={cache / (name + '_prompts.jsonl')}", *target_overrides(args.target),
@@ -228,7 +231,8 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
         "bench": "quality", "name": name, "date": datetime.now().strftime("%Y-%m-%d"), "commit": git_commit()[:7],
         "recipe": args.recipe, "overrides": overrides, "target": str(args.target), "data": data_info,
         "steps": summary["steps"], "tokens_trained": summary["tokens_trained"], "train_wall_s": round(wall, 1),
-        "tau": tau, "prompt_lookup_tau": lookup, "ratio": tau / lookup if tau and lookup else None,
+        "tau": tau, "tau_stderr": eval_json.get("tau_stderr"), "prompt_lookup_tau": lookup,
+        "ratio": tau / lookup if tau and lookup else None,
         "walk_tau": walk, "walk_over_real": walk / tau if walk and tau else None,
         "best_tau": ev.get("best_tau"), "best_step": ev.get("best_step"),
         "greedy_match_rate": ev.get("greedy_match_rate"), "eval_seconds": eval_json.get("seconds"),
@@ -277,8 +281,9 @@ def row(result: dict, notes: str = "") -> str:
         return "-" if v is None else fmt.format(v)
 
     setting = " ".join([Path(result["recipe"]).stem, *result["overrides"]])
+    tau = f(result["tau"]) + ("" if result.get("tau_stderr") is None else " ± " + f(result["tau_stderr"]))
     return (f"| {result['date']} | {result['commit']} | {result['name']} | `{setting}` | {result['steps']} | "
-            f"{f(result['train_wall_s'], '{:.0f}')} | {f(result['tau'])} | {f(result['prompt_lookup_tau'])} | "
+            f"{f(result['train_wall_s'], '{:.0f}')} | {tau} | {f(result['prompt_lookup_tau'])} | "
             f"{f(result['ratio'])}x | {f(result['walk_tau'])} | {f(result['walk_over_real'])} | "
             f"{f(result['eval_seconds'], '{:.1f}')} | {notes} |")
 
@@ -305,7 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--pack", type=Path, help="write the data cache as parts into this directory")
     p.add_argument("--unpack", type=Path, help="restore the data cache from parts in this directory")
     p.add_argument("--data-only", action="store_true", help="prepare (and pack) the data, train nothing")
-    p.add_argument("--prompts-only", action="store_true", help="write the prompt files into the cache and stop")
+    p.add_argument("--prompts-only", action="store_true", help="write the prompt files missing from the cache and stop")
     p.add_argument("--prompt-turns", type=int, default=None, help="keep this many user turns of each training prompt")
     p.add_argument("--no-regen", action="store_true", help="use the cache as it is, even if regeneration is unfinished")
     p.add_argument("--record", type=Path, help="append the row of this result JSON to bench/RESULTS.md")

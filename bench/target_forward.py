@@ -100,16 +100,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def progress(line: str) -> None:
+    """A line on stderr as each part ends, so that a run stopped by its time limit still says how far it got."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_target(args, quantize: str, device: torch.device, dtype: str, budgets: list[int]) -> tuple[list, dict]:
     """Rows of every mode x budget x compilation of one target, and what it holds in memory."""
     reset_memory(device)
     attention = target_attention(args.preset, device)
+    t0 = time.perf_counter()
     model = load_target(TargetConfig(random_init=args.preset, dtype=dtype, attn_implementation=attention,
                                      quantize=None if quantize == "none" else quantize), device, seed=0)
     config = model.config
     taps = ([int(t) for t in args.taps.split(",")] if args.taps
             else choose_tap_layer_ids(config.num_hidden_layers, 5))
     memory = dict(quantize=quantize, taps=taps, attn_implementation=attention, weights_gb=allocated_gb(device))
+    progress(f"{args.preset} target, quantize {quantize}: built in {time.perf_counter() - t0:.0f} s, "
+             f"weights {memory['weights_gb'] or 0:.1f} GiB")
     decoder, stop_layer = find_decoder(model), max(taps)
     capture = TapCapture(model, taps)
 
@@ -152,6 +160,7 @@ def run_target(args, quantize: str, device: torch.device, dtype: str, budgets: l
                 rows.append(dict(quantize=quantize, budget=budget, compiled=compiled, mode=mode, ms=seconds * 1e3,
                                  tokens_per_s=sum(lengths) / seconds, padded_tokens=inputs.padded_tokens,
                                  mfu=flops / seconds / (args.peak_tflops * 1e12)))
+                progress(f"{quantize} budget {budget} compiled {compiled} {mode}: {seconds * 1e3:.1f} ms")
             out = inputs = modes = None  # free this budget's buffers before the next one's
             if device.type == "cuda":
                 torch.cuda.empty_cache()

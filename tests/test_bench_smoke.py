@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -278,6 +279,7 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
         result = json.loads(found.read_text())
         assert result["steps"] == 4 and result["tau"] >= 1.0 and result["prompt_lookup_tau"] >= 1.0
         assert result["walk_tau"] >= 1.0 and 1 <= result["val"]["replies"] <= 3 and len(result["evals"]) == 2
+        assert result["tau_stderr"] >= 0  # 3 prompts: a spread is measured
     assert list((tmp_path / "parts").glob("quality-cache.tar.gz.part*"))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c2"),
                            "--unpack", str(tmp_path / "parts"), "--data-only"], capture_output=True, text=True,
@@ -285,6 +287,19 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'cached': True" in proc.stdout
     assert (tmp_path / "c2" / "eval.jsonl").read_text() == (tmp_path / "c1" / "eval.jsonl").read_text()
+    # more held-out prompts: only the evaluation set is regenerated, the training set stays as it was
+    c2 = tmp_path / "c2"
+    shutil.rmtree(c2 / "eval")
+    (c2 / "eval.jsonl").unlink()
+    subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--cache", str(c2), "--prompts-only",
+                    "--eval-prompts", "5", "--train-conversations", "24"], check=True, timeout=120, cwd=ROOT, env=env)
+    train_before = {f.name: f.read_bytes() for f in (c2 / "train").iterdir()}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(c2),
+                           "--data-only", "regenerate.batch_size=16", "regenerate.max_new_tokens=24", "run.device=cpu"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "'eval_rows': 5" in proc.stdout
+    assert {f.name: f.read_bytes() for f in (c2 / "train").iterdir()} == train_before
 
 
 def test_peer_driver_template_shape_and_step_budget(tmp_path):
@@ -329,22 +344,28 @@ def test_peer_driver_template_shape_and_step_budget(tmp_path):
 
 
 def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):
-    def result(name, rows, minutes, tau):
+    def result(name, rows, minutes, tau, evals=()):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"name": name, "commit": "abc1234", "data": {"train_rows": rows},
                                     "train_loop_s": minutes * 60, "budget_minutes": minutes, "tau": tau,
-                                    "prompt_lookup_tau": 2.0}))
+                                    "prompt_lookup_tau": 2.0, "steps": 3000, "evals": list(evals)}))
         return str(path)
 
-    files = [result("a5", 100, 5, 3.0), result("a15", 100, 15, 3.6), result("b5", 300, 5, 3.3)]
+    during = [{"step": 1000, "eval_tau": 3.2, "eval_prompt_lookup_tau": 2.0},  # 1/3 of the run's steps
+              {"step": 3000, "eval_tau": 3.6, "eval_prompt_lookup_tau": 2.0}]  # the end: not a second point
+    files = [result("a5", 100, 5, 3.0), result("a15", 100, 15, 3.6, during), result("b5", 300, 5, 3.3)]
     png = tmp_path / "curve.png"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "curve.py"), *files, "--regen", "100=1.5",
                            "--out", str(png)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| 100 | a15 | abc1234 | 15.0 | 16.5 | 3.60 | 2.00 | 1.80x |" in proc.stdout
     assert "| 300 | b5 | abc1234 | 5.0 | 5.0 + regeneration | 3.30 | 2.00 | 1.65x |" in proc.stdout
+    assert "| 100 | a15 (at step 1,000) | abc1234 | 5.0 | 6.5 | 3.20 | 2.00 | 1.60x |" in proc.stdout
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert len(json.loads(proc.stdout.strip().splitlines()[-1])["points"]) == 3
+    assert len(json.loads(proc.stdout.strip().splitlines()[-1])["points"]) == 4
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "curve.py"), *files, "--label", "many=x"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "--label 'many=x': expected ROWS=TEXT" in bad.stderr
 
 
 @pytest.mark.parametrize("suite", sorted(p.name for p in (ROOT / "bench" / "suites").glob("*.sh")))

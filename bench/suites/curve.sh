@@ -9,6 +9,10 @@
 #   PHASE=wait bash bench/suites/curve.sh
 #       follows the training to its end, evaluates its export alone (`dflash-train eval`, timed: the <= 20 s bar),
 #       and brings back results.tar.gz.
+# EVAL=DIR: evaluate on DIR/eval_prompts.jsonl instead (e.g. more held-out prompts, `bench/quality.py --prompts-only
+# --eval-prompts 200`): their replies are regenerated, the training set's are kept.
+# ARMS=FILE [PARALLEL=K] trains the arms of FILE (bench/arms/) instead, K at a time (default all) sharing the GPU,
+# each for MINUTES: levers compared at equal wall time over more than one call.
 # Carry .whl (omegaconf, datasets, dill, multiprocess), .practice/model and PROMPTS. DEVICE=cpu (with a small
 # pipeline.token_budget) checks the flow on a machine without a GPU.
 T0=$SECONDS
@@ -16,7 +20,8 @@ source "$(dirname "$0")/common.sh"
 W=/tmp/curve; NAME=${NAME:-ours-${MINUTES:-15}min}
 follow() {  # follow the training log until the run ends or DEADLINE_S seconds into this call
   while [ -e "$W/train.pid" ] && kill -0 "$(cat "$W/train.pid")" 2>/dev/null && (( SECONDS - T0 < ${DEADLINE_S:-570} )); do
-    sleep 20; echo "[$((SECONDS - T0)) s] $(grep -E "step +[0-9]+|eval_tau|tau " "$W/train.log" | tail -n 1 | cut -c1-220)"
+    sleep 20; echo "[$((SECONDS - T0)) s] $(grep -hE "step +[0-9]+|eval_tau|tau |^started|^finished" "$W/train.log" \
+      "$W"/runs/*.log 2>/dev/null | tail -n 1 | cut -c1-220)"
   done
 }
 if [ "${PHASE:-start}" = start ]; then
@@ -30,6 +35,11 @@ if [ "${PHASE:-start}" = start ]; then
   elif [ -e "$PROMPTS/train_prompts.jsonl.gz" ]; then gunzip -c "$PROMPTS/train_prompts.jsonl.gz" > "$W/cache/train_prompts.jsonl"
   else cp "$PROMPTS/train_prompts.jsonl" "$W/cache/"; fi
   cp "$PROMPTS/eval_prompts.jsonl" "$W/cache/"
+  EVAL_ARGS=()
+  if [ -n "${EVAL:-}" ]; then
+    rm -rf "$W/cache/eval" "$W/cache/eval.jsonl"; cp "$EVAL/eval_prompts.jsonl" "$W/cache/"
+    EVAL_ARGS=("eval.num_prompts=$(wc -l < "$EVAL/eval_prompts.jsonl")")
+  fi
   cd "$W" || exit 1
   export PYTHONPATH=$W/src:/tmp/site
   COMMON=(--target "$W/target" --cache "$W/cache")
@@ -39,11 +49,14 @@ if [ "${PHASE:-start}" = start ]; then
   grep -E "^data:|packed" "$LOGS/pack.log" | cut -c1-400
   if [ -n "${DATA_ONLY:-}" ]; then finish; exit 0; fi
   # its own session (it outlives this call); it writes its pid, which is also its process group's id
+  if [ -n "${ARMS:-}" ]; then
+    WHAT=(--arms "$ARMS" --parallel "${PARALLEL:-$(grep -cvE '^(#|[[:space:]]*$)' "$ARMS")}")
+  else WHAT=(--name "$NAME"); fi
   setsid bash -c 'echo $$ > "$0/train.pid"; exec "${@:1}"' "$W" python3 bench/quality.py "${COMMON[@]}" --no-regen \
-    --runs "$W/runs" --results "$W/results" --name "$NAME" "train.max_minutes=${MINUTES:-15}" "$@" \
+    --runs "$W/runs" --results "$W/results" "${WHAT[@]}" "train.max_minutes=${MINUTES:-15}" "${EVAL_ARGS[@]}" "$@" \
     > "$W/train.log" 2>&1 < /dev/null &
   for _ in 1 2 3 4 5; do [ -s "$W/train.pid" ] && break; sleep 1; done
-  echo "training $NAME started (pid $(cat "$W/train.pid")) at $((SECONDS - T0)) s"
+  echo "training ${ARMS:-$NAME} started (pid $(cat "$W/train.pid")) at $((SECONDS - T0)) s"
   follow
 else
   cd "$W" || exit 1
@@ -53,11 +66,11 @@ fi
 if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the run ended: its result, and its export evaluated alone
   tail -n 5 "$W/train.log"
   export_dir=$(ls -d "$W"/runs/*/export 2>/dev/null | head -n 1)
-  if [ -n "$export_dir" ]; then
+  if [ -n "$export_dir" ] && [ -z "${ARMS:-}" ]; then
     step eval-alone 300 python3 -m dflash_trainer eval --drafter "$export_dir" --out "$W/results/eval-alone" \
-      eval.prompts="$W/cache/eval.jsonl" eval.num_prompts=40 eval.max_new_tokens=128 "run.device=${DEVICE:-cuda}"
+      eval.prompts="$W/cache/eval.jsonl" eval.num_prompts="$(wc -l < "$W/cache/eval.jsonl")" eval.max_new_tokens=128 "run.device=${DEVICE:-cuda}"
   fi
-  cp "$W/train.log" "$LOGS/"; cp -r "$W"/results/* "$RESULTS/" 2>/dev/null
+  cp "$W/train.log" "$W"/runs/*.log "$LOGS/" 2>/dev/null; cp -r "$W"/results/* "$RESULTS/" 2>/dev/null
 fi
 echo "suite: $((SECONDS - T0)) s"
 finish
