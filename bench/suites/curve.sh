@@ -7,8 +7,8 @@
 #       apply) unless PROMPTS holds them already (quality-cache.tar.gz.part*, from an earlier call), packs the
 #       data cache into $OUT (DATA_ONLY=1: and stops), starts the training, then follows it until DEADLINE_S (570).
 #   PHASE=wait bash bench/suites/curve.sh
-#       follows the training to its end, evaluates its export alone (`dflash-train eval`, timed: the <= 20 s bar),
-#       and brings back results.tar.gz.
+#       follows the training to its end, evaluates each export alone (`dflash-train eval`, timed: the <= 20 s bar;
+#       EVAL_OVERRIDES="k=v ..." apply to it alone, e.g. target.quantize=null), and brings back results.tar.gz.
 # EVAL=DIR: evaluate on DIR/eval_prompts.jsonl instead (e.g. more held-out prompts, `bench/quality.py --prompts-only
 # --eval-prompts 200`): their replies are regenerated, the training set's are kept.
 # ARMS=FILE [PARALLEL=K] trains the arms of FILE (bench/arms/) instead, K at a time (default all) sharing the GPU,
@@ -63,13 +63,16 @@ else
   export PYTHONPATH=$W/src:/tmp/site
   follow
 fi
-if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the run ended: its result, and its export evaluated alone
+if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the runs ended: their results, each export evaluated alone
   tail -n 5 "$W/train.log"
-  export_dir=$(ls -d "$W"/runs/*/export 2>/dev/null | head -n 1)
-  if [ -n "$export_dir" ] && [ -z "${ARMS:-}" ]; then
-    step eval-alone 300 python3 -m dflash_trainer eval --drafter "$export_dir" --out "$W/results/eval-alone" \
-      eval.prompts="$W/cache/eval.jsonl" eval.num_prompts="$(wc -l < "$W/cache/eval.jsonl")" eval.max_new_tokens=128 "run.device=${DEVICE:-cuda}"
-  fi
+  for export_dir in "$W"/runs/*/export; do
+    [ -d "$export_dir" ] || continue
+    name=$(basename "$(dirname "$export_dir")")
+    # shellcheck disable=SC2086  # EVAL_OVERRIDES: overrides of this evaluation alone, e.g. target.quantize=null
+    step "eval-alone-$name" 300 python3 -m dflash_trainer eval --drafter "$export_dir" --out "$W/results/eval-alone-$name" \
+      eval.prompts="$W/cache/eval.jsonl" eval.num_prompts="$(wc -l < "$W/cache/eval.jsonl")" eval.max_new_tokens=128 \
+      "run.device=${DEVICE:-cuda}" ${EVAL_OVERRIDES:-}
+  done
   cp "$W/train.log" "$W"/runs/*.log "$LOGS/" 2>/dev/null; cp -r "$W"/results/* "$RESULTS/" 2>/dev/null
 fi
 echo "suite: $((SECONDS - T0)) s"
