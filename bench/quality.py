@@ -232,6 +232,7 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
         "recipe": args.recipe, "overrides": overrides, "target": str(args.target), "data": data_info,
         "steps": summary["steps"], "tokens_trained": summary["tokens_trained"], "train_wall_s": round(wall, 1),
         "tau": tau, "tau_stderr": eval_json.get("tau_stderr"), "prompt_lookup_tau": lookup,
+        **{k: eval_json.get(k) for k in ("per_prompt_committed", "per_prompt_steps", "prompts_digest")},
         "ratio": tau / lookup if tau and lookup else None,
         "walk_tau": walk, "walk_over_real": walk / tau if walk and tau else None,
         "best_tau": ev.get("best_tau"), "best_step": ev.get("best_step"),

@@ -280,6 +280,7 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
         assert result["steps"] == 4 and result["tau"] >= 1.0 and result["prompt_lookup_tau"] >= 1.0
         assert result["walk_tau"] >= 1.0 and 1 <= result["val"]["replies"] <= 3 and len(result["evals"]) == 2
         assert result["tau_stderr"] >= 0  # 3 prompts: a spread is measured
+        assert len(result["per_prompt_steps"]) == len(result["per_prompt_committed"]) == 3
     assert list((tmp_path / "parts").glob("quality-cache.tar.gz.part*"))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c2"),
                            "--unpack", str(tmp_path / "parts"), "--data-only"], capture_output=True, text=True,
@@ -366,6 +367,39 @@ def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "curve.py"), *files, "--label", "many=x"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "--label 'many=x': expected ROWS=TEXT" in bad.stderr
+
+
+def test_compare_pairs_the_prompts_and_refuses_other_prompts(tmp_path):
+    def result(name, committed, digest="d1", **extra):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"name": name, "tau": sum(committed) / (10 * len(committed)),
+                                    "per_prompt_committed": committed, "per_prompt_steps": [10] * len(committed),
+                                    "prompts_digest": digest, **extra}))
+        return str(path)
+
+    base = result("base", [30, 20, 50, 10])  # taus 3, 2, 5, 1: prompts differ a lot
+    better = result("better", [34, 21, 56, 13])  # +0.4, +0.1, +0.6, +0.3 on the same prompts
+
+    def run(*files):
+        return subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), *files], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
+
+    proc = run(base, better)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])["rows"]}
+    assert rows["better"]["difference"] == pytest.approx(0.35)
+    # equal steps per prompt: the standard error of the mean of the per-prompt gains
+    gains = [0.4, 0.1, 0.6, 0.3]
+    reference = (sum((g - 0.35) ** 2 for g in gains) / 3 / 4) ** 0.5
+    assert rows["better"]["difference_stderr"] == pytest.approx(reference)
+    assert rows["better"]["difference_stderr"] < rows["better"]["stderr"] / 5
+    assert "| better | 3.100 ± " in proc.stdout and "| +0.350 |" in proc.stdout
+    other = run(base, result("other", [30, 20, 50, 10], digest="d2"))
+    assert other.returncode != 0 and "other.json was evaluated on other prompts than" in other.stderr
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"name": "old", "tau": 3.0}))
+    missing = run(base, str(old))
+    assert missing.returncode != 0 and "no per_prompt_committed, per_prompt_steps, prompts_digest" in missing.stderr
 
 
 @pytest.mark.parametrize("suite", sorted(p.name for p in (ROOT / "bench" / "suites").glob("*.sh")))

@@ -17,8 +17,9 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import drafter_spec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.drafter_eval import eval_prompts_path
-from dflash_trainer.eval.evaluate import GREEDY_MISMATCH_NOTE, _tau_stderr, evaluate_tau, format_report
-from dflash_trainer.eval.speculative import DecodeResult, speculative_generate, target_generate
+from dflash_trainer.eval.evaluate import (GREEDY_MISMATCH_NOTE, evaluate_tau, format_report, tau_difference_stderr,
+                                             tau_stderr)
+from dflash_trainer.eval.speculative import speculative_generate, target_generate
 from dflash_trainer.target.presets import preset_config
 from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
 from tests.eval_helpers import batch_proposer_for, fitted, proposer_for
@@ -91,19 +92,37 @@ def test_evaluate_tau_histogram_and_formula():
     assert GREEDY_MISMATCH_NOTE not in format_report(report)  # every output matched
     assert GREEDY_MISMATCH_NOTE in format_report(dataclasses.replace(report, greedy_match_rate=0.5))
     assert 0 < report.tau_stderr < 1 and report.prompt_lookup_tau_stderr is not None
+    assert report.per_prompt_steps == [len(lengths) for lengths in per_prompt]
+    assert report.per_prompt_committed == [sum(lengths) for lengths in per_prompt]
+    assert report.tau_stderr == pytest.approx(tau_stderr(report.per_prompt_committed, report.per_prompt_steps))
+    two = evaluate_tau(setup.target, make, setup.prompts[:2], block_size=4, max_new_tokens=4, tap_layer_ids=taps,
+                       stop_token_ids=[])
+    assert len(report.prompts_digest) == 64 and two.prompts_digest == sampled.prompts_digest != report.prompts_digest
     assert f"± {report.tau_stderr:.3f} (standard error over prompts)" in format_report(report)
 
 
 def test_tau_stderr_treats_prompts_as_the_sampled_units():
-    def prompt(*lengths):
-        return DecodeResult(output_ids=[], acceptance_lengths=list(lengths), stop_reason="max_new_tokens", seconds=0.0)
-
     # equal steps per prompt: the standard error of the mean of the per-prompt taus 1 and 3 (sd sqrt(2), n 2)
-    assert _tau_stderr([prompt(1, 1), prompt(3, 3)]) == pytest.approx(1.0)
+    assert tau_stderr([2, 6], [2, 2]) == pytest.approx(1.0)
     # many steps do not shrink it when the prompts disagree: 2 prompts are 2 samples
-    assert _tau_stderr([prompt(*[1] * 50), prompt(*[3] * 50)]) == pytest.approx(1.0)
-    assert _tau_stderr([prompt(2, 4), prompt(3, 3, 3, 3)]) == pytest.approx(0.0)  # every prompt has tau 3
-    assert _tau_stderr([prompt(2, 4)]) is None and _tau_stderr([prompt(), prompt()]) is None
+    assert tau_stderr([50, 150], [50, 50]) == pytest.approx(1.0)
+    assert tau_stderr([6, 12], [2, 4]) == pytest.approx(0.0)  # every prompt has tau 3
+    assert tau_stderr([6], [2]) is None and tau_stderr([0, 0], [0, 0]) is None
+
+
+def test_tau_difference_on_the_same_prompts_removes_what_the_prompts_share():
+    easy_hard = ([40, 10], [10, 10])  # taus 4 and 1: a large error alone
+    shifted = ([45, 15], [10, 10])  # the same prompts, each +0.5
+    assert tau_stderr(*easy_hard) == pytest.approx(1.5)
+    assert tau_difference_stderr(*shifted, *easy_hard) == pytest.approx(0.0)  # the gain is the same on both
+    # a reference: the standard error of the mean of per-prompt differences, for equal steps per prompt
+    a, b = ([30, 20, 50, 10], [10] * 4), ([25, 22, 41, 10], [10] * 4)
+    diffs = [(x - y) / 10 for x, y in zip(a[0], b[0])]
+    mean = sum(diffs) / 4
+    reference = (sum((d - mean) ** 2 for d in diffs) / 3 / 4) ** 0.5
+    assert tau_difference_stderr(*a, *b) == pytest.approx(reference)
+    with pytest.raises(ValueError, match="same prompts: 4 against 2"):
+        tau_difference_stderr(*a, *easy_hard)
 
 
 def _tiny_config(tmp_path, *overrides):

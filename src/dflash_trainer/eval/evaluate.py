@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +49,12 @@ class EvalReport:
     tau_stderr: Optional[float] = None
     """Standard error of `tau` over the prompts (steps within one prompt are not independent); None under 2."""
     prompt_lookup_tau_stderr: Optional[float] = None
+    per_prompt_committed: Optional[list[int]] = None
+    """Tokens the verification steps committed, one entry per prompt in prompt order (the drafter's pass)."""
+    per_prompt_steps: Optional[list[int]] = None
+    """Verification steps, one entry per prompt in prompt order."""
+    prompts_digest: Optional[str] = None
+    """sha256 of the prompts' token ids: two evaluations with the same digest can be compared prompt by prompt."""
     seconds: float = 0.0
     """Wall time of the whole evaluation (every pass)."""
     note: str = TAU_NOTE
@@ -110,16 +117,47 @@ def _tau(histogram: Sequence[int]) -> float:
     return sum(k * c for k, c in enumerate(histogram, 1)) / steps if steps else 0.0
 
 
-def _tau_stderr(results: Sequence[DecodeResult]) -> Optional[float]:
-    """Standard error of the ratio tau = sum(committed) / sum(steps) with prompts as the sampled units
-    (linearised: the spread of committed_i - tau * steps_i across prompts)."""
-    per_prompt = [(sum(r.acceptance_lengths), len(r.acceptance_lengths)) for r in results]
-    n, steps = len(per_prompt), sum(s for _, s in per_prompt)
-    if n < 2 or steps == 0:
+def _tau_terms(committed: Sequence[int], steps: Sequence[int]) -> Optional[list[float]]:
+    """Each prompt's share of the error of tau = sum(committed) / sum(steps), prompts being the sampled units
+    (linearised: (committed_i - tau * steps_i) / sum(steps)); None under 2 prompts or with no step."""
+    total = sum(steps)
+    if len(steps) < 2 or total == 0:
         return None
-    tau = sum(c for c, _ in per_prompt) / steps
-    spread = sum((c - tau * s) ** 2 for c, s in per_prompt) * n / (n - 1)
-    return spread**0.5 / steps
+    tau = sum(committed) / total
+    return [(c - tau * s) / total for c, s in zip(committed, steps)]
+
+
+def _stderr(terms: Sequence[float]) -> float:
+    n = len(terms)
+    return (sum(t * t for t in terms) * n / (n - 1)) ** 0.5
+
+
+def tau_stderr(committed: Sequence[int], steps: Sequence[int]) -> Optional[float]:
+    """Standard error of tau over the prompts (per-prompt committed tokens and verification steps)."""
+    terms = _tau_terms(committed, steps)
+    return None if terms is None else _stderr(terms)
+
+
+def tau_difference_stderr(committed_a: Sequence[int], steps_a: Sequence[int], committed_b: Sequence[int],
+                          steps_b: Sequence[int]) -> Optional[float]:
+    """Standard error of tau_a - tau_b when both were measured on the same prompts, in the same order: a hard
+    prompt is hard for both, so the paired error is smaller than either tau's own."""
+    if len(steps_a) != len(steps_b):
+        raise ValueError(f"paired evaluations need the same prompts: {len(steps_a)} against {len(steps_b)}")
+    a, b = _tau_terms(committed_a, steps_a), _tau_terms(committed_b, steps_b)
+    return None if a is None or b is None else _stderr([x - y for x, y in zip(a, b)])
+
+
+def _per_prompt(results: Sequence[DecodeResult]) -> tuple[list[int], list[int]]:
+    return [sum(r.acceptance_lengths) for r in results], [len(r.acceptance_lengths) for r in results]
+
+
+def prompts_digest(prompts: Sequence[torch.Tensor]) -> str:
+    """sha256 over the prompts' token ids, in order."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(repr(p.tolist()).encode())
+    return digest.hexdigest()
 
 
 def evaluate_tau(
@@ -177,6 +215,7 @@ def evaluate_tau(
     histogram = _histogram(spec, block_size)
     lookup_histogram = _histogram(lookup, block_size) if lookup is not None else None
     tokens = sum(len(r.output_ids) for r in spec)
+    committed, steps = _per_prompt(spec)
     return EvalReport(
         tau=_tau(histogram),
         acceptance_histogram=histogram,
@@ -191,8 +230,11 @@ def evaluate_tau(
                            if plain is not None and temperature <= 0 and prompts else None),
         prompt_lookup_tau=_tau(lookup_histogram) if lookup_histogram is not None else None,
         prompt_lookup_histogram=lookup_histogram,
-        tau_stderr=_tau_stderr(spec),
-        prompt_lookup_tau_stderr=_tau_stderr(lookup) if lookup is not None else None,
+        tau_stderr=tau_stderr(committed, steps),
+        prompt_lookup_tau_stderr=tau_stderr(*_per_prompt(lookup)) if lookup is not None else None,
+        per_prompt_committed=committed,
+        per_prompt_steps=steps,
+        prompts_digest=prompts_digest(prompts),
         seconds=time.perf_counter() - start,
     )
 
