@@ -44,6 +44,7 @@ def test_train_writes_the_report_with_every_figure(trained):
     assert all("pool_depth" in r for r in run.steps[1:])  # the pipeline's figure has its data
     assert {r["role"] for r in run.summary["rank_time"]} == {"target", "drafter (leader)"}
     assert len(run.evals) == 2 and run.last_eval["prompt_lookup_histogram"]
+    assert f"± {run.summary['eval']['tau_stderr']:.2f} (" in page  # real tau's standard error over the prompts
 
 
 def test_report_of_a_killed_run_with_a_cut_metrics_file(trained, tmp_path, capsys):

@@ -28,6 +28,10 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _plus_minus(stderr: Optional[float]) -> str:
+    return "" if stderr is None else f" ± {stderr:.2f}"
+
+
 def essentials(run: RunLog) -> list[tuple[str, str]]:
     """The header table: the run's config essentials, its status and final figures."""
     cfg, s = run.config, run.summary
@@ -53,7 +57,8 @@ def essentials(run: RunLog) -> list[tuple[str, str]]:
         ("steps", f"{_fmt(s.get('steps', run.steps[-1]['step'] if run.steps else None))} "
                   f"({_fmt(s.get('tokens_trained'))} tokens, {_fmt(s.get('elapsed_s'))} s)"),
         ("final loss / sim tau", f"{_fmt(s.get('final_loss'))} / {_fmt(s.get('final_sim_tau'))}"),
-        ("real tau (prompt lookup)", f"{_fmt(ev.get('tau'))} ({_fmt(ev.get('prompt_lookup_tau'))}); best "
+        ("real tau (prompt lookup)", f"{_fmt(ev.get('tau'))}{_plus_minus(ev.get('tau_stderr'))} "
+                                     f"({_fmt(ev.get('prompt_lookup_tau'))}); best "
                                      f"{_fmt(ev.get('best_tau'))} at step {_fmt(ev.get('best_step'))}"),
         ("held-out walk tau / loss", f"{_fmt(val.get('walk_tau'))} / {_fmt(val.get('loss'))}"),
         ("tokens/s steady / overall", f"{_fmt(s.get('tokens_per_s'))} / {_fmt(s.get('overall_tokens_per_s'))} "

@@ -34,6 +34,8 @@ class TauSummary:
     step: int
     """Optimizer step of the latest evaluation."""
     tau: float
+    tau_stderr: Optional[float]
+    """Standard error of `tau` over the prompts (None under 2 prompts)."""
     greedy_match_rate: Optional[float]
     """Prompts whose speculative output equals plain target decoding (temperature 0), else None."""
     best_tau: float
@@ -120,7 +122,8 @@ class TauTracker:
         report = self.last_report
         val = {"val": asdict(self.last_val)} if self.last_val is not None else {}
         write_atomic(self.layout.eval_json, json.dumps({"step": step, **report.to_json(), **val}, indent=2))
-        return TauSummary(step=step, tau=report.tau, greedy_match_rate=report.greedy_match_rate, best_tau=self.best.tau,
+        return TauSummary(step=step, tau=report.tau, tau_stderr=report.tau_stderr,
+                          greedy_match_rate=report.greedy_match_rate, best_tau=self.best.tau,
                           best_step=self.best.step, best_dir=str(self.layout.best),
                           acceptance_histogram=list(report.acceptance_histogram),
                           prompt_lookup_tau=report.prompt_lookup_tau,
