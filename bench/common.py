@@ -208,6 +208,11 @@ def device_name(device: torch.device) -> str:
 # ---------------------------------------------------------------------------------------------- results
 
 
+def or_dash(value, fmt: str = "{:.2f}") -> str:
+    """A table cell: `value` formatted, or `-` when it was not measured."""
+    return "-" if value is None else fmt.format(value)
+
+
 def git_commit() -> str:
     """$BENCH_COMMIT when set (the device machine's copy of the tree may carry a stale .git), else git's HEAD."""
     if os.environ.get("BENCH_COMMIT"):

@@ -4,7 +4,7 @@ the first one's with the standard error of that difference (paired: what the pro
     python bench/compare.py BASE.json OTHER.json ...
 
 Each file is a `bench/quality.py` result or a run's `eval.json` (its `tau`, `per_prompt_committed`,
-`per_prompt_steps` and `prompts_digest`). Prints a markdown table (for bench/RESULTS.md); the last line printed
+`per_prompt_steps` and `setting_digest`: the same prompts, decoding settings and target). Prints a markdown table (for bench/RESULTS.md); the last line printed
 is JSON.
 """
 
@@ -17,9 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from dflash_trainer.eval.evaluate import tau_difference_stderr, tau_stderr  # noqa: E402
+from common import or_dash  # noqa: E402  (bench/common.py)
 
-FIELDS = ("tau", "per_prompt_committed", "per_prompt_steps", "prompts_digest")
+from dflash_trainer.eval.stats import plus_minus, tau_difference_stderr, tau_stderr  # noqa: E402
+
+FIELDS = ("tau", "per_prompt_committed", "per_prompt_steps", "setting_digest")
 
 
 def load(path: Path) -> dict:
@@ -35,9 +37,10 @@ def load(path: Path) -> dict:
 def compare(runs: list[dict]) -> list[dict]:
     base = runs[0]
     for run in runs[1:]:
-        if run["prompts_digest"] != base["prompts_digest"]:
-            raise SystemExit(f"{run['path']} was evaluated on other prompts than {base['path']}: compare runs "
-                             "evaluated on the same prompt file, eval.num_prompts and eval.max_new_tokens")
+        if run["setting_digest"] != base["setting_digest"]:
+            raise SystemExit(f"{run['path']} was evaluated otherwise than {base['path']} (other prompts, decoding "
+                             "settings or target): compare evaluations of the same eval.prompts, eval.num_prompts, "
+                             "eval.max_new_tokens, eval.temperature, block size and target")
     rows = []
     for run in runs:
         own = (run["per_prompt_committed"], run["per_prompt_steps"])
@@ -49,16 +52,14 @@ def compare(runs: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict], prompts: int) -> str:
-    def f(v, fmt="{:.3f}"):
-        return "-" if v is None else fmt.format(v)
-
     base = rows[0]["name"]
     lines = [f"| run | real tau ({prompts} prompts) | difference from {base} | paired error | difference / error |",
              "|---|---|---|---|---|"]
     for r in rows:
         ratio = r["difference"] / r["difference_stderr"] if r["difference_stderr"] else None
-        lines.append(f"| {r['name']} | {f(r['tau'])} ± {f(r['stderr'])} | {f(r['difference'], '{:+.3f}')} | "
-                     f"{f(r['difference_stderr'])} | {f(ratio, '{:+.1f}')} |")
+        lines.append(f"| {r['name']} | {r['tau']:.3f}{plus_minus(r['stderr'])} | "
+                     f"{or_dash(r['difference'], '{:+.3f}')} | {or_dash(r['difference_stderr'], '{:.3f}')} | "
+                     f"{or_dash(ratio, '{:+.1f}')} |")
     return "\n".join(lines)
 
 

@@ -21,23 +21,25 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+from common import or_dash  # noqa: E402  (bench/common.py)
 from matplotlib.figure import Figure  # noqa: E402
 
 
-def points(result: dict, regen_minutes: dict[int, float]) -> list[dict]:
+def run_points(result: dict, regen_minutes: dict[int, float]) -> list[dict]:
     """The run's end point, then one per evaluation made before its last step (`during`: the step it was at)."""
     rows = int(result["data"]["train_rows"])
     train_min = result["train_loop_s"] / 60 if result.get("train_loop_s") else float(result["budget_minutes"])
 
-    def at(minutes: float, tau: float, lookup: float, during: int | None) -> dict:
+    def at(minutes: float, tau: float, lookup: float | None, during: int | None) -> dict:
         return {"name": result["name"], "rows": rows, "train_min": minutes, "during": during,
                 "gpu_min": minutes + regen_minutes.get(rows, 0.0), "regen_known": rows in regen_minutes,
-                "tau": tau, "lookup": lookup, "ratio": tau / lookup, "commit": result.get("commit", "?")}
+                "tau": tau, "lookup": lookup, "ratio": tau / lookup if lookup else None,
+                "commit": result.get("commit", "?")}
 
     steps = result.get("steps") or 0
     earlier = [e for e in result.get("evals") or [] if e.get("eval_tau") and steps and e["step"] < steps]
     return [at(train_min, result["tau"], result["prompt_lookup_tau"], None)] + [
-        at(train_min * e["step"] / steps, e["eval_tau"], e["eval_prompt_lookup_tau"], e["step"]) for e in earlier]
+        at(train_min * e["step"] / steps, e["eval_tau"], e.get("eval_prompt_lookup_tau"), e["step"]) for e in earlier]
 
 
 def table(points: list[dict]) -> str:
@@ -47,7 +49,7 @@ def table(points: list[dict]) -> str:
         gpu = f"{p['gpu_min']:.1f}" if p["regen_known"] else f"{p['gpu_min']:.1f} + regeneration"
         name = p["name"] if p["during"] is None else f"{p['name']} (at step {p['during']:,})"
         lines.append(f"| {p['rows']:,} | {name} | {p['commit']} | {p['train_min']:.1f} | {gpu} | {p['tau']:.2f} | "
-                     f"{p['lookup']:.2f} | {p['ratio']:.2f}x |")
+                     f"{or_dash(p['lookup'])} | {or_dash(p['ratio'])}x |")
     return "\n".join(lines)
 
 
@@ -65,9 +67,11 @@ def figure(points: list[dict], out: Path, labels: dict[int, str]) -> None:
             run = sorted((p for p in pts if p["name"] == name), key=lambda p: p["gpu_min"])
             ax.plot([p["gpu_min"] for p in run], [p["tau"] for p in run], marker="o", markerfacecolor="none",
                     linestyle=":", color=line[0].get_color(), label=f"{name}, during training")
-    lookup = sum(p["lookup"] for p in points) / len(points)
-    ax.axhline(lookup, color="#8c8c8c", linestyle="--", label=f"prompt lookup ({lookup:.2f})")
-    ax.axhline(2 * lookup, color="#c44e52", linestyle=":", label=f"2x prompt lookup ({2 * lookup:.2f})")
+    lookups = [p["lookup"] for p in points if p["during"] is None and p["lookup"]]  # one per run
+    if lookups:
+        lookup = sum(lookups) / len(lookups)
+        ax.axhline(lookup, color="#8c8c8c", linestyle="--", label=f"prompt lookup ({lookup:.2f})")
+        ax.axhline(2 * lookup, color="#c44e52", linestyle=":", label=f"2x prompt lookup ({2 * lookup:.2f})")
     ax.set_xlim(left=0)
     ax.set_xlabel("GPU-minutes (training, plus regeneration where known)")
     ax.set_ylabel("real tau, 40 held-out prompts")
@@ -96,11 +100,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     regen = by_rows(args.regen, float, "--regen", "ROWS=MINUTES, e.g. 15763=1.6")
     labels = by_rows(args.label, str, "--label", "ROWS=TEXT, e.g. 15763=first turns")
-    every = [p for path in args.results for p in points(json.loads(path.read_text()), regen)]
-    print(table(every))
-    figure(every, args.out, labels)
+    all_points = [p for path in args.results for p in run_points(json.loads(path.read_text()), regen)]
+    print(table(all_points))
+    figure(all_points, args.out, labels)
     print(f"figure: {args.out}")
-    print(json.dumps({"bench": "curve", "points": every, "figure": str(args.out)}))
+    print(json.dumps({"bench": "curve", "points": all_points, "figure": str(args.out)}))
     return 0
 
 

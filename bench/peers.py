@@ -34,7 +34,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common import ROOT, append_table_rows, git_commit, write_result
+from common import ROOT, append_table_rows, git_commit, or_dash, write_result
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -204,13 +204,11 @@ def peer_version(args) -> str:
 
 
 def table_row(r: dict) -> str:
-    def f(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
-
     ratio = r["tau"] / r["prompt_lookup_tau"] if r.get("tau") and r.get("prompt_lookup_tau") else None
     return (f"| {r['date']} | {r['commit']} | {r['trainer']} | {r['recipe']} | {r['budget_minutes']:g} | "
-            f"{r['steps']} | {f(r['train_s'], '{:.0f}')} | {f(r['real_tokens_per_s'], '{:,.0f}')} | "
-            f"{f(r['tau'])} | {f(r['prompt_lookup_tau'])} | {f(ratio)}x | {f(r['eval_seconds'], '{:.1f}')} |")
+            f"{r['steps']} | {or_dash(r['train_s'], '{:.0f}')} | {or_dash(r['real_tokens_per_s'], '{:,.0f}')} | "
+            f"{or_dash(r['tau'])} | {or_dash(r['prompt_lookup_tau'])} | {or_dash(ratio)}x | "
+            f"{or_dash(r['eval_seconds'], '{:.1f}')} |")
 
 
 def from_quality(result: dict) -> dict:

@@ -32,7 +32,9 @@ from datetime import datetime
 from pathlib import Path
 
 import yaml
-from common import ROOT, append_table_rows, git_commit, write_result
+from common import ROOT, append_table_rows, git_commit, or_dash, write_result
+
+from dflash_trainer.eval.stats import plus_minus  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,7 +115,9 @@ def write_prompts(cache: Path, args) -> None:
 
         train = [prompt_only(c) for c in train]
     for name, conversations in (("train_prompts.jsonl", train), ("eval_prompts.jsonl", evals)):
-        if not (cache / name).is_file():  # a prompt file put there by hand (more held-out prompts) stays
+        if (cache / name).is_file():  # put there by hand (e.g. more held-out prompts): it stays
+            print(f"kept {cache / name} ({sum(1 for _ in (cache / name).open())} prompts)")
+        else:
             _write_messages(cache / name, conversations)
 
 
@@ -232,7 +236,7 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
         "recipe": args.recipe, "overrides": overrides, "target": str(args.target), "data": data_info,
         "steps": summary["steps"], "tokens_trained": summary["tokens_trained"], "train_wall_s": round(wall, 1),
         "tau": tau, "tau_stderr": eval_json.get("tau_stderr"), "prompt_lookup_tau": lookup,
-        **{k: eval_json.get(k) for k in ("per_prompt_committed", "per_prompt_steps", "prompts_digest")},
+        **{k: eval_json.get(k) for k in ("per_prompt_committed", "per_prompt_steps", "setting_digest")},
         "ratio": tau / lookup if tau and lookup else None,
         "walk_tau": walk, "walk_over_real": walk / tau if walk and tau else None,
         "best_tau": ev.get("best_tau"), "best_step": ev.get("best_step"),
@@ -278,15 +282,12 @@ def run_parallel(args, arms: list[list[str]]) -> list[dict]:
 
 
 def row(result: dict, notes: str = "") -> str:
-    def f(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
-
     setting = " ".join([Path(result["recipe"]).stem, *result["overrides"]])
-    tau = f(result["tau"]) + ("" if result.get("tau_stderr") is None else " ± " + f(result["tau_stderr"]))
+    tau = or_dash(result["tau"]) + plus_minus(result.get("tau_stderr"), digits=2)
     return (f"| {result['date']} | {result['commit']} | {result['name']} | `{setting}` | {result['steps']} | "
-            f"{f(result['train_wall_s'], '{:.0f}')} | {tau} | {f(result['prompt_lookup_tau'])} | "
-            f"{f(result['ratio'])}x | {f(result['walk_tau'])} | {f(result['walk_over_real'])} | "
-            f"{f(result['eval_seconds'], '{:.1f}')} | {notes} |")
+            f"{or_dash(result['train_wall_s'], '{:.0f}')} | {tau} | {or_dash(result['prompt_lookup_tau'])} | "
+            f"{or_dash(result['ratio'])}x | {or_dash(result['walk_tau'])} | {or_dash(result['walk_over_real'])} | "
+            f"{or_dash(result['eval_seconds'], '{:.1f}')} | {notes} |")
 
 
 def record(path: Path) -> None:
@@ -311,7 +312,7 @@ def main(argv=None) -> int:
     p.add_argument("--pack", type=Path, help="write the data cache as parts into this directory")
     p.add_argument("--unpack", type=Path, help="restore the data cache from parts in this directory")
     p.add_argument("--data-only", action="store_true", help="prepare (and pack) the data, train nothing")
-    p.add_argument("--prompts-only", action="store_true", help="write the prompt files missing from the cache and stop")
+    p.add_argument("--prompts-only", action="store_true", help="write the prompt files into a cache that has none, and stop")
     p.add_argument("--prompt-turns", type=int, default=None, help="keep this many user turns of each training prompt")
     p.add_argument("--no-regen", action="store_true", help="use the cache as it is, even if regeneration is unfinished")
     p.add_argument("--record", type=Path, help="append the row of this result JSON to bench/RESULTS.md")
@@ -320,6 +321,10 @@ def main(argv=None) -> int:
         record(args.record)
         return 0
     if args.prompts_only:
+        there = [n for n in ("train_prompts.jsonl", "eval_prompts.jsonl") if (Path(args.cache) / n).is_file()]
+        if there:
+            raise SystemExit(f"--prompts-only: {args.cache} has {' and '.join(there)} already: remove them to write "
+                             "them again, or give another --cache")
         write_prompts(Path(args.cache), args)
         return 0
     args.target = args.target or default_target()

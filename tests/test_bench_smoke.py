@@ -20,6 +20,7 @@ from flops import drafter_step_flops, target_forward_flops, visible_pairs  # noq
 
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.attention_mask import dense_mask, mask_index  # noqa: E402
+from dflash_trainer.eval.stats import tau_stderr  # noqa: E402
 
 REQUIRED = ("date", "commit", "gpu", "workload", "tokens_per_s", "samples_per_s", "mfu", "baseline_tokens_per_s",
             "drafter_step_mfu", "target_mfu", "peak_gpu_mem_gb", "host_rss_drift_gb", "command", "target_ms",
@@ -279,8 +280,9 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
         result = json.loads(found.read_text())
         assert result["steps"] == 4 and result["tau"] >= 1.0 and result["prompt_lookup_tau"] >= 1.0
         assert result["walk_tau"] >= 1.0 and 1 <= result["val"]["replies"] <= 3 and len(result["evals"]) == 2
-        assert result["tau_stderr"] >= 0  # 3 prompts: a spread is measured
-        assert len(result["per_prompt_steps"]) == len(result["per_prompt_committed"]) == 3
+        committed, steps = result["per_prompt_committed"], result["per_prompt_steps"]
+        assert len(steps) == len(committed) == 3 and result["tau"] == pytest.approx(sum(committed) / sum(steps))
+        assert result["tau_stderr"] == pytest.approx(tau_stderr(committed, steps))
     assert list((tmp_path / "parts").glob("quality-cache.tar.gz.part*"))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c2"),
                            "--unpack", str(tmp_path / "parts"), "--data-only"], capture_output=True, text=True,
@@ -354,7 +356,9 @@ def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):
 
     during = [{"step": 1000, "eval_tau": 3.2, "eval_prompt_lookup_tau": 2.0},  # 1/3 of the run's steps
               {"step": 3000, "eval_tau": 3.6, "eval_prompt_lookup_tau": 2.0}]  # the end: not a second point
-    files = [result("a5", 100, 5, 3.0), result("a15", 100, 15, 3.6, during), result("b5", 300, 5, 3.3)]
+    no_lookup = [{"step": 1500, "eval_tau": 3.1, "eval_prompt_lookup_tau": None}]  # eval.prompt_lookup=false
+    files = [result("a5", 100, 5, 3.0), result("a15", 100, 15, 3.6, during), result("b5", 300, 5, 3.3),
+             result("b15", 300, 15, 3.7, no_lookup)]
     png = tmp_path / "curve.png"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "curve.py"), *files, "--regen", "100=1.5",
                            "--out", str(png)], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -363,7 +367,8 @@ def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):
     assert "| 300 | b5 | abc1234 | 5.0 | 5.0 + regeneration | 3.30 | 2.00 | 1.65x |" in proc.stdout
     assert "| 100 | a15 (at step 1,000) | abc1234 | 5.0 | 6.5 | 3.20 | 2.00 | 1.60x |" in proc.stdout
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert len(json.loads(proc.stdout.strip().splitlines()[-1])["points"]) == 4
+    assert "| 300 | b15 (at step 1,500) | abc1234 | 7.5 | 7.5 + regeneration | 3.10 | - | -x |" in proc.stdout
+    assert len(json.loads(proc.stdout.strip().splitlines()[-1])["points"]) == 6
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "curve.py"), *files, "--label", "many=x"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "--label 'many=x': expected ROWS=TEXT" in bad.stderr
@@ -374,7 +379,7 @@ def test_compare_pairs_the_prompts_and_refuses_other_prompts(tmp_path):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"name": name, "tau": sum(committed) / (10 * len(committed)),
                                     "per_prompt_committed": committed, "per_prompt_steps": [10] * len(committed),
-                                    "prompts_digest": digest, **extra}))
+                                    "setting_digest": digest, **extra}))
         return str(path)
 
     base = result("base", [30, 20, 50, 10])  # taus 3, 2, 5, 1: prompts differ a lot
@@ -395,11 +400,11 @@ def test_compare_pairs_the_prompts_and_refuses_other_prompts(tmp_path):
     assert rows["better"]["difference_stderr"] < rows["better"]["stderr"] / 5
     assert "| better | 3.100 ± " in proc.stdout and "| +0.350 |" in proc.stdout
     other = run(base, result("other", [30, 20, 50, 10], digest="d2"))
-    assert other.returncode != 0 and "other.json was evaluated on other prompts than" in other.stderr
+    assert other.returncode != 0 and "other.json was evaluated otherwise than" in other.stderr
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"name": "old", "tau": 3.0}))
     missing = run(base, str(old))
-    assert missing.returncode != 0 and "no per_prompt_committed, per_prompt_steps, prompts_digest" in missing.stderr
+    assert missing.returncode != 0 and "no per_prompt_committed, per_prompt_steps, setting_digest" in missing.stderr
 
 
 @pytest.mark.parametrize("suite", sorted(p.name for p in (ROOT / "bench" / "suites").glob("*.sh")))

@@ -8,6 +8,7 @@ import logging
 import re
 
 import pytest
+import torch
 
 from dflash_trainer import cli
 from dflash_trainer.config import load_config
@@ -17,8 +18,8 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import drafter_spec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.drafter_eval import eval_prompts_path
-from dflash_trainer.eval.evaluate import (GREEDY_MISMATCH_NOTE, evaluate_tau, format_report, tau_difference_stderr,
-                                             tau_stderr)
+from dflash_trainer.eval.evaluate import GREEDY_MISMATCH_NOTE, evaluate_tau, format_report, setting_digest
+from dflash_trainer.eval.stats import tau_difference_stderr, tau_stderr
 from dflash_trainer.eval.speculative import speculative_generate, target_generate
 from dflash_trainer.target.presets import preset_config
 from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
@@ -94,14 +95,31 @@ def test_evaluate_tau_histogram_and_formula():
     assert 0 < report.tau_stderr < 1 and report.prompt_lookup_tau_stderr is not None
     assert report.per_prompt_steps == [len(lengths) for lengths in per_prompt]
     assert report.per_prompt_committed == [sum(lengths) for lengths in per_prompt]
-    assert report.tau_stderr == pytest.approx(tau_stderr(report.per_prompt_committed, report.per_prompt_steps))
-    two = evaluate_tau(setup.target, make, setup.prompts[:2], block_size=4, max_new_tokens=4, tap_layer_ids=taps,
-                       stop_token_ids=[])
-    assert len(report.prompts_digest) == 64 and two.prompts_digest == sampled.prompts_digest != report.prompts_digest
+    # the digest names what the evaluation ran on: the same again gives the same, any change another
+    again = evaluate_tau(setup.target, make, setup.prompts, block_size=4, tap_layer_ids=taps, max_new_tokens=20,
+                         stop_token_ids=[], batch_size=3, with_baseline=False, with_prompt_lookup=False)
+    assert len(report.setting_digest) == 64 and again.setting_digest == report.setting_digest
+    others = [evaluate_tau(setup.target, make, setup.prompts[:3], block_size=4, tap_layer_ids=taps, max_new_tokens=20,
+                           stop_token_ids=[], with_baseline=False, with_prompt_lookup=False),
+              evaluate_tau(setup.target, make, setup.prompts, block_size=4, tap_layer_ids=taps, max_new_tokens=19,
+                           stop_token_ids=[], with_baseline=False, with_prompt_lookup=False),
+              evaluate_tau(setup.target, make, setup.prompts, block_size=4, tap_layer_ids=taps, max_new_tokens=20,
+                           stop_token_ids=[], temperature=0.5, with_baseline=False, with_prompt_lookup=False)]
+    assert len({report.setting_digest, *(o.setting_digest for o in others)}) == 4
+    # the target's weights: the same layer in another dtype (an FP8 target's weights are another tensor type)
+    layer = torch.nn.Linear(2, 2)
+    bf16 = setting_digest(torch.nn.Linear(2, 2).to(torch.bfloat16), setup.prompts)
+    assert setting_digest(layer, setup.prompts) != bf16 == setting_digest(layer.to(torch.bfloat16), setup.prompts)
     assert f"± {report.tau_stderr:.3f} (standard error over prompts)" in format_report(report)
 
 
 def test_tau_stderr_treats_prompts_as_the_sampled_units():
+    # unequal steps, by hand: committed 2, 12, 7 over steps 1, 6, 2: tau = 21/9 = 7/3, and each prompt's term
+    # (committed - tau * steps) / 9 = (-1/3, -2, 7/3) / 9
+    terms = [(-1 / 3) / 9, -2 / 9, (7 / 3) / 9]
+    assert tau_stderr([2, 12, 7], [1, 6, 2]) == pytest.approx((sum(t * t for t in terms) * 3 / 2) ** 0.5)
+    with pytest.raises(ValueError, match="got 3 and 2"):
+        tau_stderr([1, 2, 3], [1, 1])
     # equal steps per prompt: the standard error of the mean of the per-prompt taus 1 and 3 (sd sqrt(2), n 2)
     assert tau_stderr([2, 6], [2, 2]) == pytest.approx(1.0)
     # many steps do not shrink it when the prompts disagree: 2 prompts are 2 samples

@@ -16,6 +16,7 @@ from dflash_trainer.errors import DataError
 from dflash_trainer.eval.batched import BatchProposer, decode_batch
 from dflash_trainer.eval.proposers import PromptLookupProposer
 from dflash_trainer.eval.speculative import DecodeResult
+from dflash_trainer.eval.stats import plus_minus, tau_stderr
 
 TAU_NOTE = (
     "tau = committed tokens per target verification step (bonus token included), averaged over every step of "
@@ -53,8 +54,9 @@ class EvalReport:
     """Tokens the verification steps committed, one entry per prompt in prompt order (the drafter's pass)."""
     per_prompt_steps: Optional[list[int]] = None
     """Verification steps, one entry per prompt in prompt order."""
-    prompts_digest: Optional[str] = None
-    """sha256 of the prompts' token ids: two evaluations with the same digest can be compared prompt by prompt."""
+    setting_digest: Optional[str] = None
+    """What the evaluation ran on (`setting_digest`): two evaluations with the same digest ran the same prompts,
+    decoding settings and target, so they can be compared prompt by prompt (`bench/compare.py`)."""
     seconds: float = 0.0
     """Wall time of the whole evaluation (every pass)."""
     note: str = TAU_NOTE
@@ -117,44 +119,17 @@ def _tau(histogram: Sequence[int]) -> float:
     return sum(k * c for k, c in enumerate(histogram, 1)) / steps if steps else 0.0
 
 
-def _tau_terms(committed: Sequence[int], steps: Sequence[int]) -> Optional[list[float]]:
-    """Each prompt's share of the error of tau = sum(committed) / sum(steps), prompts being the sampled units
-    (linearised: (committed_i - tau * steps_i) / sum(steps)); None under 2 prompts or with no step."""
-    total = sum(steps)
-    if len(steps) < 2 or total == 0:
-        return None
-    tau = sum(committed) / total
-    return [(c - tau * s) / total for c, s in zip(committed, steps)]
-
-
-def _stderr(terms: Sequence[float]) -> float:
-    n = len(terms)
-    return (sum(t * t for t in terms) * n / (n - 1)) ** 0.5
-
-
-def tau_stderr(committed: Sequence[int], steps: Sequence[int]) -> Optional[float]:
-    """Standard error of tau over the prompts (per-prompt committed tokens and verification steps)."""
-    terms = _tau_terms(committed, steps)
-    return None if terms is None else _stderr(terms)
-
-
-def tau_difference_stderr(committed_a: Sequence[int], steps_a: Sequence[int], committed_b: Sequence[int],
-                          steps_b: Sequence[int]) -> Optional[float]:
-    """Standard error of tau_a - tau_b when both were measured on the same prompts, in the same order: a hard
-    prompt is hard for both, so the paired error is smaller than either tau's own."""
-    if len(steps_a) != len(steps_b):
-        raise ValueError(f"paired evaluations need the same prompts: {len(steps_a)} against {len(steps_b)}")
-    a, b = _tau_terms(committed_a, steps_a), _tau_terms(committed_b, steps_b)
-    return None if a is None or b is None else _stderr([x - y for x, y in zip(a, b)])
-
-
 def _per_prompt(results: Sequence[DecodeResult]) -> tuple[list[int], list[int]]:
     return [sum(r.acceptance_lengths) for r in results], [len(r.acceptance_lengths) for r in results]
 
 
-def prompts_digest(prompts: Sequence[torch.Tensor]) -> str:
-    """sha256 over the prompts' token ids, in order."""
-    digest = hashlib.sha256()
+def setting_digest(target, prompts: Sequence[torch.Tensor], **setting) -> str:
+    """sha256 over what an evaluation ran on: the prompts' token ids in order, the decoding `setting` (new
+    tokens, temperature, block size, stop tokens) and the target (its class, checkpoint name and the kinds of its weights,
+    so an FP8 target differs from the same one in bf16)."""
+    weights = sorted({f"{type(p).__name__}:{p.dtype}" for p in target.parameters()})
+    name = getattr(getattr(target, "config", None), "_name_or_path", "")
+    digest = hashlib.sha256(repr((type(target).__name__, name, weights, sorted(setting.items()))).encode())
     for p in prompts:
         digest.update(repr(p.tolist()).encode())
     return digest.hexdigest()
@@ -234,18 +209,19 @@ def evaluate_tau(
         prompt_lookup_tau_stderr=tau_stderr(*_per_prompt(lookup)) if lookup is not None else None,
         per_prompt_committed=committed,
         per_prompt_steps=steps,
-        prompts_digest=prompts_digest(prompts),
+        setting_digest=setting_digest(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      block_size=block_size, stop_token_ids=tuple(stop_token_ids)),
         seconds=time.perf_counter() - start,
     )
 
 
-def _plus_minus(stderr: Optional[float]) -> str:
-    return "" if stderr is None else f" ± {stderr:.3f} (standard error over prompts)"
+def _with_error(stderr: Optional[float]) -> str:
+    return plus_minus(stderr) + (" (standard error over prompts)" if stderr is not None else "")
 
 
 def format_report(report: EvalReport) -> str:
     rows = [
-        ("tau", f"{report.tau:.3f}" + _plus_minus(report.tau_stderr)),
+        ("tau", f"{report.tau:.3f}" + _with_error(report.tau_stderr)),
         ("prompts", str(report.prompts)),
         ("verification steps", str(report.steps)),
         ("tokens generated", str(report.tokens_generated)),
@@ -255,7 +231,7 @@ def format_report(report: EvalReport) -> str:
         ("target-only tokens/s", "-" if report.target_tokens_per_s is None else f"{report.target_tokens_per_s:.1f}"),
         ("greedy match rate", "-" if report.greedy_match_rate is None else f"{report.greedy_match_rate:.3f}"),
         ("prompt lookup tau", "-" if report.prompt_lookup_tau is None
-         else f"{report.prompt_lookup_tau:.3f}" + _plus_minus(report.prompt_lookup_tau_stderr)),
+         else f"{report.prompt_lookup_tau:.3f}" + _with_error(report.prompt_lookup_tau_stderr)),
         ("seconds", f"{report.seconds:.1f}"),
     ]
     width = max(len(k) for k, _ in rows)

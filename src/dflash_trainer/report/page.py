@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from dflash_trainer.eval.stats import plus_minus
 from dflash_trainer.report.figures import draw_all
 from dflash_trainer.report.runlog import RunLog, read_run
 from dflash_trainer.rundir import RunDir
@@ -26,10 +27,6 @@ def _fmt(value: Any) -> str:
     if isinstance(value, list):
         return ", ".join(map(str, value))
     return "-" if value is None else str(value)
-
-
-def _plus_minus(stderr: Optional[float]) -> str:
-    return "" if stderr is None else f" ± {stderr:.2f}"
 
 
 def essentials(run: RunLog) -> list[tuple[str, str]]:
@@ -57,7 +54,7 @@ def essentials(run: RunLog) -> list[tuple[str, str]]:
         ("steps", f"{_fmt(s.get('steps', run.steps[-1]['step'] if run.steps else None))} "
                   f"({_fmt(s.get('tokens_trained'))} tokens, {_fmt(s.get('elapsed_s'))} s)"),
         ("final loss / sim tau", f"{_fmt(s.get('final_loss'))} / {_fmt(s.get('final_sim_tau'))}"),
-        ("real tau (prompt lookup)", f"{_fmt(ev.get('tau'))}{_plus_minus(ev.get('tau_stderr'))} "
+        ("real tau (prompt lookup)", f"{_fmt(ev.get('tau'))}{plus_minus(ev.get('tau_stderr'), digits=2)} "
                                      f"({_fmt(ev.get('prompt_lookup_tau'))}); best "
                                      f"{_fmt(ev.get('best_tau'))} at step {_fmt(ev.get('best_step'))}"),
         ("held-out walk tau / loss", f"{_fmt(val.get('walk_tau'))} / {_fmt(val.get('loss'))}"),

@@ -19,6 +19,7 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.eval.drafter_eval import evaluate_drafter
+from dflash_trainer.eval.stats import plus_minus
 from dflash_trainer.eval.evaluate import EvalReport, load_prompt_messages
 from dflash_trainer.eval.validation import HeldOutValidator, ValidationReport
 from dflash_trainer.rundir import RunDir, write_atomic
@@ -105,9 +106,8 @@ class TauTracker:
         summary = self.summary(step)
         if sink is not None:
             sink.log(step, summary_values(summary))
-        stderr = f" ± {report.tau_stderr:.3f}" if report.tau_stderr is not None else ""
         log.info("step %d: real tau %.3f%s on %d held-out prompts in %.1f s (prompt lookup %s)%s", step, report.tau,
-                 stderr, report.prompts, report.seconds, _fmt(report.prompt_lookup_tau),
+                 plus_minus(report.tau_stderr), report.prompts, report.seconds, _fmt(report.prompt_lookup_tau),
                  f", held-out walk tau {self.last_val.walk_tau:.3f}" if self.last_val is not None else "")
         return summary
 
