@@ -63,8 +63,10 @@ def target_overrides(target) -> list[str]:
     return [f"target.path={target}"]
 
 
-def split_sharegpt(num_eval: int, max_train: int | None = None):
-    """(training conversations, evaluation conversations) of the bundled ShareGPT file, as described above."""
+def split_sharegpt(num_eval: int, max_train: int | None = None, eval_turns: int = 1):
+    """(training conversations, evaluation conversations) of the bundled ShareGPT file, as described above;
+    `eval_turns` > 1: held-out conversations of at least that many user turns, cut after the last one's reply
+    (decoding then answers their last user turn after the target's own earlier replies)."""
     from dflash_trainer.data.config import DataSourceConfig
     from dflash_trainer.data.sources import load_source
     from dflash_trainer.data.types import Conversation
@@ -81,8 +83,11 @@ def split_sharegpt(num_eval: int, max_train: int | None = None):
     train = [c for c in convs if c.source_index < first_held][:max_train]
     evals = []
     for c in convs:
-        if c.source_index >= first_held and len(c.messages[0].content) < MAX_PROMPT_CHARS and len(c.messages) > 1:
-            evals.append(Conversation(messages=c.messages[:2], source=c.source, source_index=c.source_index))
+        users = [i for i, m in enumerate(c.messages) if m.role == "user"][:eval_turns]
+        if (c.source_index >= first_held and len(users) == eval_turns and len(c.messages) > users[-1] + 1
+                and all(len(c.messages[i].content) < MAX_PROMPT_CHARS for i in users)):
+            evals.append(Conversation(messages=c.messages[: users[-1] + 2], source=c.source,
+                                      source_index=c.source_index))
         if len(evals) == num_eval:
             break
     return train, evals
@@ -99,7 +104,7 @@ def write_prompts(cache: Path, args) -> None:
     """The training and evaluation prompts (`split_sharegpt`), cut after `--prompt-turns` user turns: a
     first-turn regeneration needs only the first (a small file to carry to a machine without the package).
     A prompt file already in the cache is kept."""
-    train, evals = split_sharegpt(args.eval_prompts, args.train_conversations)
+    train, evals = split_sharegpt(args.eval_prompts, args.train_conversations, args.eval_turns)
     if args.prompt_turns is not None:
         from dflash_trainer.data.types import Conversation, Message
         from dflash_trainer.regen.turns import limit_turns
@@ -119,6 +124,13 @@ def write_prompts(cache: Path, args) -> None:
             print(f"kept {cache / name} ({sum(1 for _ in (cache / name).open())} prompts)")
         else:
             _write_messages(cache / name, conversations)
+
+
+def user_turns(path: Path) -> int:
+    """The most user turns of any conversation in a JSONL of `{"messages": [...]}` rows: the held-out prompts'
+    earlier turns are answered by the target too, as decoding will see them."""
+    return max(sum(m["role"] == "user" for m in json.loads(line)["messages"])
+               for line in path.open() if line.strip())
 
 
 def _complete(regen_dir: Path) -> bool:
@@ -150,7 +162,8 @@ def prepare_data(args) -> dict:
             rc = cli.main(["regenerate", "--config", args.recipe, "--out", str(cache / name),
                            f"data.path={cache / (name + '_prompts.jsonl')}", *target_overrides(args.target),
                            "data.max_conversations=null", "logging.progress=false", *regen]
-                          + (["regenerate.max_turns=1"] if name == "eval" else []))
+                          + ([f"regenerate.max_turns={user_turns(cache / 'eval_prompts.jsonl')}"]
+                             if name == "eval" else []))
             if rc != 0:
                 raise SystemExit(f"regenerate {name} failed (rc {rc})")
         info["regenerate_s"] = time.perf_counter() - t0
@@ -306,6 +319,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=str(ROOT / ".cache" / "quality"))
     p.add_argument("--runs", default=str(ROOT / "runs" / "quality"))
     p.add_argument("--eval-prompts", type=int, default=40)
+    p.add_argument("--eval-turns", type=int, default=1, help="held-out prompts end at this user turn (default: "
+                   "the first), their earlier turns answered by the target")
     p.add_argument("--train-conversations", type=int, default=None, help="regenerate at most this many (smoke)")
     p.add_argument("--out", type=Path, help="also write each result JSON here")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="where result JSONs go")

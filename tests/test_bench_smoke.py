@@ -290,12 +290,14 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'cached': True" in proc.stdout
     assert (tmp_path / "c2" / "eval.jsonl").read_text() == (tmp_path / "c1" / "eval.jsonl").read_text()
-    # more held-out prompts: only the evaluation set is regenerated, the training set stays as it was
+    # more held-out prompts, ending at their second user turn: only the evaluation set is regenerated (every
+    # turn of it, so the prompts hold the target's own earlier replies), the training set stays as it was
     c2 = tmp_path / "c2"
     shutil.rmtree(c2 / "eval")
     (c2 / "eval.jsonl").unlink()
     subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--cache", str(c2), "--prompts-only",
-                    "--eval-prompts", "5", "--train-conversations", "24"], check=True, timeout=120, cwd=ROOT, env=env)
+                    "--eval-prompts", "5", "--eval-turns", "2", "--train-conversations", "24"], check=True,
+                   timeout=120, cwd=ROOT, env=env)
     train_before = {f.name: f.read_bytes() for f in (c2 / "train").iterdir()}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(c2),
                            "--data-only", "regenerate.batch_size=16", "regenerate.max_new_tokens=24", "run.device=cpu"],
@@ -303,6 +305,13 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "'eval_rows': 5" in proc.stdout
     assert {f.name: f.read_bytes() for f in (c2 / "train").iterdir()} == train_before
+    prompts = [json.loads(line)["messages"] for line in (c2 / "eval_prompts.jsonl").open()]
+    answered = [json.loads(line)["messages"] for line in (c2 / "eval.jsonl").open()]
+    assert all([m["role"] for m in p] == ["user", "assistant"] * 2 for p in prompts)
+    assert [[m["content"] for m in a if m["role"] == "user"] for a in answered] == \
+        [[m["content"] for m in p if m["role"] == "user"] for p in prompts]  # both turns kept, in order
+    # the second turn's prompt holds the target's reply to the first, not ShareGPT's
+    assert all(a[1]["role"] == "assistant" and a[1]["content"] != p[1]["content"] for a, p in zip(answered, prompts))
 
 
 def test_peer_driver_template_shape_and_step_budget(tmp_path):

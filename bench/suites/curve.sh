@@ -12,7 +12,8 @@
 # EVAL=DIR: evaluate on DIR/eval_prompts.jsonl instead (e.g. more held-out prompts, `bench/quality.py --prompts-only
 # --eval-prompts 200`): their replies are regenerated, the training set's are kept.
 # ARMS=FILE [PARALLEL=K] trains the arms of FILE (bench/arms/) instead, K at a time (default all) sharing the GPU,
-# each for MINUTES: levers compared at equal wall time over more than one call.
+# each for MINUTES: levers compared at equal wall time over more than one call. DATA2=DIR unpacks a second data
+# cache (DIR/quality-cache.tar.gz.part*) into /tmp/curve/data2, for arms that train on data.path=/tmp/curve/data2/train.
 # Carry .whl (omegaconf, datasets, dill, multiprocess), .practice/model and PROMPTS. DEVICE=cpu (with a small
 # pipeline.token_budget) checks the flow on a machine without a GPU.
 T0=$SECONDS
@@ -39,6 +40,7 @@ if [ "${PHASE:-start}" = start ]; then
   elif [ -e "$PROMPTS/train_prompts.jsonl.gz" ]; then gunzip -c "$PROMPTS/train_prompts.jsonl.gz" > "$W/cache/train_prompts.jsonl"
   else cp "$PROMPTS/train_prompts.jsonl" "$W/cache/"; fi
   cp "$PROMPTS/eval_prompts.jsonl" "$W/cache/"
+  if [ -n "${DATA2:-}" ]; then mkdir -p "$W/data2" && cat "$DATA2"/quality-cache.tar.gz.part* | tar xzf - -C "$W/data2"; fi
   EVAL_ARGS=()
   if [ -n "${EVAL:-}" ]; then
     rm -rf "$W/cache/eval" "$W/cache/eval.jsonl"; cp "$EVAL/eval_prompts.jsonl" "$W/cache/"
