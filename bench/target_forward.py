@@ -6,6 +6,7 @@
     python bench/target_forward.py --quantize none,fp8             # bf16 and FP8 targets in the same run
     python bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192,16384
     python bench/target_forward.py --smoke --preset tiny-moe   # the same with a tiny MoE target
+    python bench/target_forward.py --preset qwen3-30b-a3b --budgets 16384 --profile   # GPU time by kernel kind
 
 For each token budget, 3072-token sequences (the last one shorter) fill the budget exactly; they are
 right-padded into one batch as the target worker does. Modes, each eager and with compiled decoder layers:
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 from common import allocated_gb, peak_gb, reset_memory, target_attention  # noqa: E402  (bench/common.py)
 from flops import target_forward_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
+from kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402  (bench/kernel_profile.py)
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
@@ -89,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="profile 2 more capture forwards per budget and "
+                   "compilation: GPU time by kernel kind (where a MoE target's time goes)")
     p.add_argument("--peak-tflops", type=float, default=789.0, help="measured bf16 matmul peak of one H200 (issue calibration: 789)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -161,6 +165,10 @@ def run_target(args, quantize: str, device: torch.device, dtype: str, budgets: l
                                  tokens_per_s=sum(lengths) / seconds, padded_tokens=inputs.padded_tokens,
                                  mfu=flops / seconds / (args.peak_tflops * 1e12)))
                 progress(f"{quantize} budget {budget} compiled {compiled} {mode}: {seconds * 1e3:.1f} ms")
+            if args.profile:
+                kernels = profile_steps(lambda i: capture.run(inputs, out), 2, device)
+                print_profile(f"{args.preset} {quantize} capture, budget {budget}, compiled {compiled}", kernels)
+                rows[-1]["profile"] = profile_dict(kernels)  # the capture row of this budget
             out = inputs = modes = None  # free this budget's buffers before the next one's
             if device.type == "cuda":
                 torch.cuda.empty_cache()

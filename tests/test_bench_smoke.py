@@ -138,11 +138,15 @@ def test_moe_flops_count_active_experts():
 def test_target_forward_smoke_runs_a_moe_target_and_counts_active_experts():
     from dflash_trainer.target.presets import preset_config
 
-    cmd = [sys.executable, str(ROOT / "bench" / "target_forward.py"), "--smoke", "--preset", "tiny-moe"]
+    cmd = [sys.executable, str(ROOT / "bench" / "target_forward.py"), "--smoke", "--preset", "tiny-moe", "--profile"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["preset"] == "tiny-moe" and [t["taps"] for t in last["targets"]] == [[0, 2, 4]]
+    # a kernel profile of each budget's capture forward, and progress on stderr as each part ends
+    assert [r["mode"] for r in last["rows"] if "profile" in r] == ["capture", "capture"]
+    assert "kernel profile: tiny-moe none capture, budget 512" in proc.stdout
+    assert "tiny-moe target, quantize none: built in" in proc.stderr
     config = preset_config("tiny-moe")
     for row in last["rows"]:
         lengths = [96] * (row["budget"] // 96) + [row["budget"] % 96]  # the smoke's 96-token sequences

@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# The target forward on one GPU: early exit and tap capture (eager vs compiled layers), and padded batches with
-# and without the padding mask (taps checked against an fp32 run of each sequence alone).
+# The target forward on one GPU. PARTS picks what runs, in order (default "forward padded"):
+#   forward  early exit and tap capture, eager vs compiled layers (Qwen3-8B shape)
+#   padded   padded batches with and without the padding mask (taps checked against an fp32 run of each alone)
+#   moe      the Qwen3-30B-A3B shape (MFU by active experts) with a kernel profile of the capture forward
 source "$(dirname "$0")/common.sh"
-step target_forward 200 python3 bench/target_forward.py --iters 3
-step target_padded 150 python3 bench/target_padded.py
+for part in ${PARTS:-forward padded}; do
+  case $part in
+    forward) step target_forward 200 python3 bench/target_forward.py --iters 3 ;;
+    padded) step target_padded 150 python3 bench/target_padded.py ;;
+    moe) step target_forward_moe 400 python3 bench/target_forward.py --preset qwen3-30b-a3b --budgets 16384 \
+           --iters 3 --profile ;;
+    *) echo "unknown part $part (forward, padded, moe)"; exit 2 ;;
+  esac
+done
 finish
