@@ -66,6 +66,8 @@ def test_roles_misconfigurations_fail_clearly(kwargs, match):
 def test_target_parallel_config_is_validated():
     with pytest.raises(ConfigError, match="pipeline.target_parallel must be >= 1"):
         PipelineConfig(target_parallel=0)
+    with pytest.raises(ConfigError, match="pipeline.target_loads_per_node must be >= 1"):
+        PipelineConfig(target_loads_per_node=0)
     with pytest.raises(ConfigError, match="target_parallel=2 needs a split run.*pipeline.colocated=false"):
         PipelineConfig(target_parallel=2, colocated=True)
     # Tau during the run needs the whole target on one rank: refused with the keys that turn it off.
@@ -119,6 +121,45 @@ def test_stall_timeout_names_what_it_waited_for():
     cp = ControlPlane(dist.HashStore(), rank=0, stall_timeout_s=0.2)
     with pytest.raises(StallTimeout, match="claim 1 for drafter 4"):
         cp.claims.wait_claim(4, 1)
+
+
+@pytest.mark.parametrize("at_once", [1, 2])
+def test_turns_let_at_most_at_once_ranks_in_and_serve_every_rank(at_once):
+    """Four ranks (threads) take turns loading: never more than `at_once` inside, and every one gets in."""
+    store = dist.HashStore()
+    inside, most, served, lock = [0], [0], [], threading.Lock()
+
+    def rank(r):
+        with ControlPlane(store, rank=r, stall_timeout_s=10).turns("target_load/node0", at_once):
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.05)  # a load: long enough for the others to arrive and wait
+            with lock:
+                inside[0] -= 1
+                served.append(r)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(served) == [0, 1, 2, 3] and most[0] == at_once
+
+
+def test_a_turn_held_too_long_or_a_failed_rank_ends_the_wait():
+    store = dist.HashStore()
+    holder = ControlPlane(store, rank=0, stall_timeout_s=0.2)
+    with holder.turns("target_load/node0", 1):  # never leaves while the next rank waits
+        with pytest.raises(StallTimeout, match="its turn of target_load/node0"):
+            with ControlPlane(store, rank=1, stall_timeout_s=0.2).turns("target_load/node0", 1):
+                pass
+    other = ControlPlane(dist.HashStore(), rank=1, stall_timeout_s=5)
+    with other.turns("x", 1):
+        ControlPlane(other.store, rank=3).abort("load failed")
+        with pytest.raises(Aborted, match="rank 3 failed: load failed"):
+            with ControlPlane(other.store, rank=2, stall_timeout_s=5).turns("x", 1):
+                pass
 
 
 def test_pool_min_ready_random_choice_and_capacity():

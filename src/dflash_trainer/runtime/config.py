@@ -17,6 +17,9 @@ class PipelineConfig:
     """Ranks per target: each target is a group of this many consecutive local ranks holding one tensor-parallel
     copy (for a target larger than one GPU); the group's first rank sends the taps, the others compute only.
     A split run then has `num_targets * target_parallel` target ranks per node, and at least one drafter."""
+    target_loads_per_node: int = 1
+    """Target-group ranks of one node that load the target at once: each reads the whole checkpoint into host
+    memory before it keeps its shard, so the host needs this many copies of the model; the others wait."""
     colocated: bool = False
     """Every rank runs both a target and a drafter (forced with one process)."""
     min_ready: int = 2
@@ -37,7 +40,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.token_budget < 16:
             raise ConfigError(f"pipeline.token_budget must be >= 16, got {self.token_budget}")
-        for key in ("num_targets", "target_parallel", "min_ready", "pool_capacity", "target_postprocess_depth"):
+        for key in ("num_targets", "target_parallel", "target_loads_per_node", "min_ready", "pool_capacity",
+                    "target_postprocess_depth"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"pipeline.{key} must be >= 1, got {getattr(self, key)}")
         if self.colocated and self.num_targets != 1:

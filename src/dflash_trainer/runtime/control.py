@@ -7,7 +7,7 @@ Keys (all under `prefix/`):
 - `epoch/E/next`            job cursor of epoch E (`add` hands out the next index of the epoch plan)
 - `credits/D/granted|taken` free-slot credits of drafter rank D (granted by D, taken by targets)
 - `claims/D/n`, `claims/D/i` claims addressed to drafter D, in claim order (i = 1, 2, ...)
-- `done/NAME`               done counters
+- `done/NAME`               done counters (also `NAME/arrived` and `NAME/left` of `turns`)
 - `abort`                   JSON {rank, cause} of the first failing rank
 """
 
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -67,9 +68,11 @@ class ControlPlane:
     def _get_if_set(self, key: str) -> Optional[bytes]:
         return self.store.get(key) if self.store.check([key]) else None
 
-    def _poll(self, what: str, ready: Callable[[], Optional[object]]):
-        """Call `ready` until it returns non-None; raise on abort or after the stall timeout."""
-        deadline = time.monotonic() + self.stall_timeout_s
+    def _poll(self, what: str, ready: Callable[[], Optional[object]], timeout_s: Optional[float] = None):
+        """Call `ready` until it returns non-None; raise on abort or after `timeout_s` (default: the stall
+        timeout)."""
+        timeout_s = self.stall_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         delay = self.poll_s
         while True:
             self.raise_if_aborted()
@@ -77,7 +80,7 @@ class ControlPlane:
             if value is not None:
                 return value
             if time.monotonic() > deadline:
-                raise StallTimeout(f"rank {self.rank} waited over {self.stall_timeout_s:.0f}s for {what}")
+                raise StallTimeout(f"rank {self.rank} waited over {timeout_s:.0f}s for {what}")
             time.sleep(delay)
             delay = min(delay * 1.5, 0.2)
 
@@ -95,6 +98,20 @@ class ControlPlane:
 
     def wait_done(self, name: str, count: int) -> None:
         self._poll(f"{count} x done/{name}", lambda: True if self.count_done(name) >= count else None)
+
+    @contextmanager
+    def turns(self, name: str, at_once: int) -> Iterator[None]:
+        """Run the block when at most `at_once - 1` other ranks are inside a block of the same `name`, served in
+        arrival order. Each rank ahead may hold its turn for up to the stall timeout."""
+        ticket = self.mark_done(f"{name}/arrived")  # 1, 2, ...: this rank's place in the queue
+        ahead = ticket - at_once  # ranks that must have left before this one enters
+        key = self._key("done", f"{name}/left")
+        self._poll(f"its turn of {name} ({ahead} ahead)", lambda: True if self._counter(key) >= ahead else None,
+                   timeout_s=self.stall_timeout_s * max(1, ahead))
+        try:
+            yield
+        finally:
+            self.mark_done(f"{name}/left")
 
     # -- values ----------------------------------------------------------------------------------
     def set_value(self, name: str, value: str) -> None:

@@ -80,7 +80,7 @@ def run_drafter(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Dr
     config, placement, device = setup.config, setup.placement, setup.device
     target = capture = None
     if placement.colocated:
-        target, capture = load_checked_target(setup)
+        target, capture = load_checked_target(setup, control)
         head = head_from_model(target)
     else:
         head = load_target_head(config.target, device, seed=config.run.seed)

@@ -139,7 +139,7 @@ def _run_role(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Opti
     The other ranks send the leader their figures through the store."""
     rank, placement = setup.env.rank, setup.placement
     if placement.role is Role.TARGET_MEMBER:  # computes its group's forwards; its leader reports for the group
-        run_target_member(setup)
+        run_target_member(setup, control)
         return None
     if placement.role.runs_target and not placement.role.runs_drafter:
         control.set_value(f"target_stats/{rank}", json.dumps(dataclasses.asdict(run_target(setup, control))))

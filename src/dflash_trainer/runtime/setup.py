@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -197,18 +198,21 @@ def epoch_plan(config: Config, run_dir: Path, prepared: PreparedData, epoch: int
     return plan
 
 
-def load_checked_target(setup: RunSetup) -> tuple[torch.nn.Module, TapCapture]:
+def load_checked_target(setup: RunSetup, control: ControlPlane) -> tuple[torch.nn.Module, TapCapture]:
     """The target, checked against the drafter's spec, and its tap capture (layers compiled when asked)."""
     config, spec = setup.config, setup.spec
-    # A target group's ranks each build the whole target on the host, identically, then keep their shards.
+    # A target group's ranks each build the whole target on the host, identically, then keep their shards: the
+    # ranks of a node take turns (pipeline.target_loads_per_node at once), so the host holds that many copies.
     sharded = setup.target_group is not None
-    target = load_target(config.target, "cpu" if sharded else setup.device, seed=config.run.seed)
-    check_target(
-        target, tap_layer_ids=list(spec.tap_layer_ids), drafter_hidden_size=spec.hidden_size,
-        mask_token_id=spec.mask_token_id, max_length=config.data.max_length,
-    )
-    if sharded:
-        target = shard_target(target, setup.target_group, setup.device)
+    node = setup.env.rank // setup.env.local_world_size
+    with control.turns(f"target_load/node{node}", config.pipeline.target_loads_per_node) if sharded else nullcontext():
+        target = load_target(config.target, "cpu" if sharded else setup.device, seed=config.run.seed)
+        check_target(
+            target, tap_layer_ids=list(spec.tap_layer_ids), drafter_hidden_size=spec.hidden_size,
+            mask_token_id=spec.mask_token_id, max_length=config.data.max_length,
+        )
+        if sharded:
+            target = shard_target(target, setup.target_group, setup.device)
     capture = TapCapture(target, spec.tap_layer_ids, capture_last_hidden=config.drafter.kd_weight > 0)
     if config.target.compile and setup.device.type == "cuda":
         # Each layer compiled (hooks and early exit stay eager); padded shapes vary by job, so dynamic.

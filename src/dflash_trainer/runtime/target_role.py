@@ -17,7 +17,7 @@ def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
     """Forward the jobs this rank pulls and send the batches to the drafters; the first target rank also
     evaluates the drafters the leader sends it (between jobs, and after the last one until told to stop)."""
     config = setup.config
-    target, capture = load_checked_target(setup)
+    target, capture = load_checked_target(setup, control)
     shipper = P2PShipper(control.claims, rank=setup.env.rank, drafter_ranks=setup.placement.drafter_ranks, device=setup.device)
     sender = BatchSender.create(
         run_wire_spec(setup), setup.device, depth=config.pipeline.target_postprocess_depth, ship=shipper.ship,
@@ -40,11 +40,11 @@ def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
     )
 
 
-def run_target_member(setup: RunSetup) -> None:
+def run_target_member(setup: RunSetup, control: ControlPlane) -> None:
     """A member of a target group: run the leader's jobs on this rank's shard of the target, in lockstep with the
     leader (its sharded layers all-reduce with the group's). The taps it captures are the leader's too: nothing is
     sent; its batches go to a sender that ships nowhere."""
-    _, capture = load_checked_target(setup)
+    _, capture = load_checked_target(setup, control)
     sender = BatchSender.create(
         run_wire_spec(setup), setup.device, depth=setup.config.pipeline.target_postprocess_depth,
         ship=lambda batch: None, finish=lambda: None, timeout_s=setup.config.pipeline.timeout_s,
