@@ -16,6 +16,8 @@ import torch
 
 KINDS = (  # (kind, substrings of the kernel name; the first kind that matches wins)
     ("flex attention", ("flex",)),
+    # SDPA's kernels (flash, memory-efficient cutlass fmha, cuDNN), before gemm: some of their names say cutlass
+    ("other attention", ("flash_fwd", "flash_bwd", "fmha", "attention", "cudnn")),
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "sm80_")),
     ("inductor fused", ("triton_",)),
     ("optimizer", ("multi_tensor_apply", "fused_adam", "FusedAdam")),

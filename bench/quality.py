@@ -7,7 +7,8 @@ then measure real tau on held-out prompts beside prompt lookup on the same promp
 
 The practice target (`../shared/practice_target/`) was pretrained on the bundled ShareGPT file except its last
 500 records: training prompts come from the others, evaluation prompts (the first `--eval-prompts` first user
-turns under 1,500 characters, in file order) from those 500 only. A record's turns before its first user turn
+turns under 1,500 characters, in file order; with `--eval-turns N`, conversations cut after their N-th user
+turn, every user turn under 1,500 characters) from those 500 only. A record's turns before its first user turn
 are left out. Both are answered by the target itself
 (`dflash-train regenerate`, the recipe's `regenerate` section); the held-out replies are the validation set
 (walk tau) and their prompts the real-tau prompts. `--pack DIR` writes the cache as <= 15 MB parts (to bring
@@ -121,7 +122,8 @@ def write_prompts(cache: Path, args) -> None:
         train = [prompt_only(c) for c in train]
     for name, conversations in (("train_prompts.jsonl", train), ("eval_prompts.jsonl", evals)):
         if (cache / name).is_file():  # put there by hand (e.g. more held-out prompts): it stays
-            print(f"kept {cache / name} ({sum(1 for _ in (cache / name).open())} prompts)")
+            print(f"kept {cache / name} ({sum(1 for _ in (cache / name).open())} prompts; --eval-prompts, "
+                  "--eval-turns and --prompt-turns do not change it)")
         else:
             _write_messages(cache / name, conversations)
 
@@ -332,6 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-regen", action="store_true", help="use the cache as it is, even if regeneration is unfinished")
     p.add_argument("--record", type=Path, help="append the row of this result JSON to bench/RESULTS.md")
     args = p.parse_args(argv)
+    if args.eval_turns < 1:
+        p.error(f"--eval-turns must be >= 1, got {args.eval_turns}")
     if args.record:
         record(args.record)
         return 0

@@ -168,7 +168,8 @@ def run_target(args, quantize: str, device: torch.device, dtype: str, budgets: l
             if args.profile:
                 kernels = profile_steps(lambda i: capture.run(inputs, out), 2, device)
                 print_profile(f"{args.preset} {quantize} capture, budget {budget}, compiled {compiled}", kernels)
-                rows[-1]["profile"] = profile_dict(kernels)  # the capture row of this budget
+                capture_row = next(r for r in reversed(rows) if r["mode"] == "capture")  # this budget's
+                capture_row["profile"] = profile_dict(kernels)
             out = inputs = modes = None  # free this budget's buffers before the next one's
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -124,41 +124,61 @@ def test_stall_timeout_names_what_it_waited_for():
 
 
 @pytest.mark.parametrize("at_once", [1, 2])
-def test_turns_let_at_most_at_once_ranks_in_and_serve_every_rank(at_once):
-    """Four ranks (threads) take turns loading: never more than `at_once` inside, and every one gets in."""
+def test_turns_let_at_most_at_once_ranks_in_by_place_whatever_their_arrival(at_once):
+    """Four ranks (threads, arriving last place first) take turns: never more than `at_once` inside, every
+    one gets in, and with one at a time they go in the order of their places."""
     store = dist.HashStore()
     inside, most, served, lock = [0], [0], [], threading.Lock()
 
-    def rank(r):
-        with ControlPlane(store, rank=r, stall_timeout_s=10).turns("target_load/node0", at_once):
+    def rank(place):
+        with ControlPlane(store, rank=place, stall_timeout_s=10).turns("target_load/node0", at_once, place=place):
             with lock:
                 inside[0] += 1
                 most[0] = max(most[0], inside[0])
             time.sleep(0.05)  # a load: long enough for the others to arrive and wait
             with lock:
                 inside[0] -= 1
-                served.append(r)
+                served.append(place)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    threads = [threading.Thread(target=rank, args=(place,)) for place in (3, 2, 1, 0)]
     for t in threads:
         t.start()
+        time.sleep(0.01)
     for t in threads:
         t.join(timeout=10)
     assert sorted(served) == [0, 1, 2, 3] and most[0] == at_once
+    if at_once == 1:
+        assert served == [0, 1, 2, 3]
 
 
-def test_a_turn_held_too_long_or_a_failed_rank_ends_the_wait():
+def test_turns_wait_for_each_rank_ahead_and_count_a_failed_rank_as_left():
     store = dist.HashStore()
-    holder = ControlPlane(store, rank=0, stall_timeout_s=0.2)
-    with holder.turns("target_load/node0", 1):  # never leaves while the next rank waits
-        with pytest.raises(StallTimeout, match="its turn of target_load/node0"):
-            with ControlPlane(store, rank=1, stall_timeout_s=0.2).turns("target_load/node0", 1):
+
+    def hold(place, seconds):
+        with ControlPlane(store, rank=place, stall_timeout_s=0.3).turns("load", 1, place=place):
+            time.sleep(seconds)
+
+    # places 0 and 1 hold 0.2 s each: place 2 waits ~0.4 s, over one stall timeout but within one per turn ahead
+    threads = [threading.Thread(target=hold, args=(place, 0.2)) for place in (0, 1)]
+    for t in threads:
+        t.start()
+    hold(2, 0.0)
+    for t in threads:
+        t.join(timeout=5)
+    # a rank that fails inside its turn still lets the next one in
+    with pytest.raises(RuntimeError, match="load failed"):
+        with ControlPlane(store, rank=3, stall_timeout_s=0.3).turns("load", 1, place=3):
+            raise RuntimeError("load failed")
+    hold(4, 0.0)
+    # a held turn times out the rank behind it, naming what it waited for; an abort ends the wait at once
+    other = ControlPlane(dist.HashStore(), rank=0, stall_timeout_s=0.2)
+    with other.turns("x", 1, place=0):
+        with pytest.raises(StallTimeout, match="its turn of x"):
+            with ControlPlane(other.store, rank=1, stall_timeout_s=0.2).turns("x", 1, place=1):
                 pass
-    other = ControlPlane(dist.HashStore(), rank=1, stall_timeout_s=5)
-    with other.turns("x", 1):
         ControlPlane(other.store, rank=3).abort("load failed")
         with pytest.raises(Aborted, match="rank 3 failed: load failed"):
-            with ControlPlane(other.store, rank=2, stall_timeout_s=5).turns("x", 1):
+            with ControlPlane(other.store, rank=2, stall_timeout_s=5).turns("x", 1, place=3):
                 pass
 
 

@@ -40,7 +40,10 @@ if [ "${PHASE:-start}" = start ]; then
   elif [ -e "$PROMPTS/train_prompts.jsonl.gz" ]; then gunzip -c "$PROMPTS/train_prompts.jsonl.gz" > "$W/cache/train_prompts.jsonl"
   else cp "$PROMPTS/train_prompts.jsonl" "$W/cache/"; fi
   cp "$PROMPTS/eval_prompts.jsonl" "$W/cache/"
-  if [ -n "${DATA2:-}" ]; then mkdir -p "$W/data2" && cat "$DATA2"/quality-cache.tar.gz.part* | tar xzf - -C "$W/data2"; fi
+  if [ -n "${DATA2:-}" ]; then
+    ls "$DATA2"/quality-cache.tar.gz.part* >/dev/null || { echo "DATA2=$DATA2 holds no quality-cache parts"; exit 1; }
+    mkdir -p "$W/data2" && cat "$DATA2"/quality-cache.tar.gz.part* | tar xzf - -C "$W/data2"
+  fi
   EVAL_ARGS=()
   if [ -n "${EVAL:-}" ]; then
     rm -rf "$W/cache/eval" "$W/cache/eval.jsonl"; cp "$EVAL/eval_prompts.jsonl" "$W/cache/"

@@ -19,7 +19,8 @@ class PipelineConfig:
     A split run then has `num_targets * target_parallel` target ranks per node, and at least one drafter."""
     target_loads_per_node: int = 1
     """Target-group ranks of one node that load the target at once: each reads the whole checkpoint into host
-    memory before it keeps its shard, so the host needs this many copies of the model; the others wait."""
+    memory before it keeps its shard, so the host needs this many copies of the model; the others wait, group
+    by group (the start takes about target ranks per node / this many loads)."""
     colocated: bool = False
     """Every rank runs both a target and a drafter (forced with one process)."""
     min_ready: int = 2

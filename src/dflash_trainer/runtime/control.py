@@ -7,7 +7,7 @@ Keys (all under `prefix/`):
 - `epoch/E/next`            job cursor of epoch E (`add` hands out the next index of the epoch plan)
 - `credits/D/granted|taken` free-slot credits of drafter rank D (granted by D, taken by targets)
 - `claims/D/n`, `claims/D/i` claims addressed to drafter D, in claim order (i = 1, 2, ...)
-- `done/NAME`               done counters (also `NAME/arrived` and `NAME/left` of `turns`)
+- `done/NAME`               done counters (also `NAME/left` of `turns`)
 - `abort`                   JSON {rank, cause} of the first failing rank
 """
 
@@ -100,15 +100,15 @@ class ControlPlane:
         self._poll(f"{count} x done/{name}", lambda: True if self.count_done(name) >= count else None)
 
     @contextmanager
-    def turns(self, name: str, at_once: int) -> Iterator[None]:
-        """Run the block when at most `at_once - 1` other ranks are inside a block of the same `name`, served in
-        arrival order. Each rank ahead may hold its turn for up to the stall timeout."""
-        ticket = self.mark_done(f"{name}/arrived")  # 1, 2, ...: this rank's place in the queue
-        ahead = ticket - at_once  # ranks that must have left before this one enters
-        key = self._key("done", f"{name}/left")
-        self._poll(f"its turn of {name} ({ahead} ahead)", lambda: True if self._counter(key) >= ahead else None,
-                   timeout_s=self.stall_timeout_s * max(1, ahead))
+    def turns(self, name: str, at_once: int, place: int) -> Iterator[None]:
+        """Run the block when the ranks before `place` (0, 1, ... in a fixed order: whatever order they arrive
+        in) have left theirs but `at_once - 1`. Nothing inside may wait for a rank still waiting for its turn.
+        Each turn ahead may last up to the stall timeout; a rank that fails, waiting or inside, counts as left."""
+        must_leave = place + 1 - at_once
         try:
+            self._poll(f"its turn of {name} ({must_leave} to finish first)",
+                       lambda: True if self.count_done(f"{name}/left") >= must_leave else None,
+                       timeout_s=self.stall_timeout_s * max(1, must_leave))
             yield
         finally:
             self.mark_done(f"{name}/left")

@@ -202,10 +202,14 @@ def load_checked_target(setup: RunSetup, control: ControlPlane) -> tuple[torch.n
     """The target, checked against the drafter's spec, and its tap capture (layers compiled when asked)."""
     config, spec = setup.config, setup.spec
     # A target group's ranks each build the whole target on the host, identically, then keep their shards: the
-    # ranks of a node take turns (pipeline.target_loads_per_node at once), so the host holds that many copies.
+    # target ranks of a node take turns (pipeline.target_loads_per_node at once), so the host holds that many
+    # copies. They go by local rank, i.e. group by group, so each group is whole as early as it can be. Sharding
+    # is local (no collective): a rank inside its turn never waits for one still waiting for its turn.
     sharded = setup.target_group is not None
-    node = setup.env.rank // setup.env.local_world_size
-    with control.turns(f"target_load/node{node}", config.pipeline.target_loads_per_node) if sharded else nullcontext():
+    env = setup.env
+    turn = (control.turns(f"target_load/node{env.rank // env.local_world_size}",
+                          config.pipeline.target_loads_per_node, place=env.local_rank) if sharded else nullcontext())
+    with turn:
         target = load_target(config.target, "cpu" if sharded else setup.device, seed=config.run.seed)
         check_target(
             target, tap_layer_ids=list(spec.tap_layer_ids), drafter_hidden_size=spec.hidden_size,
