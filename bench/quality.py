@@ -329,7 +329,8 @@ def main(argv=None) -> int:
     p.add_argument("--pack", type=Path, help="write the data cache as parts into this directory")
     p.add_argument("--unpack", type=Path, help="restore the data cache from parts in this directory")
     p.add_argument("--data-only", action="store_true", help="prepare (and pack) the data, train nothing")
-    p.add_argument("--prompts-only", action="store_true", help="write the prompt files into a cache that has none, and stop")
+    p.add_argument("--prompts-only", action="store_true",
+                   help="write the prompt files into a cache that has none, and stop")
     p.add_argument("--prompt-turns", type=int, default=None, help="keep this many user turns of each training prompt")
     p.add_argument("--no-regen", action="store_true", help="use the cache as it is, even if regeneration is unfinished")
     p.add_argument("--record", type=Path, help="append the row of this result JSON to bench/RESULTS.md")

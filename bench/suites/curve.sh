@@ -83,7 +83,8 @@ if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the runs ended: their 
       echo "eval of $name left to the next PHASE=wait"; continue
     fi
     # shellcheck disable=SC2086  # EVAL_OVERRIDES: overrides of this evaluation alone, e.g. target.quantize=null
-    step "eval-alone-$name" 120 python3 -m dflash_trainer eval --drafter "$export_dir" --out "$W/results/eval-alone-$name" \
+    step "eval-alone-$name" 120 python3 -m dflash_trainer eval --drafter "$export_dir" \
+      --out "$W/results/eval-alone-$name" \
       eval.prompts="$W/cache/eval.jsonl" eval.num_prompts="$(wc -l < "$W/cache/eval.jsonl")" eval.max_new_tokens=128 \
       "run.device=${DEVICE:-cuda}" $EVAL_OVERRIDES
   done
