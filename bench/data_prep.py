@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         rows.append({"workers": workers, "seconds": seconds, "conversations_per_s": len(chats) / seconds,
                      "speedup": rows[0]["seconds"] / seconds if rows else 1.0, "same_as_one_process": same})
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"tokenizing {len(chats)} conversations (tiny tokenizer, max_length {args.max_length}) on {cpus} CPUs")
+    print(f"tokenizing {len(chats)} conversations (tokenizer {tokenizer.name_or_path or 'tiny'}, max_length "
+          f"{args.max_length}) on {cpus} CPUs")
     print(f"{'workers':>8}{'seconds':>10}{'conv/s':>10}{'speedup':>9}  same as 1")
     for r in rows:
         print(f"{r['workers']:>8}{r['seconds']:>10.1f}{r['conversations_per_s']:>10.0f}{r['speedup']:>8.2f}x  "
