@@ -125,8 +125,8 @@ def _per_prompt(results: Sequence[DecodeResult]) -> tuple[list[int], list[int]]:
 
 def setting_digest(target, prompts: Sequence[torch.Tensor], **setting) -> str:
     """sha256 over what an evaluation ran on: the prompts' token ids in order, the decoding `setting` (new
-    tokens, temperature, block size, stop tokens) and the target (its class, checkpoint name and the kinds of its weights,
-    so an FP8 target differs from the same one in bf16)."""
+    tokens, temperature, block size, stop tokens) and the target (its class, checkpoint name and the kinds of
+    its weights, so an FP8 target differs from the same one in bf16)."""
     weights = sorted({f"{type(p).__name__}:{p.dtype}" for p in target.parameters()})
     name = getattr(getattr(target, "config", None), "_name_or_path", "")
     digest = hashlib.sha256(repr((type(target).__name__, name, weights, sorted(setting.items()))).encode())

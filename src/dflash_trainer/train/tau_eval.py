@@ -19,8 +19,8 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.eval.drafter_eval import evaluate_drafter
-from dflash_trainer.eval.stats import plus_minus
 from dflash_trainer.eval.evaluate import EvalReport, load_prompt_messages
+from dflash_trainer.eval.stats import plus_minus
 from dflash_trainer.eval.validation import HeldOutValidator, ValidationReport
 from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.target.head import TargetHead
