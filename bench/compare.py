@@ -30,7 +30,8 @@ def load(path: Path) -> dict:
     if missing:
         raise SystemExit(f"{path}: no {', '.join(missing)} (evaluated before per-prompt counts were kept): "
                          "evaluate its drafter again with `dflash-train eval`")
-    name = result.get("name") or path.parent.name
+    # a run's eval.json is named by its folder (eval-alone-<arm>/eval.json); a copy by its own file name
+    name = result.get("name") or (path.parent.name if path.stem == "eval" else path.stem)
     return {"name": name, "path": str(path), **{k: result[k] for k in FIELDS}}
 
 
@@ -64,7 +65,7 @@ def table(rows: list[dict], prompts: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", type=Path, help="the first is the base")
     args = p.parse_args(argv)
     runs = [load(path) for path in args.results]

@@ -418,6 +418,15 @@ def test_compare_pairs_the_prompts_and_refuses_other_prompts(tmp_path):
     old.write_text(json.dumps({"name": "old", "tau": 3.0}))
     missing = run(base, str(old))
     assert missing.returncode != 0 and "no per_prompt_committed, per_prompt_steps, setting_digest" in missing.stderr
+    # eval.json files carry no name: a run's folder names it, a copy its own file name
+    unnamed = {k: v for k, v in json.loads(Path(better).read_text()).items() if k != "name"}
+    for relative, expected in (("eval-alone-arm/eval.json", "eval-alone-arm"), ("results/arm-copy.json", "arm-copy")):
+        path = tmp_path / relative
+        path.parent.mkdir()
+        path.write_text(json.dumps(unnamed))
+        named = run(base, str(path))
+        assert named.returncode == 0, named.stderr[-2000:]
+        assert json.loads(named.stdout.strip().splitlines()[-1])["rows"][1]["name"] == expected
 
 
 @pytest.mark.parametrize("suite", sorted(p.name for p in (ROOT / "bench" / "suites").glob("*.sh")))
