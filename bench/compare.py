@@ -4,8 +4,8 @@ the first one's with the standard error of that difference (paired: what the pro
     python bench/compare.py BASE.json OTHER.json ...
 
 Each file is a `bench/quality.py` result or a run's `eval.json` (its `tau`, `per_prompt_committed`,
-`per_prompt_steps` and `setting_digest`: the same prompts, decoding settings and target). Prints a markdown table (for bench/RESULTS.md); the last line printed
-is JSON.
+`per_prompt_steps` and `setting_digest`: the same prompts, decoding settings and target). Prints a markdown
+table (for bench/RESULTS.md); the last line printed is JSON.
 """
 
 from __future__ import annotations

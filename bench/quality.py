@@ -265,6 +265,11 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
     }
 
 
+def read_arms(path: Path) -> list[list[str]]:
+    """A file of runs (bench/arms/): one `NAME override ...` a line; blank lines and # comments skipped."""
+    return [shlex.split(line) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
 def run_parallel(args, arms: list[list[str]]) -> list[dict]:
     """Each arm in its own process (this script on one arm), `--parallel` at a time; logs in the runs dir."""
     runs = Path(args.runs)
@@ -357,8 +362,7 @@ def main(argv=None) -> int:
     if args.data_only:
         return 0
     if args.arms:
-        arms = [shlex.split(line) + args.overrides  # command-line overrides apply to every arm
-                for line in args.arms.read_text().splitlines() if line.strip() and not line.startswith("#")]
+        arms = [arm + args.overrides for arm in read_arms(args.arms)]  # command-line overrides apply to every arm
     else:
         arms = [[args.name or f"{Path(args.recipe).stem}-{datetime.now().strftime('%H%M%S')}", *args.overrides]]
     if args.parallel > 1 and len(arms) > 1:

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from flops import drafter_step_flops, target_forward_flops, visible_pairs  # noqa: E402
+from quality import read_arms  # noqa: E402
 
+from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.attention_mask import dense_mask, mask_index  # noqa: E402
 from dflash_trainer.eval.stats import tau_stderr  # noqa: E402
@@ -427,6 +429,15 @@ def test_compare_pairs_the_prompts_and_refuses_other_prompts(tmp_path):
         named = run(base, str(path))
         assert named.returncode == 0, named.stderr[-2000:]
         assert json.loads(named.stdout.strip().splitlines()[-1])["rows"][1]["name"] == expected
+
+
+@pytest.mark.parametrize("arms", sorted(p.name for p in (ROOT / "bench" / "arms").glob("*.txt")))
+def test_arms_files_are_valid_practice_configs(arms):
+    """An arm with a misspelt key or a value its config refuses would fail only on the device, after its data."""
+    runs = read_arms(ROOT / "bench" / "arms" / arms)
+    assert runs and len({name for name, *_ in runs}) == len(runs), f"{arms}: no arms, or two of one name"
+    for name, *overrides in runs:
+        load_config(ROOT / "configs" / "practice.yaml", overrides)  # raises ConfigError naming the bad override
 
 
 @pytest.mark.parametrize("suite", sorted(p.name for p in (ROOT / "bench" / "suites").glob("*.sh")))
