@@ -62,3 +62,20 @@ def test_heads_that_do_not_split_are_refused():
     check_shardable(preset_config("tiny"), 2)  # 4 query heads, 2 key/value heads
     with pytest.raises(ConfigError, match="pipeline.target_parallel=4 does not divide the target's num_key_value_heads=2"):
         check_shardable(preset_config("tiny"), 4)
+
+
+def test_a_target_without_a_tensor_parallel_plan_is_refused():
+    """Without a plan the library shards nothing: every rank would hold the whole model, which is what
+    target_parallel is there to avoid."""
+    model = load_target(TARGET, "cpu", seed=7)
+    model._tp_plan = {}
+    model.config.base_model_tp_plan = None
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=r"cannot shard target Qwen3ForCausalLM \(it has no tensor-parallel "
+                                              r"plan\); use pipeline.target_parallel=1"):
+            shard_target(model, dist.new_group([0]), torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+

@@ -13,6 +13,8 @@ identically (same checkpoint, or the same seed), each keeping its own slice.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -46,12 +48,19 @@ def shard_target(model: nn.Module, group: dist.ProcessGroup, device: torch.devic
     size = dist.get_world_size(group)
     check_shardable(model.config, size)
     mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
-    # The model's plan with the layer numbers filled in (the library's resolver: EP rules win, `*` expanded).
+    takes_plan = "tp_plan" in inspect.signature(apply_tensor_parallelism).parameters
     try:
-        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=size))
+        # transformers >= 5.2x: the caller passes the model's plan with the layer numbers filled in (the library's
+        # resolver: EP rules win, `*` expanded); earlier 5.x (5.17 on the device image) reads the model's `tp_plan`
+        plan = model._resolve_parallel_plans(DistributedConfig(tp_size=size))[0] if takes_plan else model.tp_plan
+        if not plan:  # the library would leave every rank holding the whole model
+            raise ValueError("it has no tensor-parallel plan")
+        if takes_plan:
+            apply_tensor_parallelism(model, mesh, plan)
+        else:
+            apply_tensor_parallelism(model, mesh)
     except ValueError as e:  # no plan for this architecture, or a plan the library refuses
         raise ConfigError(f"pipeline.target_parallel={size}: cannot shard target {type(model).__name__} ({e}); "
                           "use pipeline.target_parallel=1") from None
-    apply_tensor_parallelism(model, mesh, plan)
     return model.to(device)
 
