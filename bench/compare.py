@@ -31,7 +31,7 @@ def load(path: Path) -> dict:
         raise SystemExit(f"{path}: no {', '.join(missing)} (evaluated before per-prompt counts were kept): "
                          "evaluate its drafter again with `dflash-train eval`")
     # a run's eval.json is named by its folder (eval-alone-<arm>/eval.json); a copy by its own file name
-    name = result.get("name") or (path.parent.name if path.stem == "eval" else path.stem)
+    name = result.get("name") or (path.resolve().parent.name if path.stem == "eval" else path.stem)
     return {"name": name, "path": str(path), **{k: result[k] for k in FIELDS}}
 
 

@@ -14,8 +14,9 @@ from test_target_capture import H, LENGTHS, capture, make_sequences
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target import parallel
 from dflash_trainer.target.load import load_target
-from dflash_trainer.target.parallel import check_shardable, shard_target
+from dflash_trainer.target.parallel import check_shardable, shard_target, tensor_parallel_plan
 from dflash_trainer.target.presets import preset_config
 
 TAPS = [0, 2, 4]
@@ -31,7 +32,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     shard_target(model, group, torch.device("cpu"))
     up = model.model.layers[0].mlp.up_proj.weight
     _, out = capture(model, make_sequences(LENGTHS), TAPS, last_hidden=True)
-    torch.save({"taps": out.taps.clone(), "last_hidden": out.last_hidden.clone(), "up_local": tuple(up.to_local().shape),
+    torch.save({"taps": out.taps.clone(), "last_hidden": out.last_hidden.clone(),
+                "up_local": tuple(up.to_local().shape),
                 "up_full": tuple(up.shape),
                 "up_bytes": up.to_local().untyped_storage().nbytes()}, os.path.join(out_dir, f"r{rank}.pt"))
     dist.destroy_process_group()
@@ -60,22 +62,23 @@ def test_tp2_taps_equal_tp1_taps(tmp_path):
 
 def test_heads_that_do_not_split_are_refused():
     check_shardable(preset_config("tiny"), 2)  # 4 query heads, 2 key/value heads
-    with pytest.raises(ConfigError, match="pipeline.target_parallel=4 does not divide the target's num_key_value_heads=2"):
+    refusal = "pipeline.target_parallel=4 does not divide the target's num_key_value_heads=2"
+    with pytest.raises(ConfigError, match=refusal):
         check_shardable(preset_config("tiny"), 4)
 
 
-def test_a_target_without_a_tensor_parallel_plan_is_refused():
+@pytest.mark.parametrize("api", ["installed", "5.17"])
+def test_a_target_without_a_tensor_parallel_plan_is_refused(api, monkeypatch):
     """Without a plan the library shards nothing: every rank would hold the whole model, which is what
-    target_parallel is there to avoid."""
+    target_parallel is there to avoid. Both transformers APIs: the installed one, and 5.17's (the device image's:
+    `apply_tensor_parallelism(model, tp_mesh)` reading the model's `tp_plan`)."""
+    if api == "5.17":
+        monkeypatch.setattr(parallel, "apply_tensor_parallelism", lambda model, tp_mesh: model)
     model = load_target(TARGET, "cpu", seed=7)
+    plan = tensor_parallel_plan(model, 2)
+    assert plan and any(rule.endswith("mlp.up_proj") and style == "colwise" for rule, style in plan.items())
     model._tp_plan = {}
     model.config.base_model_tp_plan = None
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        with pytest.raises(ConfigError, match=r"cannot shard target Qwen3ForCausalLM \(it has no tensor-parallel "
-                                              r"plan\); use pipeline.target_parallel=1"):
-            shard_target(model, dist.new_group([0]), torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-
+    with pytest.raises(ConfigError, match=r"pipeline.target_parallel=2: cannot shard target Qwen3ForCausalLM .*; "
+                                          r"use pipeline.target_parallel=1"):
+        tensor_parallel_plan(model, 2)

@@ -38,6 +38,27 @@ def check_shardable(model_config, size: int) -> None:
             )
 
 
+def library_takes_plan() -> bool:
+    """transformers >= 5.2x: `apply_tensor_parallelism(model, mesh, tp_plan)` with the plan resolved by the caller;
+    earlier 5.x (5.17 on the device image): `apply_tensor_parallelism(model, mesh)` reads the model's `tp_plan`."""
+    return "tp_plan" in inspect.signature(apply_tensor_parallelism).parameters
+
+
+def tensor_parallel_plan(model: nn.Module, size: int) -> dict[str, str]:
+    """The model's own tensor-parallel plan for `size` ranks; a ConfigError when it has none, since the library
+    would then shard nothing and every rank would hold the whole model."""
+    try:
+        # the library's resolver: EP rules win, `*` expanded to the layer numbers
+        plan = model._resolve_parallel_plans(DistributedConfig(tp_size=size))[0] if library_takes_plan() \
+            else model.tp_plan
+        if not plan:
+            raise ValueError("it has no tensor-parallel plan")
+    except ValueError as e:  # no plan for this architecture, or a plan the library refuses
+        raise ConfigError(f"pipeline.target_parallel={size}: cannot shard target {type(model).__name__} ({e}); "
+                          "use pipeline.target_parallel=1") from None
+    return plan
+
+
 def shard_target(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> nn.Module:
     """Shard `model` (on the host or on `device`) over `group` in place, and move it to `device`.
 
@@ -47,20 +68,10 @@ def shard_target(model: nn.Module, group: dist.ProcessGroup, device: torch.devic
     """
     size = dist.get_world_size(group)
     check_shardable(model.config, size)
+    plan = tensor_parallel_plan(model, size)
     mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
-    takes_plan = "tp_plan" in inspect.signature(apply_tensor_parallelism).parameters
-    try:
-        # transformers >= 5.2x: the caller passes the model's plan with the layer numbers filled in (the library's
-        # resolver: EP rules win, `*` expanded); earlier 5.x (5.17 on the device image) reads the model's `tp_plan`
-        plan = model._resolve_parallel_plans(DistributedConfig(tp_size=size))[0] if takes_plan else model.tp_plan
-        if not plan:  # the library would leave every rank holding the whole model
-            raise ValueError("it has no tensor-parallel plan")
-        if takes_plan:
-            apply_tensor_parallelism(model, mesh, plan)
-        else:
-            apply_tensor_parallelism(model, mesh)
-    except ValueError as e:  # no plan for this architecture, or a plan the library refuses
-        raise ConfigError(f"pipeline.target_parallel={size}: cannot shard target {type(model).__name__} ({e}); "
-                          "use pipeline.target_parallel=1") from None
+    if library_takes_plan():
+        apply_tensor_parallelism(model, mesh, plan)
+    else:
+        apply_tensor_parallelism(model, mesh)
     return model.to(device)
-
