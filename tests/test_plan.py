@@ -211,6 +211,27 @@ def test_the_cache_is_keyed_on_the_data_files_content_not_their_size_and_mtime(t
     assert not edited.summary.cache_hit and edited.summary.content_sha256 != first.summary.content_sha256
 
 
+def test_a_moved_dataset_and_tokenizer_find_their_cache(tmp_path, tiny_tokenizer, monkeypatch):
+    """The key holds what the files and the tokenizer contain, not where they lie: a copy elsewhere hits."""
+    from transformers import AutoTokenizer
+
+    cfg = small_config(tmp_path)
+    here, there = tmp_path / "tok-a", tmp_path / "elsewhere" / "tok-b"
+    tiny_tokenizer.save_pretrained(here)
+    tiny_tokenizer.save_pretrained(there)
+    first = prepare_data(cfg, tmp_path / "run", tokenizer=AutoTokenizer.from_pretrained(here))
+    assert not first.summary.cache_hit
+    moved = tmp_path / "elsewhere" / "renamed-dir"
+    moved.mkdir()
+    (moved / "data.jsonl").write_text((tmp_path / "data.jsonl").read_text())
+    (tmp_path / "data.jsonl").unlink()
+    monkeypatch.setattr(prepare_module, "tokenize_all", lambda *a, **k: pytest.fail("re-tokenized a moved dataset"))
+    moved_cfg = load_config("demo", [f"data.path={moved / 'data.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}",
+                                     "data.num_eval_conversations=5", "data.max_conversations=null"])
+    again = prepare_data(moved_cfg, tmp_path / "run2", tokenizer=AutoTokenizer.from_pretrained(there))
+    assert again.summary.cache_hit and again.train.lengths == first.train.lengths
+
+
 def test_sampled_replies_to_a_held_out_prompt_leave_the_training_set(tmp_path, tiny_tokenizer):
     """`regenerate.num_samples` writes several replies to one prompt: holding one out while training on another
     would leak the prompt. One per chosen prompt is held out, its siblings are counted and trained on by no one."""

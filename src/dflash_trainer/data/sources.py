@@ -399,12 +399,13 @@ def load_conversations(data: DataConfig, *, seed: int, purpose: str = TRAIN) -> 
 
 def source_fingerprint(data: DataConfig) -> list[dict[str, Any]]:
     """What identifies each source's content: the SHA-256 of every file it reads (an edit that keeps the size
-    and the mtime is still an edit); hashing reads at disk speed, far below tokenizing."""
+    and the mtime is still an edit); hashing reads at disk speed, far below tokenizing. Not where the files lie:
+    a dataset moved or copied elsewhere finds its cache."""
     out = []
     for source in data.resolved_sources():
         with source_path(source) as path:
             files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
             stats = [(str(p.relative_to(path)) if path.is_dir() else p.name, _file_sha256(p)) for p in files]
-        out.append({"path": str(path.resolve()), "files": stats, "weight": source.weight,
-                    "format": source.format, "max_conversations": source.max_conversations})
+        out.append({"files": stats, "weight": source.weight, "format": source.format,
+                    "max_conversations": source.max_conversations})
     return out

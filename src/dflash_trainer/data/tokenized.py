@@ -153,8 +153,10 @@ def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTok
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
+    """The tokenizer by what it does (vocabulary and merges, special tokens, chat template), not by where it was
+    loaded from."""
     vocab = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
-    return {"name": str(tokenizer.name_or_path), "vocab_sha256": vocab,
+    return {"vocab_sha256": vocab,
             "special_tokens": json.dumps(tokenizer.special_tokens_map, sort_keys=True),
             "chat_template": str(tokenizer.chat_template)}
 
