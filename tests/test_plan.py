@@ -230,6 +230,29 @@ def test_a_moved_dataset_and_tokenizer_find_their_cache(tmp_path, tiny_tokenizer
                                      "data.num_eval_conversations=5", "data.max_conversations=null"])
     again = prepare_data(moved_cfg, tmp_path / "run2", tokenizer=AutoTokenizer.from_pretrained(there))
     assert again.summary.cache_hit and again.train.lengths == first.train.lengths
+    monkeypatch.undo()
+    # the file's name stays in the key: its suffix picks the format the same bytes are read as (here: not a JSON
+    # array, an error a cache hit would have hidden)
+    renamed = moved / "data.json"
+    (moved / "data.jsonl").rename(renamed)
+    as_json = load_config("demo", [f"data.path={renamed}", f"data.cache_dir={tmp_path / 'cache'}",
+                                   "data.num_eval_conversations=5", "data.max_conversations=null"])
+    with pytest.raises(DataError, match="expected a JSON array"):
+        prepare_data(as_json, tmp_path / "run3", tokenizer=tiny_tokenizer)
+
+
+def test_a_folder_source_is_fingerprinted_by_its_data_files_not_a_lock_file(tmp_path):
+    from dflash_trainer.data.sources import source_fingerprint
+
+    folder = tmp_path / "regen"
+    folder.mkdir()
+    write_dataset(folder / "shard_00000.jsonl", n=4)
+    config = load_config("demo", [f"data.path={folder}"]).data
+    before = source_fingerprint(config)
+    (folder / ".lock").touch()  # left by a regenerate run; a packed copy has none
+    assert source_fingerprint(config) == before
+    write_dataset(folder / "shard_00001.jsonl", n=4)
+    assert source_fingerprint(config) != before
 
 
 def test_sampled_replies_to_a_held_out_prompt_leave_the_training_set(tmp_path, tiny_tokenizer):

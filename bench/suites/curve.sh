@@ -16,13 +16,16 @@
 # wait call, as EVAL_OVERRIDES) evaluates K exports at once: the same tau, but their `seconds` are not the alone
 # figure. DATA2=DIR unpacks a second data cache (DIR/quality-cache.tar.gz.part*) into /tmp/curve/data2, for arms
 # that train on data.path=/tmp/curve/data2/train. REGEN2="regenerate.k=v ..." answers PROMPTS's training prompts a
-# second time with these settings (e.g. sampled replies: regenerate.num_samples=2 regenerate.temperature=0.8) into
-# /tmp/curve/regen2/train, for arms that train on it (data.path=... or a data.sources mix; not packed).
+# second time with the practice recipe and these settings (e.g. sampled replies: regenerate.num_samples=2
+# regenerate.temperature=0.8; repeat the first regeneration's max_turns and max_prompt_tokens) into
+# /tmp/curve/regen2/train, for arms that train on it (data.path=... or a data.sources mix; not packed). It must
+# finish within the start call, or nothing trains.
 # Carry .whl (omegaconf, datasets, dill, multiprocess), .practice/model and PROMPTS. DEVICE=cpu (with a small
 # pipeline.token_budget) checks the flow on a machine without a GPU.
 T0=$SECONDS
 source "$(dirname "$0")/common.sh"
 W=/tmp/curve; NAME=${NAME:-ours-${MINUTES:-15}min}
+[[ ${EVAL_PARALLEL:-1} =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_PARALLEL=$EVAL_PARALLEL: a count >= 1 expected"; exit 2; }
 follow() {  # follow the training log until the run ends or DEADLINE_S seconds into this call
   while [ -e "$W/train.pid" ] && kill -0 "$(cat "$W/train.pid")" 2>/dev/null \
       && (( SECONDS - T0 < ${DEADLINE_S:-570} )); do
@@ -68,11 +71,14 @@ if [ "${PHASE:-start}" = start ]; then
   python3 bench/quality.py "${COMMON[@]}" --data-only --no-regen --pack "$OUT" > "$LOGS/pack.log" 2>&1
   grep -E "^data:|packed" "$LOGS/pack.log" | cut -c1-400
   if [ -n "${DATA_ONLY:-}" ]; then finish; exit 0; fi
-  if [ -n "${REGEN2:-}" ]; then
+  if [ -n "${REGEN2:-}" ]; then  # within this call: the training must start before it ends
     # shellcheck disable=SC2086  # REGEN2: the second regeneration's regenerate.* overrides
-    step regen2 600 python3 -m dflash_trainer regenerate --config practice --out "$W/regen2/train" \
-      data.path="$W/regen2/train_prompts.jsonl" target.path="$W/target" data.max_conversations=null \
-      logging.progress=false regenerate.batch_size=4096 $REGEN2
+    step regen2 $(( ${DEADLINE_S:-570} - (SECONDS - T0) - 30 )) python3 -m dflash_trainer regenerate --config practice \
+      --out "$W/regen2/train" data.path="$W/regen2/train_prompts.jsonl" target.path="$W/target" \
+      data.max_conversations=null logging.progress=false "run.device=${DEVICE:-cuda}" regenerate.batch_size=4096 $REGEN2
+    if ! grep -q '"complete": true' "$W/regen2/train/manifest.json" 2>/dev/null; then
+      echo "REGEN2 did not finish (see regen2.log): not training on part of it"; finish; exit 1
+    fi
   fi
   # its own session (it outlives this call); it writes its pid, which is also its process group's id
   if [ -n "${ARMS:-}" ]; then
@@ -93,6 +99,7 @@ if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the runs ended: their 
   tail -n 5 "$W/train.log"
   EVAL_OVERRIDES=${EVAL_OVERRIDES:-$(cat "$W/eval_overrides" 2>/dev/null)}
   EVAL_PARALLEL=${EVAL_PARALLEL:-$(cat "$W/eval_parallel" 2>/dev/null || echo 1)}
+  wait  # the training job, if this call started it: `wait -n` below must count only evaluations
   running=0
   for export_dir in "$W"/runs/*/export; do
     [ -d "$export_dir" ] || continue

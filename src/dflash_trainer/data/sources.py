@@ -404,7 +404,8 @@ def source_fingerprint(data: DataConfig) -> list[dict[str, Any]]:
     out = []
     for source in data.resolved_sources():
         with source_path(source) as path:
-            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+            # a regenerate output's lock file holds no data (and a packed copy leaves it out)
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != ".lock") if path.is_dir() else [path]
             stats = [(str(p.relative_to(path)) if path.is_dir() else p.name, _file_sha256(p)) for p in files]
         out.append({"files": stats, "weight": source.weight, "format": source.format,
                     "max_conversations": source.max_conversations})

@@ -38,6 +38,11 @@ def check_shardable(model_config, size: int) -> None:
             )
 
 
+def unshardable(model: nn.Module, size: int, reason: Exception) -> ConfigError:
+    return ConfigError(f"pipeline.target_parallel={size}: cannot shard target {type(model).__name__} ({reason}); "
+                       "use pipeline.target_parallel=1")
+
+
 def library_takes_plan() -> bool:
     """transformers >= 5.2x: `apply_tensor_parallelism(model, mesh, tp_plan)` with the plan resolved by the caller;
     earlier 5.x (5.17 on the device image): `apply_tensor_parallelism(model, mesh)` reads the model's `tp_plan`."""
@@ -54,8 +59,7 @@ def tensor_parallel_plan(model: nn.Module, size: int) -> dict[str, str]:
         if not plan:
             raise ValueError("it has no tensor-parallel plan")
     except ValueError as e:  # no plan for this architecture, or a plan the library refuses
-        raise ConfigError(f"pipeline.target_parallel={size}: cannot shard target {type(model).__name__} ({e}); "
-                          "use pipeline.target_parallel=1") from None
+        raise unshardable(model, size, e) from None
     return plan
 
 
@@ -70,8 +74,11 @@ def shard_target(model: nn.Module, group: dist.ProcessGroup, device: torch.devic
     check_shardable(model.config, size)
     plan = tensor_parallel_plan(model, size)
     mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
-    if library_takes_plan():
-        apply_tensor_parallelism(model, mesh, plan)
-    else:
-        apply_tensor_parallelism(model, mesh)
+    try:
+        if library_takes_plan():
+            apply_tensor_parallelism(model, mesh, plan)
+        else:
+            apply_tensor_parallelism(model, mesh)
+    except ValueError as e:  # a layer the plan's style refuses (e.g. a width that does not split)
+        raise unshardable(model, size, e) from None
     return model.to(device)
