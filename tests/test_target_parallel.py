@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from test_target_capture import H, LENGTHS, capture, make_sequences
 
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.target import parallel
+from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.target.load import load_target
 from dflash_trainer.target.parallel import check_shardable, shard_target, tensor_parallel_plan
 from dflash_trainer.target.presets import preset_config
