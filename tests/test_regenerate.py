@@ -407,6 +407,30 @@ def test_check_regen_settings(tmp_path):
     assert "temperature=0.0" in warnings[1] and "0.6" in warnings[1]
 
 
+def test_sampled_source_beside_a_greedy_one_is_not_warned_about(tmp_path, caplog):
+    """A mix of greedy replies and replies sampled at 0.8 is deliberate (no advice to regenerate greedy); the
+    sampled source alone is still warned about, and so is a thinking mismatch inside a mix."""
+    import dataclasses
+    import logging
+
+    from dflash_trainer.regen.settings import regen_temperature, warn_regen_mismatch
+
+    greedy, sampled = tmp_path / "greedy", tmp_path / "sampled"
+    with FakeServer() as server:
+        regenerate(simple(2), backend=http_backend(server.url), out_dir=greedy, settings=SETTINGS, progress=False)
+        regenerate(simple(2), backend=http_backend(server.url), out_dir=sampled, progress=False,
+                   settings=dataclasses.replace(SETTINGS, temperature=0.8))
+    assert (regen_temperature(greedy), regen_temperature(sampled), regen_temperature(tmp_path)) == (0.0, 0.8, None)
+    mix = ["target.random_init=tiny", f"data.sources=[{{path: {greedy}}}, {{path: {sampled}, weight: 2}}]"]
+    with caplog.at_level(logging.INFO, logger="dflash_trainer.regen.settings"):
+        assert warn_regen_mismatch(load_config(None, mix)) == []
+    assert "extra replies" in caplog.text and str(sampled) in caplog.text
+    alone = warn_regen_mismatch(load_config(None, ["target.random_init=tiny", f"data.path={sampled}"]))
+    assert len(alone) == 1 and "temperature=0.8" in alone[0]
+    thinking = warn_regen_mismatch(load_config(None, mix + ["data.thinking=true"]))
+    assert len(thinking) == 2 and all("thinking=off" in w for w in thinking)
+
+
 # ---------------------------------------------------------------- several replies per prompt
 
 

@@ -98,10 +98,12 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
-def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: float) -> list[str]:
+def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: float, *,
+                         check_temperature: bool = True) -> list[str]:
     """Warnings for training on `data_dir` when the drafter is evaluated/served with these settings.
 
     Empty when `data_dir` is not a regenerate output (nothing to compare) or everything matches.
+    `check_temperature=False` leaves the temperature out (a sampled source mixed with a matching one).
     """
     manifest = read_manifest(data_dir)
     if manifest is None:
@@ -114,7 +116,7 @@ def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: floa
             f"is evaluated with thinking={'on' if thinking else 'off'}: acceptance drops sharply when they differ. "
             "Regenerate with regenerate.thinking matching, or set eval/data thinking to match the data."
         )
-    if "temperature" in settings and float(settings["temperature"]) != float(temperature):
+    if check_temperature and "temperature" in settings and float(settings["temperature"]) != float(temperature):
         warnings.append(
             f"{data_dir} was regenerated at temperature={settings['temperature']} but the drafter is evaluated "
             f"at temperature={temperature}; regenerate with regenerate.temperature={temperature} for labels "
@@ -128,13 +130,32 @@ def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: floa
     return warnings
 
 
+def regen_temperature(data_dir: str | Path) -> Optional[float]:
+    """The temperature `data_dir` was regenerated at; None when it is not a regenerate output."""
+    manifest = read_manifest(data_dir)
+    if manifest is None or "temperature" not in manifest.get("settings", {}):
+        return None
+    return float(manifest["settings"]["temperature"])
+
+
 def warn_regen_mismatch(config: Config) -> list[str]:
     """Log (and return) warnings when a regenerated training source used other thinking/temperature settings
-    than evaluation (and serving) will."""
+    than evaluation (and serving) will.
+
+    Sources sampled at another temperature beside a source regenerated at the evaluation's are extra replies
+    on purpose (more distinct labels per prompt; bench/RESULTS.md "Sampled replies against memorising"):
+    logged as such, not warned about.
+    """
+    temperature = float(config.eval.temperature)
+    dirs = [source.path for source in config.data.resolved_sources() if Path(source.path).is_dir()]
+    sampled_at = {d: regen_temperature(d) for d in dirs}
+    mixed = any(t == temperature for t in sampled_at.values())
     warnings = []
-    for source in config.data.resolved_sources():
-        if Path(source.path).is_dir():
-            warnings += check_regen_settings(source.path, config.data.thinking, config.eval.temperature)
+    for d in dirs:
+        warnings += check_regen_settings(d, config.data.thinking, temperature, check_temperature=not mixed)
+        if mixed and sampled_at[d] is not None and sampled_at[d] != temperature:
+            log.info("%s was regenerated at temperature=%g: trained on as extra replies beside the data "
+                     "regenerated at the evaluation's temperature=%g", d, sampled_at[d], temperature)
     for warning in warnings:
         log.warning(warning)
     return warnings
