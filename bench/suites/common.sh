@@ -13,13 +13,14 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export NCCL_NVLS_ENABLE=0  # no NVLink multicast on the device machines (device KINDS.md)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$LOGS/gpu.txt" 2>&1
 
-step() {  # step NAME LIMIT_S CMD...
+step() {  # step NAME LIMIT_S CMD...; returns CMD's exit status
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date +%T))"
   local t0=$SECONDS
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0))s"; tail -n 25 "$LOGS/$name.log"
+  return $rc
 }
 
 finish() {

@@ -18,8 +18,9 @@
 # that train on data.path=/tmp/curve/data2/train. REGEN2="regenerate.k=v ..." answers PROMPTS's training prompts a
 # second time with the practice recipe and these settings (e.g. sampled replies: regenerate.num_samples=2
 # regenerate.temperature=0.8; repeat the first regeneration's max_turns and max_prompt_tokens) into
-# /tmp/curve/regen2/train, for arms that train on it (data.path=... or a data.sources mix; not packed). It must
-# finish within the start call, or nothing trains.
+# /tmp/curve/regen2/train, for arms that train on it (data.path=... or a data.sources mix). It must finish within
+# the start call, or nothing trains. Its output comes back as regen2-cache.tar.gz.part*: put them in PROMPTS and a
+# later call with the same REGEN2 resumes from them (nothing left to answer; other settings are refused).
 # Carry .whl (omegaconf, datasets, dill, multiprocess), .practice/model and PROMPTS. DEVICE=cpu (with a small
 # pipeline.token_budget) checks the flow on a machine without a GPU.
 T0=$SECONDS
@@ -57,7 +58,12 @@ if [ "${PHASE:-start}" = start ]; then
     ls "$DATA2"/quality-cache.tar.gz.part* >/dev/null || { echo "DATA2=$DATA2 holds no quality-cache parts"; exit 1; }
     mkdir -p "$W/data2" && cat "$DATA2"/quality-cache.tar.gz.part* | tar xzf - -C "$W/data2"
   fi
-  [ -n "${REGEN2:-}" ] && mkdir -p "$W/regen2" && train_prompts "$W/regen2"  # for a second regeneration below
+  if [ -n "${REGEN2:-}" ]; then  # for a second regeneration below, which resumes from an earlier call's output
+    mkdir -p "$W/regen2" && train_prompts "$W/regen2"
+    if ls "$PROMPTS"/regen2-cache.tar.gz.part* >/dev/null 2>&1; then
+      cat "$PROMPTS"/regen2-cache.tar.gz.part* | tar xzf - -C "$W/regen2"
+    fi
+  fi
   EVAL_ARGS=()
   if [ -n "${EVAL:-}" ]; then
     rm -rf "$W/cache/eval" "$W/cache/eval.jsonl"; cp "$EVAL/eval_prompts.jsonl" "$W/cache/"
@@ -76,9 +82,11 @@ if [ "${PHASE:-start}" = start ]; then
     step regen2 $(( ${DEADLINE_S:-570} - (SECONDS - T0) - 30 )) python3 -m dflash_trainer regenerate --config practice \
       --out "$W/regen2/train" data.path="$W/regen2/train_prompts.jsonl" target.path="$W/target" \
       data.max_conversations=null logging.progress=false "run.device=${DEVICE:-cuda}" regenerate.batch_size=4096 $REGEN2
-    if ! grep -q '"complete": true' "$W/regen2/train/manifest.json" 2>/dev/null; then
-      echo "REGEN2 did not finish (see regen2.log): not training on part of it"; finish; exit 1
+    regen2_rc=$?  # non-zero also when an earlier call's output (from PROMPTS) has other settings
+    if (( regen2_rc != 0 )) || ! grep -q '"complete": true' "$W/regen2/train/manifest.json" 2>/dev/null; then
+      echo "REGEN2 failed or did not finish (see regen2.log): not training on it"; finish; exit 1
     fi
+    tar czf - -C "$W/regen2" train | split -b 15m -d - "$OUT/regen2-cache.tar.gz.part"  # for a later call
   fi
   # its own session (it outlives this call); it writes its pid, which is also its process group's id
   if [ -n "${ARMS:-}" ]; then
