@@ -1,11 +1,13 @@
 """Drafters evaluated on the same prompts, compared prompt by prompt: each one's real tau, and its difference from
 the first one's with the standard error of that difference (paired: what the prompts share cancels).
 
-    python bench/compare.py BASE.json OTHER.json ...
+    python bench/compare.py BASE.json OTHER.json ... [--first N]
 
-Each file is a `bench/quality.py` result or a run's `eval.json` (its `tau`, `per_prompt_committed`,
-`per_prompt_steps` and `setting_digest`: the same prompts, decoding settings and target). Prints a markdown
-table (for bench/RESULTS.md); the last line printed is JSON.
+Each file is a `bench/quality.py` result or a run's `eval.json` (its `per_prompt_committed`, `per_prompt_steps`
+and `setting_digest`: the same prompts, decoding settings and target). `--first N` compares on the first N prompts
+only (e.g. the usual 40 of a 200-prompt evaluation). When the evaluation kept prompt lookup's per-prompt counts,
+its tau on the same prompts and each run's ratio to it are printed too. Prints a markdown table (for
+bench/RESULTS.md); the last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -21,57 +24,83 @@ from common import or_dash  # noqa: E402  (bench/common.py)
 
 from dflash_trainer.eval.stats import plus_minus, tau_difference_stderr, tau_stderr  # noqa: E402
 
-FIELDS = ("tau", "per_prompt_committed", "per_prompt_steps", "setting_digest")
+FIELDS = ("per_prompt_committed", "per_prompt_steps", "setting_digest")
+LOOKUP_FIELDS = ("prompt_lookup_per_prompt_committed", "prompt_lookup_per_prompt_steps")
 
 
-def load(path: Path) -> dict:
+def load(path: Path, first: Optional[int] = None) -> dict:
+    """The per-prompt counts of `path` (the first `first` prompts when given)."""
     result = json.loads(path.read_text())
     missing = [k for k in FIELDS if result.get(k) is None]
     if missing:
         raise SystemExit(f"{path}: no {', '.join(missing)} (evaluated before per-prompt counts were kept): "
                          "evaluate its drafter again with `dflash-train eval`")
+    prompts = len(result["per_prompt_steps"])
+    if first is not None and not 1 <= first <= prompts:
+        raise SystemExit(f"--first {first}: {path} has {prompts} prompts; give 1 to {prompts}")
     # a run's eval.json is named by its folder (eval-alone-<arm>/eval.json); a copy by its own file name
     name = result.get("name") or (path.resolve().parent.name if path.stem == "eval" else path.stem)
-    return {"name": name, "path": str(path), **{k: result[k] for k in FIELDS}}
+    counts = {k: result[k][:first] for k in FIELDS[:2] + LOOKUP_FIELDS if result.get(k) is not None}
+    return {"name": name, "path": str(path), "setting_digest": result["setting_digest"], **counts}
 
 
-def compare(runs: list[dict]) -> list[dict]:
+def pooled_tau(committed: list[int], steps: list[int]) -> float:
+    """Committed tokens per verification step over every step of these prompts (the evaluator's tau)."""
+    return sum(committed) / sum(steps)
+
+
+def compare(runs: list[dict]) -> tuple[list[dict], Optional[dict]]:
+    """Each run's tau and its paired difference from the first run's; prompt lookup's tau on the same prompts
+    (None when no run kept its per-prompt counts)."""
     base = runs[0]
     for run in runs[1:]:
         if run["setting_digest"] != base["setting_digest"]:
             raise SystemExit(f"{run['path']} was evaluated otherwise than {base['path']} (other prompts, decoding "
                              "settings or target): compare evaluations of the same eval.prompts, eval.num_prompts, "
                              "eval.max_new_tokens, eval.temperature, block size and target")
+    # the same digest means the same target replies, so prompt lookup's pass is the same in every run
+    with_lookup = next((run for run in runs if all(k in run for k in LOOKUP_FIELDS)), None)
+    lookup = None
+    if with_lookup is not None:
+        counts = [with_lookup[k] for k in LOOKUP_FIELDS]
+        lookup = {"tau": pooled_tau(*counts), "stderr": tau_stderr(*counts)}
+    base_counts = (base["per_prompt_committed"], base["per_prompt_steps"])
     rows = []
     for run in runs:
         own = (run["per_prompt_committed"], run["per_prompt_steps"])
-        rows.append({"name": run["name"], "tau": run["tau"], "stderr": tau_stderr(*own),
-                     "difference": run["tau"] - base["tau"],
-                     "difference_stderr": tau_difference_stderr(*own, base["per_prompt_committed"],
-                                                                base["per_prompt_steps"])})
-    return rows
+        tau = pooled_tau(*own)
+        rows.append({"name": run["name"], "tau": tau, "stderr": tau_stderr(*own),
+                     "difference": tau - pooled_tau(*base_counts),
+                     "difference_stderr": tau_difference_stderr(*own, *base_counts),
+                     "lookup_ratio": tau / lookup["tau"] if lookup else None})
+    return rows, lookup
 
 
-def table(rows: list[dict], prompts: int) -> str:
+def table(rows: list[dict], prompts: int, lookup: Optional[dict]) -> str:
     base = rows[0]["name"]
-    lines = [f"| run | real tau ({prompts} prompts) | difference from {base} | paired error | difference / error |",
-             "|---|---|---|---|---|"]
+    lines = [f"| run | real tau ({prompts} prompts) | difference from {base} | paired error | difference / error "
+             "| ratio to prompt lookup |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         ratio = r["difference"] / r["difference_stderr"] if r["difference_stderr"] else None
         lines.append(f"| {r['name']} | {r['tau']:.3f}{plus_minus(r['stderr'])} | "
                      f"{or_dash(r['difference'], '{:+.3f}')} | {or_dash(r['difference_stderr'], '{:.3f}')} | "
-                     f"{or_dash(ratio, '{:+.1f}')} |")
+                     f"{or_dash(ratio, '{:+.1f}')} | {or_dash(r['lookup_ratio'], '{:.2f}x')} |")
+    if lookup is not None:
+        lines.append(f"\nprompt lookup on the same prompts: {lookup['tau']:.3f}{plus_minus(lookup['stderr'])}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", type=Path, help="the first is the base")
+    p.add_argument("--first", type=int, help="compare on the first N prompts only")
     args = p.parse_args(argv)
-    runs = [load(path) for path in args.results]
-    rows = compare(runs)
-    print(table(rows, len(runs[0]["per_prompt_steps"])))
-    print(json.dumps({"bench": "compare", "rows": rows}))
+    runs = [load(path, args.first) for path in args.results]
+    rows, lookup = compare(runs)
+    print(table(rows, len(runs[0]["per_prompt_steps"]), lookup))
+    print(json.dumps({"bench": "compare", "prompts": len(runs[0]["per_prompt_steps"]), "rows": rows,
+                      "prompt_lookup": lookup}))
     return 0
 
 

@@ -289,6 +289,8 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
         committed, steps = result["per_prompt_committed"], result["per_prompt_steps"]
         assert len(steps) == len(committed) == 3 and result["tau"] == pytest.approx(sum(committed) / sum(steps))
         assert result["tau_stderr"] == pytest.approx(tau_stderr(committed, steps))
+        lookup = (result["prompt_lookup_per_prompt_committed"], result["prompt_lookup_per_prompt_steps"])
+        assert result["prompt_lookup_tau"] == pytest.approx(sum(lookup[0]) / sum(lookup[1]))
     assert list((tmp_path / "parts").glob("quality-cache.tar.gz.part*"))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c2"),
                            "--unpack", str(tmp_path / "parts"), "--data-only"], capture_output=True, text=True,
@@ -414,6 +416,21 @@ def test_compare_pairs_the_prompts_and_refuses_other_prompts(tmp_path):
     assert rows["better"]["difference_stderr"] == pytest.approx(reference)
     assert rows["better"]["difference_stderr"] < rows["better"]["stderr"] / 5
     assert "| better | 3.100 ± " in proc.stdout and "| +0.350 |" in proc.stdout
+    # the first N prompts only, with prompt lookup's tau on them when a result kept its per-prompt counts
+    lookup = result("lookup", [30, 20, 50, 10], prompt_lookup_per_prompt_committed=[20, 20, 30, 10],
+                    prompt_lookup_per_prompt_steps=[10] * 4)
+    first = run(base, better, lookup, "--first", "2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    last = json.loads(first.stdout.strip().splitlines()[-1])
+    assert last["prompts"] == 2 and last["prompt_lookup"]["tau"] == pytest.approx(2.0)
+    rows2 = {r["name"]: r for r in last["rows"]}
+    assert rows2["base"]["tau"] == pytest.approx(2.5) and rows2["better"]["tau"] == pytest.approx(2.75)
+    assert rows2["better"]["difference"] == pytest.approx(0.25)
+    assert rows2["better"]["lookup_ratio"] == pytest.approx(1.375)
+    assert "| 1.38x |" in first.stdout and "prompt lookup on the same prompts: 2.000" in first.stdout
+    assert rows["better"]["lookup_ratio"] is None  # no result kept prompt lookup's counts
+    too_many = run(base, better, "--first", "5")
+    assert too_many.returncode != 0 and "--first 5" in too_many.stderr and "has 4 prompts" in too_many.stderr
     other = run(base, result("other", [30, 20, 50, 10], digest="d2"))
     assert other.returncode != 0 and "other.json was evaluated otherwise than" in other.stderr
     old = tmp_path / "old.json"

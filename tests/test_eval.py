@@ -95,6 +95,9 @@ def test_evaluate_tau_histogram_and_formula():
     assert 0 < report.tau_stderr < 1 and report.prompt_lookup_tau_stderr is not None
     assert report.per_prompt_steps == [len(lengths) for lengths in per_prompt]
     assert report.per_prompt_committed == [sum(lengths) for lengths in per_prompt]
+    lookup_counts = (report.prompt_lookup_per_prompt_committed, report.prompt_lookup_per_prompt_steps)
+    assert len(lookup_counts[1]) == len(setup.prompts) and sum(lookup_counts[1]) == sum(report.prompt_lookup_histogram)
+    assert sum(lookup_counts[0]) / sum(lookup_counts[1]) == pytest.approx(report.prompt_lookup_tau)
     # the digest names what the evaluation ran on: the same again gives the same, any change another
     again = evaluate_tau(setup.target, make, setup.prompts, block_size=4, tap_layer_ids=taps, max_new_tokens=20,
                          stop_token_ids=[], batch_size=3, with_baseline=False, with_prompt_lookup=False)

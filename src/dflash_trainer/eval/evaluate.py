@@ -54,6 +54,9 @@ class EvalReport:
     """Tokens the verification steps committed, one entry per prompt in prompt order (the drafter's pass)."""
     per_prompt_steps: Optional[list[int]] = None
     """Verification steps, one entry per prompt in prompt order."""
+    prompt_lookup_per_prompt_committed: Optional[list[int]] = None
+    """As `per_prompt_committed`, for prompt lookup's pass (so a subset of the prompts gives both taus)."""
+    prompt_lookup_per_prompt_steps: Optional[list[int]] = None
     setting_digest: Optional[str] = None
     """What the evaluation ran on (`setting_digest`): two evaluations with the same digest ran the same prompts,
     decoding settings and target, so they can be compared prompt by prompt (`bench/compare.py`)."""
@@ -191,6 +194,7 @@ def evaluate_tau(
     lookup_histogram = _histogram(lookup, block_size) if lookup is not None else None
     tokens = sum(len(r.output_ids) for r in spec)
     committed, steps = _per_prompt(spec)
+    lookup_committed, lookup_steps = _per_prompt(lookup) if lookup is not None else (None, None)
     return EvalReport(
         tau=_tau(histogram),
         acceptance_histogram=histogram,
@@ -206,9 +210,11 @@ def evaluate_tau(
         prompt_lookup_tau=_tau(lookup_histogram) if lookup_histogram is not None else None,
         prompt_lookup_histogram=lookup_histogram,
         tau_stderr=tau_stderr(committed, steps),
-        prompt_lookup_tau_stderr=tau_stderr(*_per_prompt(lookup)) if lookup is not None else None,
+        prompt_lookup_tau_stderr=tau_stderr(lookup_committed, lookup_steps) if lookup is not None else None,
         per_prompt_committed=committed,
         per_prompt_steps=steps,
+        prompt_lookup_per_prompt_committed=lookup_committed,
+        prompt_lookup_per_prompt_steps=lookup_steps,
         setting_digest=setting_digest(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                       block_size=block_size, stop_token_ids=tuple(stop_token_ids)),
         seconds=time.perf_counter() - start,
