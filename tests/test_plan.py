@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import yaml
@@ -151,6 +152,45 @@ def test_cache_hit_skips_tokenizing_and_config_changes_invalidate(tmp_path, tiny
     assert not shorter.summary.cache_hit and max(shorter.train.lengths) == 64
     reseeded = prepare_data(small_config(tmp_path, "run.seed=7"), tmp_path / "run", tokenizer=tiny_tokenizer)
     assert not reseeded.summary.cache_hit
+
+
+def test_processes_preparing_the_same_data_at_once_tokenize_it_once(tmp_path, tiny_tokenizer, monkeypatch):
+    """Two preparations of the same data started together (a sweep's arms): one tokenizes while the other waits
+    on the cache entry's lock, then reads the cache. A holder that does not let go is a DataError naming it."""
+    import threading
+    import time
+
+    from dflash_trainer.data.tokenized import cache_lock
+
+    cfg = small_config(tmp_path)
+    real = prepare_module.tokenize_all
+    calls = []
+
+    def slow_tokenize_all(*a, **k):
+        calls.append(threading.current_thread().name)
+        time.sleep(0.5)  # long enough for the other thread to reach the lock
+        return real(*a, **k)
+
+    monkeypatch.setattr(prepare_module, "tokenize_all", slow_tokenize_all)
+    results = {}
+
+    def prepare(name):
+        results[name] = prepare_data(cfg, tmp_path / f"run-{name}", tokenizer=tiny_tokenizer, write_files=False)
+
+    threads = [threading.Thread(target=prepare, args=(n,), name=n) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(calls) == 1 and sorted(r.summary.cache_hit for r in results.values()) == [False, True]
+    assert results["a"].train.lengths == results["b"].train.lengths
+    entry = Path(results["a"].summary.cache_path)
+    with cache_lock(entry):
+        with pytest.raises(DataError, match=f"{entry.name}.lock.*data.cache_dir"):
+            with cache_lock(entry, timeout_s=0.2, poll_s=0.05):
+                pass
+    with cache_lock(entry, timeout_s=0.2):  # released on exit
+        pass
 
 
 def test_nothing_trainable_is_a_data_error_naming_the_dataset(tmp_path, tiny_tokenizer):

@@ -22,6 +22,7 @@ from dflash_trainer.data.tokenize_pool import default_num_workers
 from dflash_trainer.data.tokenized import (
     TokenizedDataset,
     cache_key,
+    cache_lock,
     cache_root,
     code_fingerprint,
     key_parts,
@@ -112,12 +113,19 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
     parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer)
     code = code_fingerprint([__file__, masks.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__])
     path = cache_root(config.data.cache_dir) / cache_key(parts, code)
-    cached = load_cache(path)
-    if cached is not None:
-        dataset, meta = cached
-        log.info("tokenized data from cache %s", path)
-    else:
-        dataset, meta = _build(config, tokenizer)
+    with cache_lock(path):  # a process preparing the same data at once waits, then reads the cache
+        cached = load_cache(path)
+        if cached is not None:
+            dataset, meta = cached
+            log.info("tokenized data from cache %s", path)
+        else:
+            dataset, meta = _build(config, tokenizer)
+            if len(dataset):
+                try:
+                    save_cache(path, dataset, meta)
+                except OSError as e:
+                    log.warning("cannot write the tokenized cache %s (%s); set data.cache_dir to a writable dir",
+                                path, e)
     source_names = [s.path for s in config.data.resolved_sources()]
     if len(dataset) == 0:
         raise DataError(
@@ -129,11 +137,6 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
         log.warning("%d conversations were cut at data.max_length=%d (%d tokens left out, not trained on); raise "
                     "data.max_length (and pipeline.token_budget) to keep them", meta["truncated"],
                     config.data.max_length, meta["truncated_tokens"])
-    if cached is None:
-        try:
-            save_cache(path, dataset, meta)
-        except OSError as e:
-            log.warning("cannot write the tokenized cache %s (%s); set data.cache_dir to a writable dir", path, e)
     held = tuple(Conversation.from_json(r) for r in meta["eval"])
     if write_files:  # one rank writes; the others read the same cache
         write_eval_conversations(run_dir, held)

@@ -7,6 +7,7 @@ the source of the loading/masking modules and `CODE_VERSION`), so a stale cache 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -15,9 +16,10 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,6 +29,7 @@ from dflash_trainer.data.masks import end_of_turn_marker
 from dflash_trainer.data.sources import source_fingerprint
 from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers, tokenize_one
 from dflash_trainer.data.types import Conversation, TokenizedSequence
+from dflash_trainer.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +195,52 @@ def key_parts(data_config, *, seed: int, block_size: int, tokenizer: PreTrainedT
 
 def cache_root(cache_dir: Optional[str]) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.expanduser()
+
+
+CACHE_WAIT_S = 2 * 3600.0
+"""Bound on the wait for another process tokenizing the same data (a large dataset takes minutes to an hour)."""
+
+
+@contextmanager
+def cache_lock(path: Path, timeout_s: float = CACHE_WAIT_S, poll_s: float = 0.5) -> Iterator[None]:
+    """Hold `<path>.lock` while reading or building the cache entry `path`, so processes that prepare the same
+    data at once (a sweep's arms, a job's ranks) tokenize it once: the others wait, then read the cache.
+
+    The lock is an flock, released by the kernel when its holder exits or dies: a stale lock file never blocks.
+    Where the cache folder cannot hold a lock, nothing is locked (each process tokenizes on its own).
+    """
+    lock_path = path.parent / f"{path.name}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a")
+    except OSError as e:
+        log.debug("no lock for the tokenized cache %s (%s)", path, e)
+        yield
+        return
+    with handle:
+        start = time.monotonic()
+        waited = locked = False
+        while not locked:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:  # held by another process
+                if not waited:
+                    log.info("waiting for another process that tokenizes the same data (%s)", lock_path)
+                    waited = True
+                if time.monotonic() - start > timeout_s:
+                    raise DataError(f"another process has held {lock_path} for over {timeout_s:.0f} s (it is "
+                                    "tokenizing the same data, or hangs): wait for it, stop it, or set "
+                                    "data.cache_dir to another folder") from None
+                time.sleep(poll_s)
+            except OSError as e:  # a file system without locks (some network mounts)
+                log.debug("no lock for the tokenized cache %s (%s)", path, e)
+                break
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def save_cache(path: Path, dataset: TokenizedDataset, meta: dict[str, Any]) -> None:
