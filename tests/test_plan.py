@@ -182,6 +182,7 @@ def test_processes_preparing_the_same_data_at_once_tokenize_it_once(tmp_path, ti
         t.start()
     for t in threads:
         t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and sorted(results) == ["a", "b"]
     assert len(calls) == 1 and sorted(r.summary.cache_hit for r in results.values()) == [False, True]
     assert results["a"].train.lengths == results["b"].train.lengths
     entry = Path(results["a"].summary.cache_path)

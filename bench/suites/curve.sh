@@ -61,7 +61,8 @@ if [ "${PHASE:-start}" = start ]; then
   if [ -n "${REGEN2:-}" ]; then  # for a second regeneration below, which resumes from an earlier call's output
     mkdir -p "$W/regen2" && train_prompts "$W/regen2"
     if ls "$PROMPTS"/regen2-cache.tar.gz.part* >/dev/null 2>&1; then
-      cat "$PROMPTS"/regen2-cache.tar.gz.part* | tar xzf - -C "$W/regen2"
+      cat "$PROMPTS"/regen2-cache.tar.gz.part* | tar xzf - -C "$W/regen2" \
+        || { echo "$PROMPTS/regen2-cache.tar.gz.part* do not unpack (a part missing?)"; finish; exit 1; }
     fi
   fi
   EVAL_ARGS=()
@@ -78,15 +79,17 @@ if [ "${PHASE:-start}" = start ]; then
   grep -E "^data:|packed" "$LOGS/pack.log" | cut -c1-400
   if [ -n "${DATA_ONLY:-}" ]; then finish; exit 0; fi
   if [ -n "${REGEN2:-}" ]; then  # within this call: the training must start before it ends
+    left=$(( ${DEADLINE_S:-570} - (SECONDS - T0) - 30 ))
+    (( left > 0 )) || { echo "no time left in this call for REGEN2 (DEADLINE_S=${DEADLINE_S:-570})"; finish; exit 1; }
     # shellcheck disable=SC2086  # REGEN2: the second regeneration's regenerate.* overrides
-    step regen2 $(( ${DEADLINE_S:-570} - (SECONDS - T0) - 30 )) python3 -m dflash_trainer regenerate --config practice \
+    step regen2 "$left" python3 -m dflash_trainer regenerate --config practice \
       --out "$W/regen2/train" data.path="$W/regen2/train_prompts.jsonl" target.path="$W/target" \
       data.max_conversations=null logging.progress=false "run.device=${DEVICE:-cuda}" regenerate.batch_size=4096 $REGEN2
     regen2_rc=$?  # non-zero also when an earlier call's output (from PROMPTS) has other settings
     if (( regen2_rc != 0 )) || ! grep -q '"complete": true' "$W/regen2/train/manifest.json" 2>/dev/null; then
       echo "REGEN2 failed or did not finish (see regen2.log): not training on it"; finish; exit 1
     fi
-    tar czf - -C "$W/regen2" train | split -b 15m -d - "$OUT/regen2-cache.tar.gz.part"  # for a later call
+    tar czf - --exclude=.lock -C "$W/regen2" train | split -b 15m -d - "$OUT/regen2-cache.tar.gz.part"  # for later
   fi
   # its own session (it outlives this call); it writes its pid, which is also its process group's id
   if [ -n "${ARMS:-}" ]; then

@@ -113,19 +113,22 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
     parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer)
     code = code_fingerprint([__file__, masks.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__])
     path = cache_root(config.data.cache_dir) / cache_key(parts, code)
-    with cache_lock(path):  # a process preparing the same data at once waits, then reads the cache
-        cached = load_cache(path)
-        if cached is not None:
-            dataset, meta = cached
-            log.info("tokenized data from cache %s", path)
-        else:
-            dataset, meta = _build(config, tokenizer)
-            if len(dataset):
-                try:
-                    save_cache(path, dataset, meta)
-                except OSError as e:
-                    log.warning("cannot write the tokenized cache %s (%s); set data.cache_dir to a writable dir",
-                                path, e)
+    cached = load_cache(path)  # an entry is renamed into place whole: reading it needs no lock
+    built = None
+    if cached is None:
+        with cache_lock(path):  # a process preparing the same data at once waits, then reads the cache
+            cached = load_cache(path)
+            if cached is None:
+                built = _build(config, tokenizer)
+                if len(built[0]):
+                    try:
+                        save_cache(path, *built)
+                    except OSError as e:
+                        log.warning("cannot write the tokenized cache %s (%s); set data.cache_dir to a writable "
+                                    "dir", path, e)
+    if cached is not None:
+        log.info("tokenized data from cache %s", path)
+    dataset, meta = cached or built
     source_names = [s.path for s in config.data.resolved_sources()]
     if len(dataset) == 0:
         raise DataError(

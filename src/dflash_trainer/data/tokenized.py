@@ -207,6 +207,7 @@ def cache_lock(path: Path, timeout_s: float = CACHE_WAIT_S, poll_s: float = 0.5)
     data at once (a sweep's arms, a job's ranks) tokenize it once: the others wait, then read the cache.
 
     The lock is an flock, released by the kernel when its holder exits or dies: a stale lock file never blocks.
+    In a torchrun job only rank 0 prepares first; the other ranks wait for it within `pipeline.timeout_s`.
     Where the cache folder cannot hold a lock, nothing is locked (each process tokenizes on its own).
     """
     lock_path = path.parent / f"{path.name}.lock"
