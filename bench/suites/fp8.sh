@@ -4,7 +4,17 @@
 #   tests  the GPU tests of target.quantize=fp8
 #   8b     the Qwen3-8B-shape tap-capture forward in bf16 and FP8 in the same run (eager and compiled layers)
 #   70b    whether a Llama-3-70B-shape FP8 target fits on one H200: eager first, then with compiled layers
+#   practice  40 steps of configs/practice.yaml on the practice target's FP8 taps, then on its bf16 taps, every
+#          step logged: where a run on FP8 taps spends its start (one took 12 minutes to reach step 100 on a
+#          shared GPU). A run still going after 150 s dumps every thread's stack (SIGABRT, faulthandler) into its
+#          log. Also carry .practice/model and .quality/turns4 (the data cache parts).
 source "$(dirname "$0")/common.sh"
+practice_steps() {  # practice_steps NAME OVERRIDES...: 40 logged steps of the practice recipe
+  local name=$1; shift
+  step "$name" 170 env PYTHONFAULTHANDLER=1 timeout -s ABRT 150 python3 -m dflash_trainer train --config practice \
+    target.path="$PWD/.practice/model" data.path=/tmp/fp8-practice/train run.dir="/tmp/fp8-practice/$name" \
+    train.max_steps=40 train.max_minutes=null train.log_interval=1 logging.progress=false run.device=cuda "$@"
+}
 for part in ${PARTS:-tests 8b}; do
   case $part in
     tests) step gpu-tests 120 python3 -m pytest -q -x tests/test_target_quantize.py ;;
@@ -12,7 +22,11 @@ for part in ${PARTS:-tests 8b}; do
     70b) step fp8-70b-eager 200 python3 bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192 \
            --iters 2 --no-compile
          step fp8-70b 330 python3 bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192 --iters 2 ;;
-    *) echo "unknown part $part (tests, 8b, 70b)"; exit 2 ;;
+    practice) rm -rf /tmp/fp8-practice && mkdir -p /tmp/fp8-practice
+         cat .quality/turns4/quality-cache.tar.gz.part* | tar xzf - -C /tmp/fp8-practice
+         practice_steps practice-fp8 target.quantize=fp8
+         practice_steps practice-bf16 ;;
+    *) echo "unknown part $part (tests, 8b, 70b, practice)"; exit 2 ;;
   esac
 done
 finish
