@@ -147,6 +147,39 @@ def test_training_time_counts_earlier_sessions_and_leaves_pauses_out(monkeypatch
     assert state.step == 4 and state.out_of_time and state.time_fraction == pytest.approx(1.1)
 
 
+@pytest.mark.parametrize("first_micro_s, warned", [(30.0, True), (5.0, False)])
+def test_a_start_that_takes_much_of_the_time_budget_is_warned_about(monkeypatch, caplog, first_micro_s, warned):
+    """A 100 s budget: a first step that ends 60 s in (two 30 s microbatches: compiling) is warned about, one
+    that ends 10 s in is not; later slow steps are not a start."""
+    import logging
+    from types import SimpleNamespace
+
+    from dflash_trainer.train import step_loop
+
+    clock = [1000.0]
+    monkeypatch.setattr(step_loop, "time", SimpleNamespace(monotonic=lambda: clock[0], perf_counter=lambda: clock[0]))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    micro = _micro(model)
+    calls = []
+
+    def micro_step(batch):
+        calls.append(1)
+        clock[0] += first_micro_s if len(calls) <= 2 else 30.0
+        return micro(batch)
+
+    loop = StepLoop(model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                    micro_step=micro_step, job_key=lambda b: (b[0], b[1]), grad_accum=2, block_size=2, grad_clip=0.0,
+                    group=None, device=torch.device("cpu"), time_budget_s=100.0)
+    queue = _batches() * 2
+    with caplog.at_level(logging.WARNING, logger="dflash_trainer.train.step_loop"):
+        loop.run(lambda: (queue.pop(0), lambda: None) if queue else None)
+    messages = [r.getMessage() for r in caplog.records if "first step" in r.getMessage()]
+    assert len(messages) == (1 if warned else 0)
+    if warned:
+        assert "60 s into this session, 60% of the time budget" in messages[0] and "train.max_minutes" in messages[0]
+
+
 def _paused_worker(rank, port, out_dir):
     """Rank 0 evaluates (sleeps 0.3 s, paused) after the first step; rank 1 waits for it in the next step."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -32,6 +32,9 @@ from dflash_trainer.train.parallel import set_gradient_sync
 
 log = logging.getLogger(__name__)
 
+SLOW_START_SHARE = 0.2
+"""A first step that ends later than this share of the time budget into a session is warned about."""
+
 B = TypeVar("B")
 
 
@@ -197,14 +200,30 @@ class StepLoop(Generic[B]):
     ) -> LoopState:
         """`take` returns (batch, release) or None when this rank's pool is dry for good."""
         self._started = time.monotonic()
+        first = True
         while self.max_steps is None or self.state.step < self.max_steps:
             record = self.step(take)
             if record is None:
                 break
+            if first:
+                self._warn_on_slow_start()
+                first = False
             on_step(record)
             if self.state.out_of_time or self.state.stop_requested:
                 break
         return self.state
+
+    def _warn_on_slow_start(self) -> None:
+        """The time budget counts this session's start (compiling, the first batches); the lr schedule follows
+        the budget, so a start that takes much of it leaves little training at the peak lr: say so."""
+        if not (self.time_budget_s and self.clock_rank):
+            return
+        share = (self.state.time_spent_s - self.time_spent_before_s) / self.time_budget_s
+        if share > SLOW_START_SHARE:
+            log.warning("the first step ended %.0f s into this session, %.0f%% of the time budget "
+                        "(train.max_minutes): start-up counts as training time, and the lr schedule follows it. "
+                        "Raise train.max_minutes, or find what the start waited on", self.state.time_spent_s
+                        - self.time_spent_before_s, 100 * share)
 
     def pause(self, seconds: float) -> None:
         """Leave `seconds` (spent between steps on this rank, e.g. on an evaluation) out of the training time.
