@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
@@ -32,12 +33,14 @@ def conversations(n: int) -> list[Conversation]:
     return out
 
 
-def test_workers_give_the_same_dataset_and_drop_counts_as_one_process(tiny_tokenizer, monkeypatch):
+def test_workers_give_the_same_dataset_and_drop_counts_as_one_process(tiny_tokenizer, monkeypatch, caplog):
     monkeypatch.setattr(tokenize_pool, "CHUNK_SIZE", 16)  # several chunks per worker: order must hold
     chats = conversations(150)
     kwargs = dict(thinking=False, max_length=96, min_supervised=8)
     one = tokenize_all(chats, tiny_tokenizer, **kwargs)
-    many = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min_s=0.0, probe=40, **kwargs)  # 110 to workers
+    with caplog.at_level(logging.INFO, logger="dflash_trainer.data.tokenized"):
+        many = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min_s=0.0, probe=40, **kwargs)  # 110
+    assert "worker processes tokenized 110 conversations in" in caplog.text  # the pool's own rate, for tuning
     assert one.dropped == many.dropped and one.dropped.get("too_few_supervised_tokens", 0) > 0
     assert len(one.dataset) == len(many.dataset) > 100
     for name in ("input_ids", "loss_mask", "offsets", "source_index", "source_id"):

@@ -140,8 +140,12 @@ def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTok
                  num_workers, projected_s)
         # parallel_min_s <= 0 asks for the pool whatever its speed: no fallback then
         own_rate = 1.0 / seconds_each if parallel_min_s > 0 and seconds_each > 0 else None
+        pool_start = time.perf_counter()
         done = tokenize_in_workers(rest, tokenizer, settings, num_workers=num_workers, slower_than=own_rate,
                                    check_after_s=POOL_CHECK_S)
+        pool_s = time.perf_counter() - pool_start
+        log.info("worker processes tokenized %d conversations in %.0f s (%.0f/s; this process: %.0f/s)", len(done),
+                 pool_s, len(done) / max(pool_s, 1e-9), 1.0 / max(seconds_each, 1e-9))
         results += done
         rest = rest[len(done):]
     results += [tokenize_one(c, tokenizer, settings) for c in rest]
