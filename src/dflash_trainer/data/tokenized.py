@@ -207,8 +207,8 @@ CACHE_WAIT_S = 2 * 3600.0
 
 @contextmanager
 def cache_lock(path: Path, timeout_s: float = CACHE_WAIT_S, poll_s: float = 0.5) -> Iterator[None]:
-    """Hold `<path>.lock` while reading or building the cache entry `path`, so processes that prepare the same
-    data at once (a sweep's arms, a job's ranks) tokenize it once: the others wait, then read the cache.
+    """Hold `<path>.lock` while building the cache entry `path` (after a miss), so processes that prepare the
+    same data at once (a sweep's arms) tokenize it once: the others wait, then read the cache.
 
     The lock is an flock, released by the kernel when its holder exits or dies: a stale lock file never blocks.
     In a torchrun job only rank 0 prepares first; the other ranks wait for it within `pipeline.timeout_s`.

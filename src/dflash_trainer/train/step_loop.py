@@ -220,10 +220,10 @@ class StepLoop(Generic[B]):
             return
         share = (self.state.time_spent_s - self.time_spent_before_s) / self.time_budget_s
         if share > SLOW_START_SHARE:
-            log.warning("the first step ended %.0f s into this session, %.0f%% of the time budget "
-                        "(train.max_minutes): start-up counts as training time, and the lr schedule follows it. "
-                        "Raise train.max_minutes, or find what the start waited on", self.state.time_spent_s
-                        - self.time_spent_before_s, 100 * share)
+            log.warning("the first step ended %.0f s after the training loop started, %.0f%% of the time budget "
+                        "(train.max_minutes): the time before it (compiling, the first target batches) counts as "
+                        "training time, and the lr schedule follows it. Raise train.max_minutes, or find what the "
+                        "start waited on", self.state.time_spent_s - self.time_spent_before_s, 100 * share)
 
     def pause(self, seconds: float) -> None:
         """Leave `seconds` (spent between steps on this rank, e.g. on an evaluation) out of the training time.
