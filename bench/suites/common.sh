@@ -28,6 +28,17 @@ finish() {
   ls -la "$OUT"
 }
 
+# The practice target on its multi-turn data (carry .practice/model and .quality/turns4): `practice_data` unpacks
+# the data cache and tokenizes it once (`dflash-train plan`), so runs after it read the tokenized cache; their run
+# dirs go under /tmp/practice-runs (emptied here: a warm machine keeps an earlier call's).
+PRACTICE=(--config practice target.path="$PWD/.practice/model" data.path=/tmp/practice-data/train)
+practice_data() {
+  rm -rf /tmp/practice-data /tmp/practice-runs && mkdir -p /tmp/practice-data /tmp/practice-runs
+  cat .quality/turns4/quality-cache.tar.gz.part* | tar xzf - -C /tmp/practice-data \
+    || { echo "carry .quality/turns4 (its quality-cache parts)"; return 1; }
+  step practice-data 150 python3 -m dflash_trainer plan "${PRACTICE[@]}"
+}
+
 # A real training run: 1.7B-shape random target, ShareGPT lengths (tiny tokenizer), 120 steps, eval at the end.
 TRAIN=(python3 -m dflash_trainer train --config demo run.device=cuda target.random_init=qwen3-1.7b
   target.dtype=bfloat16 train.dtype=bfloat16 drafter.attention=flex drafter.num_layers=5 drafter.block_size=16

@@ -9,12 +9,11 @@
 #          shared GPU). A run still going after 150 s dumps every thread's stack (SIGABRT, faulthandler) into its
 #          log. Also carry .practice/model and .quality/turns4 (the data cache parts).
 source "$(dirname "$0")/common.sh"
-PRACTICE=(--config practice target.path="$PWD/.practice/model" data.path=/tmp/fp8-practice/train)
 practice_steps() {  # practice_steps NAME OVERRIDES...: 40 logged steps of the practice recipe, no final eval
   local name=$1; shift
   # a cold compile cache of its own each, so neither run inherits the other's compiled drafter
-  step "$name" 170 env PYTHONFAULTHANDLER=1 TORCHINDUCTOR_CACHE_DIR="/tmp/fp8-practice/inductor-$name" \
-    timeout -s ABRT 150 python3 -m dflash_trainer train "${PRACTICE[@]}" run.dir="/tmp/fp8-practice/$name" \
+  step "$name" 170 env PYTHONFAULTHANDLER=1 TORCHINDUCTOR_CACHE_DIR="/tmp/practice-runs/inductor-$name" \
+    timeout -s ABRT 150 python3 -m dflash_trainer train "${PRACTICE[@]}" run.dir="/tmp/practice-runs/$name" \
     train.max_steps=40 train.max_minutes=null train.log_interval=1 eval.at_end=false logging.report=false \
     logging.progress=false run.device=cuda "$@"
 }
@@ -25,11 +24,8 @@ for part in ${PARTS:-tests 8b}; do
     70b) step fp8-70b-eager 200 python3 bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192 \
            --iters 2 --no-compile
          step fp8-70b 330 python3 bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192 --iters 2 ;;
-    practice) rm -rf /tmp/fp8-practice && mkdir -p /tmp/fp8-practice
-         cat .quality/turns4/quality-cache.tar.gz.part* | tar xzf - -C /tmp/fp8-practice \
-           || { echo "carry .quality/turns4 (its quality-cache parts)"; finish; exit 1; }
+    practice) practice_data || { finish; exit 1; }  # tokenized once, before both runs
          ulimit -c 0  # an aborted CUDA process must not write a core file
-         step practice-data 150 python3 -m dflash_trainer plan "${PRACTICE[@]}"  # tokenized once, before both
          practice_steps practice-fp8 target.quantize=fp8
          practice_steps practice-bf16 ;;
     *) echo "unknown part $part (tests, 8b, 70b, practice)"; exit 2 ;;
