@@ -5,8 +5,8 @@
 #   8b     the Qwen3-8B-shape tap-capture forward in bf16 and FP8 in the same run (eager and compiled layers)
 #   70b    whether a Llama-3-70B-shape FP8 target fits on one H200: eager first, then with compiled layers
 #   practice  40 steps of configs/practice.yaml on the practice target's FP8 taps, then on its bf16 taps, every
-#          step logged: where a run on FP8 taps spends its start (one took 12 minutes to reach step 100 on a
-#          shared GPU). A run still going after 150 s dumps every thread's stack (SIGABRT, faulthandler) into its
+#          step logged: where a run on FP8 taps spends its start (one stalled: bench/RESULTS.md, "Sampled
+#          replies against memorising"). A run still going after 150 s dumps every thread's stack (SIGABRT, faulthandler) into its
 #          log. Also carry .practice/model and .quality/turns4 (the data cache parts).
 source "$(dirname "$0")/common.sh"
 practice_steps() {  # practice_steps NAME OVERRIDES...: 40 logged steps of the practice recipe, no final eval

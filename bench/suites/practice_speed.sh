@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Training tokens/s of configs/practice.yaml alone on one GPU, by compile setting: on this small target one run
-# leaves the GPU part idle (arms sharing it trained 1.66x the tokens/s of one alone), and faster steps are more
-# quality per GPU-minute. Each variant trains STEPS (default 400) steps on the practice target's multi-turn data,
+# leaves the GPU part idle (arms sharing it trained more tokens/s together than one alone: bench/RESULTS.md,
+# "Recipe levers at a longer budget"), and faster steps are more quality per GPU-minute. Each variant trains STEPS (default 400) steps on the practice target's multi-turn data,
 # no evaluation; bench/train_steady.py then prints each one's steady tokens/s (the first 100 steps, compile and
 # warm-up, left out). VARIANTS picks them (default: all, base first). ~6 minutes. Carry .whl .practice
 # .quality/turns4.
