@@ -11,8 +11,12 @@ turns under 1,500 characters, in file order; with `--eval-turns N`, conversation
 turn, every user turn under 1,500 characters) from those 500 only. A record's turns before its first user turn
 are left out. Both are answered by the target itself
 (`dflash-train regenerate`, the recipe's `regenerate` section); the held-out replies are the validation set
-(walk tau) and their prompts the real-tau prompts. `--pack DIR` writes the cache as <= 15 MB parts (to bring
-it back from a device machine), `--unpack DIR` restores it from them.
+(walk tau) and their prompts the real-tau prompts. The training prompts are answered a second time,
+`--sampled-replies` times each at `--sampled-temperature` (`CACHE/sampled`), and runs train on both sources,
+weighted by their sizes (`data.sources`): sampled replies beside the greedy ones keep the drafter from memorising
+them (bench/RESULTS.md, "Sampled replies against memorising"); `--sampled-replies 0` trains on the greedy ones.
+`--pack DIR` writes the cache as <= 15 MB parts (to bring it back from a device machine), `--unpack DIR` restores
+it from them.
 
 Per run: a JSON in `bench/results/` (and `--out`), and a table row; the last line printed is the JSON.
 Arms in parallel share the GPU (the practice target is too small to fill it alone): compare them by steps,
@@ -135,6 +139,20 @@ def user_turns(path: Path) -> int:
                for line in path.open() if line.strip())
 
 
+def data_parts(args) -> list[str]:
+    """The cache's regenerated folders: held-out replies, greedy training replies, sampled ones (if any)."""
+    return ["eval", "train"] + (["sampled"] if args.sampled_replies else [])
+
+
+def part_overrides(args, name: str) -> list[str]:
+    """What a folder's regeneration sets beyond the recipe and the command line's `regenerate.*`."""
+    if name == "eval":  # every turn of the held-out prompts, answered as decoding will see them
+        return [f"regenerate.max_turns={user_turns(Path(args.cache) / 'eval_prompts.jsonl')}"]
+    if name == "sampled":
+        return [f"regenerate.num_samples={args.sampled_replies}", f"regenerate.temperature={args.sampled_temperature}"]
+    return []
+
+
 def _complete(regen_dir: Path) -> bool:
     manifest = regen_dir / "manifest.json"
     return manifest.is_file() and json.loads(manifest.read_text()).get("complete", False)
@@ -147,25 +165,28 @@ def prepare_data(args) -> dict:
 
     cache = Path(args.cache)
     info: dict = {"cache": str(cache), "regenerate_s": 0.0}
-    if _complete(cache / "train") and _complete(cache / "eval") and (cache / "eval.jsonl").is_file():
+    parts = data_parts(args)
+    if all(_complete(cache / name) for name in parts) and (cache / "eval.jsonl").is_file():
         info["cached"] = True
     elif args.no_regen:
-        if not (cache / "eval.jsonl").is_file() or not list((cache / "train").glob("shard_*.jsonl")):
-            raise SystemExit(f"--no-regen: {cache} has no regenerated data yet")
+        missing = [name for name in parts if not list((cache / name).glob("shard_*.jsonl"))]
+        if not (cache / "eval.jsonl").is_file() or missing:
+            hint = " (or --sampled-replies 0: greedy replies only)" if missing == ["sampled"] else ""
+            raise SystemExit(f"--no-regen: {cache} has no regenerated {' or '.join(missing) or 'eval'} data yet"
+                             f"{hint}")
         info["cached"] = "partial"
     else:
         info["cached"] = False
-        todo = [name for name in ("eval", "train") if not _complete(cache / name)]  # a finished part stays
-        if not all((cache / f"{name}_prompts.jsonl").is_file() for name in todo):
+        todo = [name for name in parts if not _complete(cache / name)]  # a finished part stays
+        if not all((cache / f"{'train' if name == 'sampled' else name}_prompts.jsonl").is_file() for name in todo):
             write_prompts(cache, args)
         t0 = time.perf_counter()
         for name in todo:
             regen = [o for o in args.overrides if o.startswith(("regenerate.", "run."))]
-            rc = cli.main(["regenerate", "--config", args.recipe, "--out", str(cache / name),
-                           f"data.path={cache / (name + '_prompts.jsonl')}", *target_overrides(args.target),
-                           "data.max_conversations=null", "logging.progress=false", *regen]
-                          + ([f"regenerate.max_turns={user_turns(cache / 'eval_prompts.jsonl')}"]
-                             if name == "eval" else []))
+            prompts = cache / f"{'train' if name == 'sampled' else name}_prompts.jsonl"
+            rc = cli.main(["regenerate", "--config", args.recipe, "--out", str(cache / name), f"data.path={prompts}",
+                           *target_overrides(args.target), "data.max_conversations=null", "logging.progress=false",
+                           *regen, *part_overrides(args, name)])
             if rc != 0:
                 raise SystemExit(f"regenerate {name} failed (rc {rc})")
         info["regenerate_s"] = time.perf_counter() - t0
@@ -173,16 +194,22 @@ def prepare_data(args) -> dict:
         with (cache / "eval.jsonl").open("w") as f:
             for row in rows:
                 f.write(json.dumps({"messages": row["messages"]}) + "\n")
-    info["train_rows"] = sum(1 for _ in (cache / "train").glob("shard_*.jsonl") for _ in _.open())
+    info["train_rows"] = _rows(cache / "train")
+    if args.sampled_replies:
+        info["sampled_rows"] = _rows(cache / "sampled")
     info["eval_rows"] = sum(1 for _ in (cache / "eval.jsonl").open())
     return info
+
+
+def _rows(regen_dir: Path) -> int:
+    return sum(1 for shard in regen_dir.glob("shard_*.jsonl") for _ in shard.open())
 
 
 def pack(cache: Path, out: Path) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     archive = out / "quality-cache.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
-        for name in ("train", "eval", "eval.jsonl"):
+        for name in ("train", "sampled", "eval", "eval.jsonl"):
             if (cache / name).exists():
                 tar.add(cache / name, arcname=name, filter=lambda info: None if info.name.endswith(".lock") else info)
     data = archive.read_bytes()
@@ -211,7 +238,11 @@ def unpack(parts_dir: Path, cache: Path) -> bool:
 def run_overrides(args, run_dir: Path) -> list[str]:
     """What every run on the cache sets: the target, the data, the held-out prompts."""
     cache = Path(args.cache)
-    return [*target_overrides(args.target), f"data.path={cache / 'train'}", f"eval.prompts={cache / 'eval.jsonl'}",
+    data = [f"data.path={cache / 'train'}"]
+    if args.sampled_replies:  # both sources read whole: the sampled one holds that many rows per greedy one
+        sources = [{"path": str(cache / "train")}, {"path": str(cache / "sampled"), "weight": args.sampled_replies}]
+        data = ["data.path=null", f"data.sources={json.dumps(sources)}"]
+    return [*target_overrides(args.target), *data, f"eval.prompts={cache / 'eval.jsonl'}",
             "data.num_eval_conversations=0", f"eval.num_prompts={args.eval_prompts}", f"run.dir={run_dir}",
             "logging.progress=false"]
 
@@ -276,6 +307,7 @@ def run_parallel(args, arms: list[list[str]]) -> list[dict]:
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
     common = ["--recipe", args.recipe, "--target", str(args.target), "--cache", str(args.cache), "--runs", str(runs),
+              "--sampled-replies", str(args.sampled_replies), "--sampled-temperature", str(args.sampled_temperature),
               *(["--no-regen"] if args.no_regen else []),
               "--eval-prompts", str(args.eval_prompts), "--results", str(args.results)]
     waiting, running, results = list(arms), [], []
@@ -338,11 +370,17 @@ def main(argv=None) -> int:
     p.add_argument("--prompts-only", action="store_true",
                    help="write the prompt files into a cache that has none, and stop")
     p.add_argument("--prompt-turns", type=int, default=None, help="keep this many user turns of each training prompt")
+    p.add_argument("--sampled-replies", type=int, default=2, help="replies sampled per training prompt beside the "
+                   "greedy one, trained on as a second source (0: greedy replies only)")
+    p.add_argument("--sampled-temperature", type=float, default=0.8, help="their sampling temperature")
     p.add_argument("--no-regen", action="store_true", help="use the cache as it is, even if regeneration is unfinished")
     p.add_argument("--record", type=Path, help="append the row of this result JSON to bench/RESULTS.md")
     args = p.parse_args(argv)
     if args.eval_turns < 1:
         p.error(f"--eval-turns must be >= 1, got {args.eval_turns}")
+    if args.sampled_replies < 0 or (args.sampled_replies and args.sampled_temperature <= 0):
+        p.error(f"--sampled-replies {args.sampled_replies} --sampled-temperature {args.sampled_temperature}: "
+                "a count >= 0, and a temperature > 0 when sampling (0 replies: greedy data only)")
     if args.record:
         record(args.record)
         return 0

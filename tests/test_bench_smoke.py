@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -291,6 +292,14 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
         assert result["tau_stderr"] == pytest.approx(tau_stderr(committed, steps))
         lookup = (result["prompt_lookup_per_prompt_committed"], result["prompt_lookup_per_prompt_steps"])
         assert result["prompt_lookup_tau"] == pytest.approx(sum(lookup[0]) / sum(lookup[1]))
+    # the training prompts answered again, twice each, sampled: both sources trained on, weighted 1:2
+    sampled = [json.loads(line) for f in sorted((tmp_path / "c1" / "sampled").glob("shard_*.jsonl")) for line in f.open()]
+    manifest = json.loads((tmp_path / "c1" / "sampled" / "manifest.json").read_text())
+    assert manifest["settings"]["temperature"] == 0.8 and manifest["settings"]["num_samples"] == 2
+    assert result["data"]["sampled_rows"] == len(sampled) == 2 * result["data"]["train_rows"]
+    config = yaml.safe_load((tmp_path / "runs" / "a" / "config.yaml").read_text())
+    assert config["data"]["path"] is None
+    assert [(Path(s["path"]).name, s["weight"]) for s in config["data"]["sources"]] == [("train", 1.0), ("sampled", 2.0)]
     assert list((tmp_path / "parts").glob("quality-cache.tar.gz.part*"))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c2"),
                            "--unpack", str(tmp_path / "parts"), "--data-only"], capture_output=True, text=True,
@@ -298,6 +307,8 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "'cached': True" in proc.stdout
     assert (tmp_path / "c2" / "eval.jsonl").read_text() == (tmp_path / "c1" / "eval.jsonl").read_text()
+    assert sorted(f.name for f in (tmp_path / "c2" / "sampled").iterdir()) == \
+        sorted(f.name for f in (tmp_path / "c1" / "sampled").iterdir() if not f.name.endswith(".lock"))
     # more held-out prompts, ending at their second user turn: only the evaluation set is regenerated (every
     # turn of it, so the prompts hold the target's own earlier replies), the training set stays as it was
     c2 = tmp_path / "c2"
@@ -306,13 +317,13 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--cache", str(c2), "--prompts-only",
                     "--eval-prompts", "5", "--eval-turns", "2", "--train-conversations", "24"], check=True,
                    timeout=120, cwd=ROOT, env=env)
-    train_before = {f.name: f.read_bytes() for f in (c2 / "train").iterdir()}
+    train_before = {f"{d}/{f.name}": f.read_bytes() for d in ("train", "sampled") for f in (c2 / d).iterdir()}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(c2),
                            "--data-only", "regenerate.batch_size=16", "regenerate.max_new_tokens=24", "run.device=cpu"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "'eval_rows': 5" in proc.stdout
-    assert {f.name: f.read_bytes() for f in (c2 / "train").iterdir()} == train_before
+    assert {f"{d}/{f.name}": f.read_bytes() for d in ("train", "sampled") for f in (c2 / d).iterdir()} == train_before
     prompts = [json.loads(line)["messages"] for line in (c2 / "eval_prompts.jsonl").open()]
     answered = [json.loads(line)["messages"] for line in (c2 / "eval.jsonl").open()]
     assert all([m["role"] for m in p] == ["user", "assistant"] * 2 for p in prompts)
@@ -320,6 +331,12 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
         [[m["content"] for m in p if m["role"] == "user"] for p in prompts]  # both turns kept, in order
     # the second turn's prompt holds the target's reply to the first, not ShareGPT's
     assert all(a[1]["role"] == "assistant" and a[1]["content"] != p[1]["content"] for a, p in zip(answered, prompts))
+    # a cache without the sampled replies: --no-regen names what is missing and how to train without it
+    shutil.rmtree(c2 / "sampled")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(c2),
+                           "--data-only", "--no-regen"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode != 0 and "no regenerated sampled data" in proc.stderr
+    assert "--sampled-replies 0" in proc.stderr
 
 
 def test_peer_driver_template_shape_and_step_budget(tmp_path):

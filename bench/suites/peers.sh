@@ -12,7 +12,7 @@ T0=$SECONDS
 source "$(dirname "$0")/common.sh"
 MINUTES=${MINUTES:-5}; PARTS=${PARTS:-"data peer ours"}
 W=/tmp/peers; CACHE=$W/cache; mkdir -p "$CACHE" "$RESULTS"
-COMMON=(--target "${TARGET:-.practice/model}" --cache "$CACHE")
+COMMON=(--target "${TARGET:-.practice/model}" --cache "$CACHE" --sampled-replies 0)  # the data the peer trains on
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if ls .quality/quality-cache.tar.gz.part* >/dev/null 2>&1; then
   python3 bench/quality.py "${COMMON[@]}" --unpack .quality --data-only --no-regen > "$LOGS/unpack.log" 2>&1

@@ -12,7 +12,7 @@ ARMS=$1; PARALLEL=${2:-4}; shift $(( $# >= 2 ? 2 : $# ))
 REGEN_S=${REGEN_S:-240}
 W=/tmp/quality; mkdir -p "$W"
 cp "$LOGS/gpu.txt" "$W/"
-COMMON=(--target .practice/model --cache "$W/cache")  # regenerates unless .quality holds a cache
+COMMON=(--target .practice/model --cache "$W/cache" --sampled-replies 0)  # regenerates unless .quality holds a cache
 if ls .quality/quality-cache.tar.gz.part* >/dev/null 2>&1; then
   python3 bench/quality.py "${COMMON[@]}" --unpack .quality --data-only --no-regen > "$W/unpack.log" 2>&1
 fi
