@@ -12,11 +12,11 @@ turn, every user turn under 1,500 characters) from those 500 only. A record's tu
 are left out. Both are answered by the target itself
 (`dflash-train regenerate`, the recipe's `regenerate` section); the held-out replies are the validation set
 (walk tau) and their prompts the real-tau prompts. The training prompts are answered a second time,
-`--sampled-replies` times each at `--sampled-temperature` (`CACHE/sampled`), and runs train on both sources,
-weighted by their sizes (`data.sources`): sampled replies beside the greedy ones keep the drafter from memorising
-them (bench/RESULTS.md, "Sampled replies against memorising"); `--sampled-replies 0` trains on the greedy ones.
-`--pack DIR` writes the cache as <= 15 MB parts (to bring it back from a device machine), `--unpack DIR` restores
-it from them.
+`--sampled-replies` times each at `--sampled-temperature` (`CACHE/sampled`), and runs train on both sources
+(`data.sources`, weighted by their sizes: both read whole): sampled replies beside the greedy ones keep the
+drafter from memorising them (bench/RESULTS.md, "Sampled replies against memorising"); `--sampled-replies 0`
+trains on the greedy ones. `--pack DIR` writes the cache as <= 15 MB parts (to bring it back from a device
+machine), `--unpack DIR` restores it from them.
 
 Per run: a JSON in `bench/results/` (and `--out`), and a table row; the last line printed is the JSON.
 Arms in parallel share the GPU (the practice target is too small to fill it alone): compare them by steps,
@@ -153,6 +153,25 @@ def part_overrides(args, name: str) -> list[str]:
     return []
 
 
+def prompts_file(cache: Path, name: str) -> Path:
+    """The prompts a regenerated folder answers: the sampled replies answer the training prompts again."""
+    return cache / f"{'train' if name == 'sampled' else name}_prompts.jsonl"
+
+
+def check_sampled(args) -> None:
+    """A sampled folder regenerated with other settings is refused, not trained on under these flags."""
+    manifest = Path(args.cache) / "sampled" / "manifest.json"
+    if not args.sampled_replies or not manifest.is_file():
+        return
+    settings = json.loads(manifest.read_text()).get("settings", {})
+    made = (int(settings.get("num_samples", 1)), float(settings.get("temperature", 0.0)))
+    if made != (args.sampled_replies, args.sampled_temperature):
+        raise SystemExit(f"{manifest.parent} holds {made[0]} replies a prompt sampled at temperature {made[1]:g}, not "
+                         f"--sampled-replies {args.sampled_replies} --sampled-temperature {args.sampled_temperature:g}:"
+                         f" pass --sampled-replies {made[0]} --sampled-temperature {made[1]:g}, or remove "
+                         f"{manifest.parent} to regenerate it")
+
+
 def _complete(regen_dir: Path) -> bool:
     manifest = regen_dir / "manifest.json"
     return manifest.is_file() and json.loads(manifest.read_text()).get("complete", False)
@@ -166,6 +185,7 @@ def prepare_data(args) -> dict:
     cache = Path(args.cache)
     info: dict = {"cache": str(cache), "regenerate_s": 0.0}
     parts = data_parts(args)
+    check_sampled(args)
     if all(_complete(cache / name) for name in parts) and (cache / "eval.jsonl").is_file():
         info["cached"] = True
     elif args.no_regen:
@@ -178,13 +198,13 @@ def prepare_data(args) -> dict:
     else:
         info["cached"] = False
         todo = [name for name in parts if not _complete(cache / name)]  # a finished part stays
-        if not all((cache / f"{'train' if name == 'sampled' else name}_prompts.jsonl").is_file() for name in todo):
+        if not all(prompts_file(cache, name).is_file() for name in todo):
             write_prompts(cache, args)
         t0 = time.perf_counter()
         for name in todo:
             regen = [o for o in args.overrides if o.startswith(("regenerate.", "run."))]
-            prompts = cache / f"{'train' if name == 'sampled' else name}_prompts.jsonl"
-            rc = cli.main(["regenerate", "--config", args.recipe, "--out", str(cache / name), f"data.path={prompts}",
+            rc = cli.main(["regenerate", "--config", args.recipe, "--out", str(cache / name),
+                           f"data.path={prompts_file(cache, name)}",
                            *target_overrides(args.target), "data.max_conversations=null", "logging.progress=false",
                            *regen, *part_overrides(args, name)])
             if rc != 0:
@@ -239,8 +259,9 @@ def run_overrides(args, run_dir: Path) -> list[str]:
     """What every run on the cache sets: the target, the data, the held-out prompts."""
     cache = Path(args.cache)
     data = [f"data.path={cache / 'train'}"]
-    if args.sampled_replies:  # both sources read whole: the sampled one holds that many rows per greedy one
-        sources = [{"path": str(cache / "train")}, {"path": str(cache / "sampled"), "weight": args.sampled_replies}]
+    if args.sampled_replies:  # weighted by their sizes, so both are read whole (data.sources cuts to the weights)
+        weight = _rows(cache / "sampled") / max(1, _rows(cache / "train"))
+        sources = [{"path": str(cache / "train")}, {"path": str(cache / "sampled"), "weight": round(weight, 6)}]
         data = ["data.path=null", f"data.sources={json.dumps(sources)}"]
     return [*target_overrides(args.target), *data, f"eval.prompts={cache / 'eval.jsonl'}",
             "data.num_eval_conversations=0", f"eval.num_prompts={args.eval_prompts}", f"run.dir={run_dir}",

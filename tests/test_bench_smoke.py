@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from flops import drafter_step_flops, target_forward_flops, visible_pairs  # noqa: E402
-from quality import read_arms  # noqa: E402
+from quality import read_arms, run_overrides  # noqa: E402
 
 from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
@@ -264,21 +264,22 @@ def test_train_steady_counts_tokens_after_the_skipped_records(tmp_path):
 
 
 def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(tmp_path):
-    """bench/quality.py on a random tiny target: regenerate (held-out split of the bundled ShareGPT file), two
-    arms in parallel processes, result JSONs with real tau beside prompt lookup and walk tau; the packed cache
-    restores to the same data, and a rerun on it regenerates nothing."""
+    """bench/quality.py on a random tiny target: regenerate (held-out split of the bundled ShareGPT file; the
+    training prompts a second time, sampled), two arms in parallel processes trained on both sources, result
+    JSONs with real tau beside prompt lookup and walk tau; the packed cache restores to the same data, and a rerun
+    on it regenerates nothing."""
     small = ["run.device=cpu", "regenerate.batch_size=16", "regenerate.max_new_tokens=24", "data.max_length=384",
              "pipeline.token_budget=768", "train.max_steps=4", "eval.interval=2", "eval.max_new_tokens=12",
              "drafter.num_layers=1", "data.cache_dir=" + str(tmp_path / "tok")]
     arms = tmp_path / "arms.txt"
     arms.write_text("# two arms\na " + " ".join(small) + "\nb train.lr=1e-3 " + " ".join(small) + "\n")
     common = ["--target", "tiny", "--eval-prompts", "3", "--train-conversations", "24", "--results",
-              str(tmp_path / "results")]
+              str(tmp_path / "results"), "--sampled-replies", "3", "--sampled-temperature", "0.7"]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c1"),
                            "--runs", str(tmp_path / "runs"), "--arms", str(arms), "--parallel", "2",
-                           "--pack", str(tmp_path / "parts")], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=env)
+                           "--pack", str(tmp_path / "parts"), "regenerate.max_new_tokens=24"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sorted(r["name"] for r in last["runs"]) == ["a", "b"]
@@ -292,14 +293,18 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
         assert result["tau_stderr"] == pytest.approx(tau_stderr(committed, steps))
         lookup = (result["prompt_lookup_per_prompt_committed"], result["prompt_lookup_per_prompt_steps"])
         assert result["prompt_lookup_tau"] == pytest.approx(sum(lookup[0]) / sum(lookup[1]))
-    # the training prompts answered again, twice each, sampled: both sources trained on, weighted 1:2
-    sampled = [json.loads(line) for f in sorted((tmp_path / "c1" / "sampled").glob("shard_*.jsonl")) for line in f.open()]
-    manifest = json.loads((tmp_path / "c1" / "sampled" / "manifest.json").read_text())
-    assert manifest["settings"]["temperature"] == 0.8 and manifest["settings"]["num_samples"] == 2
-    assert result["data"]["sampled_rows"] == len(sampled) == 2 * result["data"]["train_rows"]
+    # the training prompts answered again, three times each, sampled (the greedy ones not): both sources trained
+    # on whole, weighted by their sizes
+    c1 = tmp_path / "c1"
+    sampled = [json.loads(line) for f in sorted((c1 / "sampled").glob("shard_*.jsonl")) for line in f.open()]
+    settings = json.loads((c1 / "sampled" / "manifest.json").read_text())["settings"]
+    assert settings["temperature"] == 0.7 and settings["num_samples"] == 3
+    assert json.loads((c1 / "train" / "manifest.json").read_text())["settings"]["temperature"] == 0.0
+    assert result["data"]["sampled_rows"] == len(sampled) == 3 * result["data"]["train_rows"]
     config = yaml.safe_load((tmp_path / "runs" / "a" / "config.yaml").read_text())
     assert config["data"]["path"] is None
-    assert [(Path(s["path"]).name, s["weight"]) for s in config["data"]["sources"]] == [("train", 1.0), ("sampled", 2.0)]
+    weights = [(Path(s["path"]).name, s["weight"]) for s in config["data"]["sources"]]
+    assert weights == [("train", 1.0), ("sampled", 3.0)]
     assert list((tmp_path / "parts").glob("quality-cache.tar.gz.part*"))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c2"),
                            "--unpack", str(tmp_path / "parts"), "--data-only"], capture_output=True, text=True,
@@ -331,12 +336,34 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
         [[m["content"] for m in p if m["role"] == "user"] for p in prompts]  # both turns kept, in order
     # the second turn's prompt holds the target's reply to the first, not ShareGPT's
     assert all(a[1]["role"] == "assistant" and a[1]["content"] != p[1]["content"] for a, p in zip(answered, prompts))
+    # other sampling flags than the cache's: refused, with the flags that match
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common[:-4], "--cache", str(c2),
+                           "--data-only"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "holds 3 replies a prompt sampled at temperature 0.7, not --sampled-replies 2" in proc.stderr
+    assert "pass --sampled-replies 3 --sampled-temperature 0.7" in proc.stderr
     # a cache without the sampled replies: --no-regen names what is missing and how to train without it
     shutil.rmtree(c2 / "sampled")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(c2),
                            "--data-only", "--no-regen"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode != 0 and "no regenerated sampled data" in proc.stderr
     assert "--sampled-replies 0" in proc.stderr
+
+
+def test_quality_runs_read_the_greedy_folder_alone_or_both_whole(tmp_path):
+    """bench/quality.py's run overrides: `--sampled-replies 0` trains on the greedy folder; otherwise both folders,
+    the sampled one weighted by its rows per greedy row (data.sources cuts sources to their weights)."""
+    import argparse
+
+    for name, rows in (("train", 4), ("sampled", 10)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shard_00000.jsonl").write_text('{"messages": []}\n' * rows)
+    args = argparse.Namespace(cache=str(tmp_path), target="tiny", eval_prompts=3, sampled_replies=0)
+    assert f"data.path={tmp_path / 'train'}" in run_overrides(args, tmp_path / "run")
+    args.sampled_replies = 3  # fewer rows than 3 a prompt (some skipped): the weight follows the rows
+    config = load_config("practice", [o for o in run_overrides(args, tmp_path / "run") if o.startswith("data.")])
+    assert config.data.path is None
+    assert [(Path(s.path).name, s.weight) for s in config.data.sources] == [("train", 1.0), ("sampled", 2.5)]
 
 
 def test_peer_driver_template_shape_and_step_budget(tmp_path):

@@ -73,7 +73,7 @@ if [ "${PHASE:-start}" = start ]; then
   cd "$W" || exit 1
   export PYTHONPATH=$W/src:/tmp/site
   COMMON=(--target "$W/target" --cache "$W/cache" --sampled-replies 0)  # sampled replies: REGEN2 and the arms
-  REGEN=(regenerate.batch_size=4096 regenerate.max_prompt_tokens=1024 "$@")
+  REGEN=(regenerate.batch_size=4096 "$@")
   step data 400 python3 bench/quality.py "${COMMON[@]}" --data-only "${REGEN[@]}"
   python3 bench/quality.py "${COMMON[@]}" --data-only --no-regen --pack "$OUT" > "$LOGS/pack.log" 2>&1
   grep -E "^data:|packed" "$LOGS/pack.log" | cut -c1-400

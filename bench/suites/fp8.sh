@@ -6,13 +6,15 @@
 #   70b    whether a Llama-3-70B-shape FP8 target fits on one H200: eager first, then with compiled layers
 #   practice  40 steps of configs/practice.yaml on the practice target's FP8 taps, then on its bf16 taps, every
 #          step logged: where a run on FP8 taps spends its start (one stalled: bench/RESULTS.md, "Sampled
-#          replies against memorising"). A run still going after 150 s dumps every thread's stack (SIGABRT, faulthandler) into its
-#          log. Also carry .practice/model and .quality/turns4 (the data cache parts).
+#          replies against memorising"). Recompilations are logged (TORCH_LOGS=recompiles); a run still going
+#          after 150 s dumps every thread's stack (SIGABRT, faulthandler) into its log. Also carry .practice/model
+#          and .quality/turns4 (the data cache parts).
 source "$(dirname "$0")/common.sh"
 practice_steps() {  # practice_steps NAME OVERRIDES...: 40 logged steps of the practice recipe, no final eval
   local name=$1; shift
   # a cold compile cache of its own each, so neither run inherits the other's compiled drafter
-  step "$name" 170 env PYTHONFAULTHANDLER=1 TORCHINDUCTOR_CACHE_DIR="/tmp/practice-runs/inductor-$name" \
+  step "$name" 170 env PYTHONFAULTHANDLER=1 TORCH_LOGS=recompiles \
+    TORCHINDUCTOR_CACHE_DIR="/tmp/practice-runs/inductor-$name" \
     timeout -s ABRT 150 python3 -m dflash_trainer train "${PRACTICE[@]}" run.dir="/tmp/practice-runs/$name" \
     train.max_steps=40 train.max_minutes=null train.log_interval=1 eval.at_end=false logging.report=false \
     logging.progress=false run.device=cuda "$@"

@@ -12,17 +12,18 @@ T0=$SECONDS
 source "$(dirname "$0")/common.sh"
 MINUTES=${MINUTES:-5}; PARTS=${PARTS:-"data peer ours"}
 W=/tmp/peers; CACHE=$W/cache; mkdir -p "$CACHE" "$RESULTS"
-COMMON=(--target "${TARGET:-.practice/model}" --cache "$CACHE" --sampled-replies 0)  # the data the peer trains on
+COMMON=(--target "${TARGET:-.practice/model}" --cache "$CACHE")
+QUALITY=(python3 bench/quality.py "${COMMON[@]}" --sampled-replies 0)  # ours on the greedy data the peer reads
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if ls .quality/quality-cache.tar.gz.part* >/dev/null 2>&1; then
-  python3 bench/quality.py "${COMMON[@]}" --unpack .quality --data-only --no-regen > "$LOGS/unpack.log" 2>&1
+  "${QUALITY[@]}" --unpack .quality --data-only --no-regen > "$LOGS/unpack.log" 2>&1
 else
   cp .quality/prompts/train_prompts.jsonl .quality/prompts/eval_prompts.jsonl "$CACHE/"
 fi
 if has data; then
-  step data "${REGEN_S:-170}" python3 bench/quality.py "${COMMON[@]}" --data-only regenerate.batch_size=4096 \
+  step data "${REGEN_S:-170}" "${QUALITY[@]}" --data-only regenerate.batch_size=4096 \
     regenerate.max_turns=1 regenerate.max_prompt_tokens=1024
-  python3 bench/quality.py "${COMMON[@]}" --data-only --no-regen --pack "$OUT" > "$LOGS/pack.log" 2>&1
+  "${QUALITY[@]}" --data-only --no-regen --pack "$OUT" > "$LOGS/pack.log" 2>&1
   grep -E "^data:|packed" "$LOGS/pack.log" | cut -c1-300
 fi
 if has peer; then
@@ -30,7 +31,7 @@ if has peer; then
     --minutes "$MINUTES" --calibrate-s "${CALIBRATE_S:-40}" --results "$RESULTS"
 fi
 if has ours; then
-  step ours $(( ${MINUTES%.*} * 60 + 240 )) python3 bench/quality.py "${COMMON[@]}" --no-regen --runs "$W/runs" \
+  step ours $(( ${MINUTES%.*} * 60 + 240 )) "${QUALITY[@]}" --no-regen --runs "$W/runs" \
     --results "$RESULTS" --name "ours-${MINUTES}min" "train.max_minutes=$MINUTES" "$@"
 fi
 python3 bench/peers.py table "$RESULTS"/*.json 2>/dev/null
