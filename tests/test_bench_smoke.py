@@ -366,6 +366,19 @@ def test_quality_runs_read_the_greedy_folder_alone_or_both_whole(tmp_path):
     assert [(Path(s.path).name, s.weight) for s in config.data.sources] == [("train", 1.0), ("sampled", 2.5)]
 
 
+def test_cpu_scaling_counts_every_process_loop_and_the_host_ticks():
+    """bench/cpu_scaling.py: K processes each run the loop once (aggregate rate = K x loops / wall), and the host's
+    CPU ticks are read by kind (steal included) where /proc/stat exists."""
+    import cpu_scaling
+
+    r = cpu_scaling.run(2, 200_000)
+    assert r["processes"] == 2 and 0 < r["fastest_s"] <= r["slowest_s"] <= r["wall_s"]
+    assert r["loops_per_s"] == pytest.approx(2 * 200_000 / r["wall_s"])
+    ticks = cpu_scaling.cpu_ticks()
+    if Path("/proc/stat").is_file():
+        assert {"user", "idle", "steal"} <= ticks.keys() and ticks["idle"] > 0
+
+
 def test_peer_driver_template_shape_and_step_budget(tmp_path):
     """bench/peers.py's pure parts: the answer-only template renders the target's text exactly and tags each
     reply; a template it does not know is refused; the peer's drafter gets our shape and the target's head sizes
