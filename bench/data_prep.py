@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -39,6 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the demo recipe (data.path=..., target.path=...)")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the pool's timings
     if args.smoke:
         args.conversations, args.workers = 300, "1,2"
     counts = sorted({int(w) for w in args.workers.split(",")} | {1})

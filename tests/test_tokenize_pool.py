@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import pickle
 import random
 import time
 
@@ -38,14 +40,38 @@ def test_workers_give_the_same_dataset_and_drop_counts_as_one_process(tiny_token
     chats = conversations(150)
     kwargs = dict(thinking=False, max_length=96, min_supervised=8)
     one = tokenize_all(chats, tiny_tokenizer, **kwargs)
-    with caplog.at_level(logging.INFO, logger="dflash_trainer.data.tokenized"):
+    with caplog.at_level(logging.INFO, logger="dflash_trainer.data"):
         many = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min_s=0.0, probe=40, **kwargs)  # 110
     assert "worker processes tokenized 110 conversations in" in caplog.text  # the pool's own rate, for tuning
+    assert caplog.text.count("tokenizer workers: first of 7 chunks after") == 1  # their start-up, once
     assert one.dropped == many.dropped and one.dropped.get("too_few_supervised_tokens", 0) > 0
     assert len(one.dataset) == len(many.dataset) > 100
     for name in ("input_ids", "loss_mask", "offsets", "source_index", "source_id"):
         assert torch.equal(getattr(one.dataset, name), getattr(many.dataset, name)), name
     assert one.dataset.input_ids.numel() > 150 * 20  # real content, truncation at 96 included
+
+
+def test_workers_read_the_tokenizer_from_a_file_so_they_start_together(tiny_tokenizer, monkeypatch):
+    """A spawned worker's arguments pass through a pipe that the parent writes into until the worker, its imports
+    done, reads them: a tokenizer's pickle there (over the pipe's buffer for real vocabularies) made the workers
+    start one after another. The arguments hold a path; the workers still tokenize as this process does."""
+    sizes = []
+    spawn = multiprocessing.get_context("spawn")
+
+    class Recording:
+        def Pool(self, *args, **kwargs):
+            sizes.append(len(pickle.dumps(kwargs["initargs"])))
+            return spawn.Pool(*args, **kwargs)
+
+    monkeypatch.setattr(tokenize_pool.multiprocessing, "get_context", lambda method: Recording())
+    settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tiny_tokenizer, thinking=False),
+                                max_length=96, min_supervised=8)
+    chats = conversations(40)
+    out = tokenize_in_workers(chats, tiny_tokenizer, settings, num_workers=2)
+    assert len(sizes) == 1 and sizes[0] < min(2048, len(pickle.dumps(tiny_tokenizer)))
+    expected = [tokenize_one(c, tiny_tokenizer, settings) for c in chats]
+    assert [r if isinstance(r, str) else r.input_ids.tolist() for r in out] == \
+        [r if isinstance(r, str) else r.input_ids.tolist() for r in expected]
 
 
 def test_a_worker_exception_is_raised_in_the_caller(tiny_tokenizer):

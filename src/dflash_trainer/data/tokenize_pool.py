@@ -1,7 +1,8 @@
 """Tokenize conversations in worker processes on a cache miss.
 
 Rendering the chat template is Python and runs in one thread (minutes for a large dataset; bench/RESULTS.md),
-so a large dataset is split into chunks that spawned processes tokenize. The result is identical to one process: chunks are consumed in their order.
+so a large dataset is split into chunks that spawned processes tokenize. The result is identical to one process:
+chunks are consumed in their order. The workers read the tokenizer from a file, so they start at once.
 
 Pool invariant: at most `num_workers` processes; at most `2 * num_workers` chunks submitted and not yet
 consumed (bounded memory); every wait for a chunk is bounded by `chunk_timeout_s`; a worker's exception is
@@ -16,10 +17,12 @@ import logging
 import multiprocessing
 import os
 import pickle
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.pool import AsyncResult
+from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -90,13 +93,17 @@ def default_num_workers() -> int:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_pickle: bytes, settings: TokenizeSettings) -> None:
+def _init_worker(tokenizer_file: str, settings: TokenizeSettings) -> None:
     """Rebuild the tokenizer here, not in the pool's bootstrap: a failure is kept and raised by the first
-    chunk (an initializer that raises makes `multiprocessing.Pool` restart the worker forever)."""
+    chunk (an initializer that raises makes `multiprocessing.Pool` restart the worker forever). It comes as a
+    file the caller wrote, not as an argument: a spawned worker's arguments go through a pipe that the parent
+    writes into until the worker, once its imports are done, reads them, so arguments larger than the pipe's
+    buffer (a tokenizer's pickle is hundreds of KB) would start the workers one after another."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     torch.set_num_threads(1)
     try:
-        _worker.update(tokenizer=pickle.loads(tokenizer_pickle), settings=settings, error=None)
+        # our own pickle, written by the parent into its private temporary directory
+        _worker.update(tokenizer=pickle.loads(Path(tokenizer_file).read_bytes()), settings=settings, error=None)
     except Exception as e:  # e.g. a remote-code tokenizer whose module this process cannot import
         _worker.update(error=e)
 
@@ -129,14 +136,25 @@ def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTra
     """`tokenize_one` of a prefix of the conversations, in order, computed by `num_workers` spawned processes:
     all of them, unless the pool, `check_after_s` or more after its start, has tokenized fewer than
     `slower_than` conversations per second (its start included): then it stops with those it has done."""
+    # the workers read the tokenizer from a file that outlives the pool (a replaced worker reads it again)
+    with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as tmp:
+        tokenizer_file = Path(tmp) / "tokenizer.pickle"
+        tokenizer_file.write_bytes(pickle.dumps(tokenizer))
+        return _run_pool(conversations, str(tokenizer_file), settings, num_workers=num_workers,
+                         chunk_timeout_s=chunk_timeout_s, slower_than=slower_than, check_after_s=check_after_s)
+
+
+def _run_pool(conversations: Sequence[Conversation], tokenizer_file: str, settings: TokenizeSettings, *,
+              num_workers: int, chunk_timeout_s: float, slower_than: Optional[float],
+              check_after_s: float) -> list[Result]:
     chunks = [list(conversations[i : i + CHUNK_SIZE]) for i in range(0, len(conversations), CHUNK_SIZE)]
     results: list[Result] = []
+    start = time.perf_counter()
     # spawn, not fork: the parent may hold CUDA, torch's thread pools or the tokenizer's own threads.
     pool = multiprocessing.get_context("spawn").Pool(num_workers, initializer=_init_worker,
-                                                     initargs=(pickle.dumps(tokenizer), settings))
+                                                     initargs=(tokenizer_file, settings))
     pending: deque[AsyncResult] = deque()
     next_chunk = 0
-    start = time.perf_counter()
     try:
         while next_chunk < len(chunks) or pending:
             while next_chunk < len(chunks) and len(pending) < 2 * num_workers:
@@ -149,6 +167,8 @@ def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTra
                 raise DataError(f"no result from a tokenizer worker in {chunk_timeout_s:g} s ({CHUNK_SIZE} "
                                 "conversations): it died (out of memory?) or hangs; set data.num_workers=1 "
                                 "to tokenize in the main process") from None
+            if not results:  # the workers' start-up (spawn, imports, the tokenizer) is in this wait
+                log.info("tokenizer workers: first of %d chunks after %.1f s", len(chunks), time.perf_counter() - start)
             results.extend(_from_row(row) for row in rows)
             elapsed = time.perf_counter() - start
             if slower_than is not None and elapsed >= check_after_s and len(results) < slower_than * elapsed:
