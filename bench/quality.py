@@ -242,17 +242,21 @@ def pack(cache: Path, out: Path) -> list[str]:
     return parts
 
 
-def unpack(parts_dir: Path, cache: Path) -> bool:
+def unpack(parts_dir: Path, cache: Path) -> list[str]:
+    """Restore the packed folders (and files) the cache does not have; the ones it has stay as they are. Returns
+    the names restored."""
     parts = sorted(parts_dir.glob("quality-cache.tar.gz.part*"))
-    if not parts or (cache / "train").exists():
-        return False
+    if not parts:
+        return []
     cache.mkdir(parents=True, exist_ok=True)
     archive = cache / "quality-cache.tar.gz"
     archive.write_bytes(b"".join(p.read_bytes() for p in parts))
     with tarfile.open(archive) as tar:
-        tar.extractall(cache, filter="data")
+        members = tar.getmembers()
+        missing = sorted({m.name.split("/")[0] for m in members} - {p.name for p in cache.iterdir()})
+        tar.extractall(cache, members=[m for m in members if m.name.split("/")[0] in missing], filter="data")
     archive.unlink()
-    return True
+    return missing
 
 
 def run_overrides(args, run_dir: Path) -> list[str]:
@@ -413,8 +417,8 @@ def main(argv=None) -> int:
         write_prompts(Path(args.cache), args)
         return 0
     args.target = args.target or default_target()
-    if args.unpack and unpack(args.unpack, Path(args.cache)):
-        print(f"data cache restored from {args.unpack}")
+    if args.unpack and (restored := unpack(args.unpack, Path(args.cache))):
+        print(f"data cache restored from {args.unpack}: {', '.join(restored)}")
     data_info = prepare_data(args)
     print(f"data: {data_info}", flush=True)
     if args.pack:

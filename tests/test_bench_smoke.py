@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from flops import drafter_step_flops, target_forward_flops, visible_pairs  # noqa: E402
-from quality import read_arms, run_overrides  # noqa: E402
+from quality import pack, read_arms, run_overrides, unpack  # noqa: E402
 
 from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
@@ -364,6 +364,25 @@ def test_quality_runs_read_the_greedy_folder_alone_or_both_whole(tmp_path):
     config = load_config("practice", [o for o in run_overrides(args, tmp_path / "run") if o.startswith("data.")])
     assert config.data.path is None
     assert [(Path(s.path).name, s.weight) for s in config.data.sources] == [("train", 1.0), ("sampled", 2.5)]
+
+
+def test_unpack_restores_what_the_cache_lacks_and_keeps_what_it_has(tmp_path):
+    """bench/quality.py --unpack into a cache that holds the greedy replies already: the sampled ones and the
+    held-out set come from the parts, the greedy folder stays as it was."""
+    packed = tmp_path / "packed"
+    for name in ("train", "sampled", "eval"):
+        (packed / name).mkdir(parents=True)
+        (packed / name / "shard_00000.jsonl").write_text(f"{name} from the parts\n")
+    (packed / "eval.jsonl").write_text("held-out\n")
+    pack(packed, tmp_path / "parts")
+    cache = tmp_path / "cache"
+    (cache / "train").mkdir(parents=True)
+    (cache / "train" / "shard_00000.jsonl").write_text("train already here\n")
+    assert unpack(tmp_path / "parts", cache) == ["eval", "eval.jsonl", "sampled"]
+    assert (cache / "train" / "shard_00000.jsonl").read_text() == "train already here\n"
+    assert (cache / "sampled" / "shard_00000.jsonl").read_text() == "sampled from the parts\n"
+    assert (cache / "eval.jsonl").read_text() == "held-out\n" and not (cache / "quality-cache.tar.gz").exists()
+    assert unpack(tmp_path / "parts", cache) == []  # nothing left to restore
 
 
 def test_cpu_scaling_counts_every_process_loop_and_the_host_ticks():
