@@ -134,23 +134,74 @@ def test_workers_take_the_rest_when_this_process_would_be_slow(tiny_tokenizer, m
     assert torch.equal(spread.dataset.input_ids, tokenize_all(chats, tiny_tokenizer, **kwargs).dataset.input_ids)
 
 
+def _arrive_late(seconds: float, conversation: Conversation) -> Conversation:
+    time.sleep(seconds)
+    return conversation
+
+
+class LateConversation(Conversation):
+    """A conversation that reaches a worker `delay_s` late (it sleeps as it is unpickled there): a slow worker."""
+
+    __slots__ = ("delay_s",)
+
+    def __reduce__(self):
+        plain = Conversation(messages=self.messages, source=self.source, source_index=self.source_index)
+        return (_arrive_late, (self.delay_s, plain))
+
+
+def late(chats: list[Conversation], delay_s: float) -> list[Conversation]:
+    out = []
+    for c in chats:
+        slow = LateConversation(messages=c.messages, source=c.source, source_index=c.source_index)
+        object.__setattr__(slow, "delay_s", delay_s)
+        out.append(slow)
+    return out
+
+
 def test_a_pool_slower_than_this_process_hands_the_rest_back(tiny_tokenizer, monkeypatch, caplog):
-    """Spawned workers take seconds to start: against this process's thousands of conversations a second, the
-    pool is stopped at its first check and the rest is tokenized here, with the same result."""
+    """Workers that tokenize fewer conversations a second than this process, once started, are stopped at the first
+    check after their first chunk, and the rest is tokenized here, with the same result."""
     monkeypatch.setattr(tokenize_pool, "CHUNK_SIZE", 16)
     monkeypatch.setattr(tokenized, "POOL_CHECK_S", 0.0)
     chats = conversations(150)
     kwargs = dict(thinking=False, max_length=96, min_supervised=8)
     with caplog.at_level("WARNING", logger="dflash_trainer.data.tokenize_pool"):
-        spread = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min_s=1e-9, probe=20, **kwargs)
+        spread = tokenize_all(late(chats, 0.05), tiny_tokenizer, num_workers=2, parallel_min_s=1e-9, probe=20,
+                              **kwargs)  # 2 workers x 20 conversations/s at most, against thousands here
     assert "fewer than one process" in caplog.text and "the rest is tokenized in the main process" in caplog.text
     one = tokenize_all(chats, tiny_tokenizer, **kwargs)
     assert spread.dropped == one.dropped and torch.equal(spread.dataset.input_ids, one.dataset.input_ids)
+
+
+def test_a_slow_start_alone_does_not_stop_the_pool(tiny_tokenizer, monkeypatch, caplog):
+    """The workers' start-up (here a first chunk that arrives seconds late) is spent once it is over: a pool as
+    fast as this process afterwards keeps going (checked from the first chunk on)."""
+    monkeypatch.setattr(tokenize_pool, "CHUNK_SIZE", 16)
     settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tiny_tokenizer, thinking=False),
                                 max_length=96, min_supervised=8)
-    done = tokenize_in_workers(chats, tiny_tokenizer, settings, num_workers=2, slower_than=1e12, check_after_s=0.0)
-    assert 16 <= len(done) < 150  # stopped after its first chunks
-    assert [type(r) for r in done] == [type(tokenize_one(c, tiny_tokenizer, settings)) for c in chats[: len(done)]]
+    chats = conversations(150)
+    with caplog.at_level("WARNING", logger="dflash_trainer.data.tokenize_pool"):
+        done = tokenize_in_workers(late(chats[:2], 1.5) + chats[2:], tiny_tokenizer, settings, num_workers=2,
+                                   slower_than=20.0, check_after_s=0.0)
+    assert len(done) == 150 and "fewer than one process" not in caplog.text
+    assert [type(r) for r in done] == [type(tokenize_one(c, tiny_tokenizer, settings)) for c in chats]
+
+
+def test_a_stalled_pool_hands_the_rest_back_when_this_process_can_do_it(tiny_tokenizer, monkeypatch, caplog):
+    settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tiny_tokenizer, thinking=False),
+                                max_length=96, min_supervised=8)
+    with caplog.at_level("WARNING", logger="dflash_trainer.data.tokenize_pool"):  # no chunk within 10 ms
+        done = tokenize_in_workers(conversations(40), tiny_tokenizer, settings, num_workers=1, chunk_timeout_s=0.01,
+                                   slower_than=100.0)
+    assert done == [] and "no result from a tokenizer worker in 0.01 s" in caplog.text
+    # the whole result is still right: the caller tokenizes the rest
+    monkeypatch.setattr(tokenized, "tokenize_in_workers", lambda rest, *a, **k: tokenize_in_workers(
+        rest, *a, **{**k, "chunk_timeout_s": 0.01}))
+    kwargs = dict(thinking=False, max_length=96, min_supervised=8)
+    chats = conversations(60)
+    spread = tokenize_all(chats, tiny_tokenizer, num_workers=2, parallel_min_s=1e-9, probe=10, **kwargs)
+    monkeypatch.undo()
+    assert torch.equal(spread.dataset.input_ids, tokenize_all(chats, tiny_tokenizer, **kwargs).dataset.input_ids)
 
 
 def test_num_workers_is_validated_and_not_part_of_the_cache_key():

@@ -134,12 +134,17 @@ def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTra
                         settings: TokenizeSettings, *, num_workers: int, chunk_timeout_s: float = CHUNK_TIMEOUT_S,
                         slower_than: Optional[float] = None, check_after_s: float = 30.0) -> list[Result]:
     """`tokenize_one` of a prefix of the conversations, in order, computed by `num_workers` spawned processes:
-    all of them, unless the pool, `check_after_s` or more after its start, has tokenized fewer than
-    `slower_than` conversations per second (its start included): then it stops with those it has done."""
+    all of them, unless `slower_than` (this process's conversations per second) is given and, `check_after_s` or
+    more after the pool's start, the pool tokenizes fewer a second since its first chunk (its start-up is spent
+    by then), or no chunk comes within `chunk_timeout_s`: then it stops with those it has done."""
     # the workers read the tokenizer from a file that outlives the pool (a replaced worker reads it again)
     with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as tmp:
         tokenizer_file = Path(tmp) / "tokenizer.pickle"
-        tokenizer_file.write_bytes(pickle.dumps(tokenizer))
+        try:
+            tokenizer_file.write_bytes(pickle.dumps(tokenizer))
+        except OSError as e:
+            raise DataError(f"cannot write the tokenizer for the worker processes into {tmp} ({e}); set TMPDIR to "
+                            "a writable folder with space, or data.num_workers=1") from e
         return _run_pool(conversations, str(tokenizer_file), settings, num_workers=num_workers,
                          chunk_timeout_s=chunk_timeout_s, slower_than=slower_than, check_after_s=check_after_s)
 
@@ -150,6 +155,7 @@ def _run_pool(conversations: Sequence[Conversation], tokenizer_file: str, settin
     chunks = [list(conversations[i : i + CHUNK_SIZE]) for i in range(0, len(conversations), CHUNK_SIZE)]
     results: list[Result] = []
     start = time.perf_counter()
+    first_at, first_rows = None, 0  # when the first chunk came, and its size: the pool's steady rate starts there
     # spawn, not fork: the parent may hold CUDA, torch's thread pools or the tokenizer's own threads.
     pool = multiprocessing.get_context("spawn").Pool(num_workers, initializer=_init_worker,
                                                      initargs=(tokenizer_file, settings))
@@ -164,17 +170,26 @@ def _run_pool(conversations: Sequence[Conversation], tokenizer_file: str, settin
                 rows = pending.popleft().get(timeout=chunk_timeout_s)  # a worker's exception is raised here
             except multiprocessing.TimeoutError:
                 # multiprocessing.Pool replaces a dead worker but never finishes its task: this catches both.
+                if slower_than is not None:  # the caller can do the rest itself
+                    log.warning("no result from a tokenizer worker in %g s: stopped after %d of %d conversations, "
+                                "the rest is tokenized in the main process", chunk_timeout_s, len(results),
+                                len(conversations))
+                    pool.terminate()
+                    return results
                 raise DataError(f"no result from a tokenizer worker in {chunk_timeout_s:g} s ({CHUNK_SIZE} "
                                 "conversations): it died (out of memory?) or hangs; set data.num_workers=1 "
                                 "to tokenize in the main process") from None
-            if not results:  # the workers' start-up (spawn, imports, the tokenizer) is in this wait
-                log.info("tokenizer workers: first of %d chunks after %.1f s", len(chunks), time.perf_counter() - start)
             results.extend(_from_row(row) for row in rows)
-            elapsed = time.perf_counter() - start
-            if slower_than is not None and elapsed >= check_after_s and len(results) < slower_than * elapsed:
+            now = time.perf_counter()
+            if first_at is None:  # the workers' start-up (spawn, imports, the tokenizer) was in this wait
+                first_at, first_rows = now, len(rows)
+                log.info("tokenizer workers: first of %d chunks after %.1f s", len(chunks), now - start)
+                continue
+            rate = (len(results) - first_rows) / max(now - first_at, 1e-9)
+            if slower_than is not None and now - start >= check_after_s and rate < slower_than:
                 log.warning("tokenizer worker processes did %.0f conversations/s, fewer than one process (%.0f/s): "
-                            "stopped after %d of %d, the rest is tokenized in the main process",
-                            len(results) / elapsed, slower_than, len(results), len(conversations))
+                            "stopped after %d of %d, the rest is tokenized in the main process", rate, slower_than,
+                            len(results), len(conversations))
                 pool.terminate()
                 return results
         pool.close()

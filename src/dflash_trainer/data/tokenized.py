@@ -118,7 +118,8 @@ PARALLEL_MIN_SECONDS = 60.0
 """Worker processes are used only when tokenizing the rest here would take longer than this: each one imports
 torch before it starts, and on a fast chat template a pool of them can be slower than this process."""
 POOL_CHECK_S = 30.0
-"""A pool that, this long after its start, has been slower than this process is stopped (the rest done here)."""
+"""From this long after its start, a pool that tokenizes fewer conversations a second than this process (counted
+from its first chunk: its start-up is spent by then) is stopped, and the rest done here."""
 
 
 def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
