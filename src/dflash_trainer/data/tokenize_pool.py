@@ -8,7 +8,8 @@ Pool invariant: at most `num_workers` processes; at most `2 * num_workers` chunk
 consumed (bounded memory); every wait for a chunk is bounded by `chunk_timeout_s`; a worker's exception is
 raised here, a dead worker or a stuck chunk becomes a `DataError` that names `data.num_workers`; the workers
 are joined on return and terminated on every error, Ctrl-C included, and when the pool turns out slower than
-the caller's own rate (`slower_than`): the conversations done so far are returned, the caller does the rest.
+the caller's own rate (`slower_than`) or, with that rate given, a chunk is stuck: the conversations done so far
+are returned, the caller does the rest.
 """
 
 from __future__ import annotations
