@@ -1,0 +1,185 @@
+"""What the target forward costs the first time a job's batch shape is seen, and what would bound the shapes.
+
+    python bench/target_shapes.py --target .practice/model                # CUDA: the practice target, ~3 min
+    python bench/target_shapes.py --preset qwen3-8b --num-layers 10       # 8B layers, random weights
+    python bench/target_shapes.py --smoke                                 # tiny target on the CPU
+
+Training's first epoch ran at half the steps/s of later ones on the practice target (bench/RESULTS.md, "The
+recipe alone for 21 minutes"); a suspect is cuDNN's attention, which builds an execution plan for every new
+shape, and every job of an epoch has its own (rows, padded length). This measures it: jobs come from the
+project's epoch plan (length buckets, first-fit-decreasing packing) over sequence lengths drawn from a
+log-normal (median --median-length, capped at --max-length), so their shapes are those of an epoch. Each variant
+runs in its own process (the plan cache is per process) and forwards the first --jobs jobs twice, as
+`TapCapture.run` in training: pass 1 meets each shape for the first time, pass 2 again. Variants:
+  default     SDPA picks its backend, as training runs now (cuDNN's attention on the H200)
+  no-cudnn    SDPA without cuDNN's attention (flash, memory-efficient, math)
+  pad-64      default, each job's padded length rounded up to a multiple of 64
+  pad-16th    default, rounded up to a multiple of 1/16 of its power of two (at most 6.25% more tokens)
+Printed per variant: ms per forward in each pass, distinct (rows, length) shapes, computed / real tokens.
+The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import git_commit, synchronize, target_attention, write_result  # noqa: E402  (bench/common.py)
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from dflash_trainer.config import BatchShape  # noqa: E402
+from dflash_trainer.data.plan import build_epoch_plan  # noqa: E402
+from dflash_trainer.drafter.config import DrafterConfig  # noqa: E402
+from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
+from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs  # noqa: E402
+from dflash_trainer.target.checks import choose_tap_layer_ids  # noqa: E402
+from dflash_trainer.target.config import TargetConfig  # noqa: E402
+from dflash_trainer.target.load import load_target  # noqa: E402
+from dflash_trainer.runtime.config import PipelineConfig  # noqa: E402
+from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
+
+VARIANTS = ("default", "no-cudnn", "pad-64", "pad-16th")
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def padded_length(seq_len: int, variant: str) -> int:
+    """The batch length a variant forwards a job of longest sequence `seq_len` at."""
+    if variant == "pad-64":
+        step = 64
+    elif variant == "pad-16th":
+        step = max(1, 2 ** (seq_len.bit_length() - 1) // 16)
+    else:
+        return seq_len
+    return math.ceil(seq_len / step) * step
+
+
+def repad(inputs: ForwardInputs, length: int) -> ForwardInputs:
+    """`inputs` right-padded further to `length` columns: the real tokens keep their rows, positions and context."""
+    rows, seq_len = inputs.input_ids.shape  # (B, S)
+    if length == seq_len:
+        return inputs
+    ids = torch.nn.functional.pad(inputs.input_ids, (0, length - seq_len))  # (B, length)
+    row, col = inputs.real_index // seq_len, inputs.real_index % seq_len  # (n,) each
+    return ForwardInputs(input_ids=ids, real_index=row * length + col, num_tokens=inputs.num_tokens,
+                         num_seqs=inputs.num_seqs, padded_tokens=rows * length)
+
+
+def batch_shape(args) -> BatchShape:
+    """The batch shape training derives from --token-budget (the default drafter: blocks of 16)."""
+    return BatchShape.of(PipelineConfig(token_budget=args.token_budget), DrafterConfig())
+
+
+def epoch_jobs(args) -> tuple[list[list[int]], list[int]]:
+    """The first --jobs jobs (sequence ids) of an epoch plan over log-normal lengths, and the lengths.
+
+    Lengths start at 2 blocks of 16 (training drops shorter sequences)."""
+    rng = random.Random(0)
+    lengths = [min(args.max_length, max(32, round(rng.lognormvariate(math.log(args.median_length), 0.8))))
+               for _ in range(args.sequences)]
+    plan = build_epoch_plan(lengths, epoch=0, seed=0, num_buckets=args.num_buckets, token_budget=args.token_budget,
+                            max_seqs=batch_shape(args).max_seqs)
+    return [list(job.sequence_ids) for job in plan.jobs[: args.jobs]], lengths
+
+
+def run_variant(args) -> dict:
+    """One variant in this process: the first --jobs jobs forwarded twice, each forward timed to its end."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.target:
+        config = TargetConfig(path=args.target, dtype=args.dtype, compile=False)
+    else:
+        config = TargetConfig(random_init=args.preset, dtype=args.dtype, compile=False,
+                              attn_implementation=target_attention(args.preset, device))
+    model = load_target(config, device, seed=0)
+    if args.num_layers:
+        model.model.layers = model.model.layers[: args.num_layers]
+    num_layers = len(model.model.layers)
+    taps = choose_tap_layer_ids(num_layers, min(5, num_layers))
+    capture = TapCapture(model, taps)
+    out = allocate(WireSpec.of(batch_shape(args), num_taps=len(taps), hidden=model.config.hidden_size,
+                               dtype=model.dtype, has_last_hidden=False), device)
+    jobs, lengths = epoch_jobs(args)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    dataset = {i: TokenizedSequence(input_ids=torch.randint(0, vocab, (n,), generator=g),
+                                    loss_mask=torch.ones(n, dtype=torch.bool)) for i, n in enumerate(lengths)}
+    kernels = sdpa_kernel(NO_CUDNN) if args.variant == "no-cudnn" else contextlib.nullcontext()
+    passes, shapes, computed, real = [], set(), 0, 0
+    with kernels:
+        for _ in range(2):
+            t0 = time.perf_counter()
+            for job in jobs:
+                inputs = prepare_inputs([dataset[i] for i in job], out)
+                inputs = repad(inputs, padded_length(inputs.input_ids.shape[1], args.variant))
+                capture.run(inputs, out)
+                shapes.add(tuple(inputs.input_ids.shape))
+                computed, real = computed + inputs.padded_tokens, real + inputs.num_tokens
+            synchronize(device)  # the pass ends when its last forward has run
+            passes.append(time.perf_counter() - t0)
+    return dict(variant=args.variant, jobs=len(jobs), shapes=len(shapes), layers=num_layers,
+                pass1_ms=1000 * passes[0] / len(jobs), pass2_ms=1000 * passes[1] / len(jobs),
+                computed_per_real=computed / real, device=str(device))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="an HF model folder (default: --preset with random weights)")
+    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--num-layers", type=int, default=0, help="keep the first N decoder layers (0: all)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # set by the parent: run one variant in this process
+    p.add_argument("--jobs", type=int, default=300)
+    p.add_argument("--sequences", type=int, default=20000)
+    p.add_argument("--median-length", type=int, default=600)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--num-buckets", type=int, default=8)
+    p.add_argument("--smoke", action="store_true", help="tiny target, few jobs, on the CPU")
+    p.add_argument("--out", help="also write the JSON into this folder")
+    args = p.parse_args()
+    if args.smoke:
+        args.target, args.preset, args.dtype = None, "tiny", "float32"
+        args.jobs, args.sequences, args.median_length, args.max_length = 6, 200, 40, 128
+        args.token_budget = 512
+    if args.variant:
+        print(json.dumps(run_variant(args)), flush=True)
+        return
+    rows = []
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            p.error(f"--variants: {variant!r} is not one of {VARIANTS}")
+        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant],
+                               capture_output=True, text=True)
+        if child.returncode != 0:
+            print(child.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"variant {variant} failed (exit {child.returncode})")
+        rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
+        print(f"{variant}: {rows[-1]}", file=sys.stderr, flush=True)
+    print("| variant | jobs | distinct shapes | computed / real tokens | ms per forward, pass 1 | pass 2 | pass 1 - pass 2 |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['jobs']} | {r['shapes']} | {r['computed_per_real']:.3f} | {r['pass1_ms']:.1f} "
+              f"| {r['pass2_ms']:.1f} | {r['pass1_ms'] - r['pass2_ms']:.1f} |")
+    result = dict(bench="target_shapes", commit=git_commit(), target=args.target or args.preset,
+                  num_layers=args.num_layers, token_budget=args.token_budget, median_length=args.median_length,
+                  rows=rows)
+    if args.out:
+        write_result(result, "target_shapes", args.target and "practice" or args.preset, args.out)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
