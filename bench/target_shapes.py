@@ -14,7 +14,7 @@ runs in its own process (the plan cache is per process) and forwards the first -
   default     SDPA picks its backend, as training runs now (cuDNN's attention on the H200)
   no-cudnn    SDPA without cuDNN's attention (flash, memory-efficient, math)
   pad-64      default, each job's padded length rounded up to a multiple of 64
-  pad-16th    default, rounded up to a multiple of 1/16 of its power of two (at most 6.25% more tokens)
+  rounded     default, `target.padded_lengths=rounded`: up to one of 16 lengths per power of two (<= 6.25% more)
 Printed per variant: ms per forward in each pass, distinct (rows, length) shapes, computed / real tokens.
 The last line is JSON.
 """
@@ -44,37 +44,22 @@ from dflash_trainer.config import BatchShape  # noqa: E402
 from dflash_trainer.data.plan import build_epoch_plan  # noqa: E402
 from dflash_trainer.drafter.config import DrafterConfig  # noqa: E402
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
-from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs  # noqa: E402
+from dflash_trainer.target.capture import TapCapture, padded_length, prepare_inputs  # noqa: E402
 from dflash_trainer.target.checks import choose_tap_layer_ids  # noqa: E402
 from dflash_trainer.target.config import TargetConfig  # noqa: E402
 from dflash_trainer.target.load import load_target  # noqa: E402
 from dflash_trainer.runtime.config import PipelineConfig  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
 
-VARIANTS = ("default", "no-cudnn", "pad-64", "pad-16th")
+VARIANTS = ("default", "no-cudnn", "pad-64", "rounded")
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def padded_length(seq_len: int, variant: str) -> int:
-    """The batch length a variant forwards a job of longest sequence `seq_len` at."""
+def variant_length(longest: int, variant: str) -> int:
+    """The length a variant pads a job of longest sequence `longest` to."""
     if variant == "pad-64":
-        step = 64
-    elif variant == "pad-16th":
-        step = max(1, 2 ** (seq_len.bit_length() - 1) // 16)
-    else:
-        return seq_len
-    return math.ceil(seq_len / step) * step
-
-
-def repad(inputs: ForwardInputs, length: int) -> ForwardInputs:
-    """`inputs` right-padded further to `length` columns: the real tokens keep their rows, positions and context."""
-    rows, seq_len = inputs.input_ids.shape  # (B, S)
-    if length == seq_len:
-        return inputs
-    ids = torch.nn.functional.pad(inputs.input_ids, (0, length - seq_len))  # (B, length)
-    row, col = inputs.real_index // seq_len, inputs.real_index % seq_len  # (n,) each
-    return ForwardInputs(input_ids=ids, real_index=row * length + col, num_tokens=inputs.num_tokens,
-                         num_seqs=inputs.num_seqs, padded_tokens=rows * length)
+        return math.ceil(longest / 64) * 64
+    return padded_length(longest, "rounded" if variant == "rounded" else "longest")
 
 
 def batch_shape(args) -> BatchShape:
@@ -121,8 +106,9 @@ def run_variant(args) -> dict:
         for _ in range(2):
             t0 = time.perf_counter()
             for job in jobs:
-                inputs = prepare_inputs([dataset[i] for i in job], out)
-                inputs = repad(inputs, padded_length(inputs.input_ids.shape[1], args.variant))
+                sequences = [dataset[i] for i in job]
+                longest = max(s.num_tokens for s in sequences)
+                inputs = prepare_inputs(sequences, out, pad_to=variant_length(longest, args.variant))
                 capture.run(inputs, out)
                 shapes.add(tuple(inputs.input_ids.shape))
                 computed, real = computed + inputs.padded_tokens, real + inputs.num_tokens

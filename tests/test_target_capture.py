@@ -9,7 +9,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target import checks
-from dflash_trainer.target.capture import TapCapture, prepare_inputs
+from dflash_trainer.target.capture import TapCapture, padded_length, prepare_inputs
+from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.target.checks import check_target, choose_tap_layer_ids, slow_path_warnings
 from dflash_trainer.target.load import find_decoder_layers
 from dflash_trainer.transport.wire import WireSpec, allocate
@@ -28,14 +29,15 @@ def make_sequences(lengths, seed=0):
     ]
 
 
-def capture(model, sequences, taps, *, last_hidden=False, token_budget=64, max_seqs=6):
+def capture(model, sequences, taps, *, last_hidden=False, token_budget=64, max_seqs=6, padded_lengths="longest"):
     spec = WireSpec(
         token_budget=token_budget, max_seqs=max_seqs, num_taps=len(taps), hidden=H,
         dtype=torch.float32, has_last_hidden=last_hidden,
     )
     out = allocate(spec, "cpu")
-    inputs = prepare_inputs(sequences, out)
-    TapCapture(model, taps, capture_last_hidden=last_hidden).run(inputs, out)
+    cap = TapCapture(model, taps, capture_last_hidden=last_hidden, padded_lengths=padded_lengths)
+    inputs = cap.prepare(sequences, out)
+    cap.run(inputs, out)
     return inputs, out
 
 
@@ -63,6 +65,34 @@ def test_taps_equal_hf_hidden_states_of_each_sequence_alone(tiny_target, taps, a
             assert not torch.allclose(got, hs[layer][0], atol=1e-3)
         start += n
     assert not out.taps.requires_grad
+
+
+def test_rounded_padding_leaves_each_sequences_taps_as_it_runs_alone(tiny_target):
+    sequences = make_sequences((41, 33, 9))
+    inputs, out = capture(tiny_target, sequences, [1, 3], token_budget=128, padded_lengths="rounded")
+    assert inputs.input_ids.shape == (3, 42) and inputs.padded_tokens == 3 * 42  # 41 rounded up to a step of 2
+    start = 0
+    for seq in sequences:
+        hs, n = alone_hidden_states(tiny_target, seq), seq.num_tokens
+        for k, layer in enumerate([1, 3]):
+            torch.testing.assert_close(out.taps[start : start + n, k * H : (k + 1) * H], hs[layer + 1][0],
+                                       atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_padded_length_rules():
+    assert [padded_length(n, "longest") for n in (1, 41, 1000)] == [1, 41, 1000]
+    assert [padded_length(n, "rounded") for n in (20, 41, 1000, 1024, 1025)] == [20, 42, 1024, 1024, 1088]
+    for n in range(1, 4097):
+        assert n <= padded_length(n, "rounded") < n * (1 + 1 / 16), n
+    # an epoch's lengths up to 2048 fall on 16 values per power of two at most
+    assert len({padded_length(n, "rounded") for n in range(32, 2049)}) <= 16 * 6 + 1
+    assert padded_length(2030, "rounded", max_length=2040) == 2040  # never past the target's positions ...
+    assert padded_length(2045, "rounded", max_length=2040) == 2045  # ... beyond what the longest already needs
+    with pytest.raises(ValueError, match="longest"):
+        padded_length(10, "shortest")
+    with pytest.raises(ConfigError, match="target.padded_lengths"):
+        TargetConfig(padded_lengths="shortest")
 
 
 def test_last_hidden_is_the_last_layer_output_before_the_final_norm(tiny_target):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the target forward costs the first time a job's batch shape is seen (bench/target_shapes.py): training's
 # first epoch ran at half the steps/s of later ones on the practice target, and cuDNN's attention builds a plan
-# for every new shape. Each variant (default, no-cudnn, pad-64, pad-16th) in its own process, two passes over the
+# for every new shape. Each variant (default, no-cudnn, pad-64, rounded) in its own process, two passes over the
 # same jobs. PARTS picks the targets (default both; ~5 minutes):
 #   practice  the practice target (carry .practice/model), 300 jobs of 16,384 tokens
 #   8b        the Qwen3-8B shape cut to 10 decoder layers, random weights, 100 jobs

@@ -32,6 +32,7 @@ from torch import nn
 
 from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.target.checks import check_tap_layer_ids
+from dflash_trainer.target.config import PADDED_LENGTHS
 from dflash_trainer.target.load import find_decoder
 from dflash_trainer.transport.wire import WireBatch
 
@@ -54,11 +55,29 @@ class ForwardInputs:
     """B * S: tokens the forward computes, padding included."""
 
 
-def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch) -> ForwardInputs:
+def padded_length(longest: int, rule: str, max_length: Optional[int] = None) -> int:
+    """The length a batch whose longest sequence has `longest` tokens is padded to.
+
+    longest: that length. rounded: up to a multiple of 1/16 of its power of two (16 lengths per octave, at most
+    6.25% more tokens), but not past `max_length` (the target's positions) beyond `longest`: an epoch's batches
+    then take far fewer shapes, and cuDNN's attention builds an execution plan for every new one.
+    """
+    if rule not in PADDED_LENGTHS:
+        raise ValueError(f"padded length rule must be one of {PADDED_LENGTHS}, got {rule!r}")
+    if rule == "longest" or longest < 1:
+        return longest
+    step = max(1, (1 << (longest.bit_length() - 1)) // 16)
+    rounded = -(-longest // step) * step
+    return rounded if max_length is None else max(longest, min(rounded, max_length))
+
+
+def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch, *,
+                   pad_to: Optional[int] = None) -> ForwardInputs:
     """Pad `sequences` for the forward and write their packed ids, loss mask and cu_seqlens into `out`.
 
-    `out.input_ids` / `out.loss_mask` are zero past the real tokens; `out.cu_seqlens` repeats num_tokens
-    past num_seqs. Host tensors are built on the CPU and copied with one non-blocking copy each.
+    The batch is `(B, max(longest, pad_to))`. `out.input_ids` / `out.loss_mask` are zero past the real tokens;
+    `out.cu_seqlens` repeats num_tokens past num_seqs. Host tensors are built on the CPU and copied with one
+    non-blocking copy each.
     """
     token_budget, max_seqs = out.input_ids.numel(), out.cu_seqlens.numel() - 1
     device = out.input_ids.device
@@ -70,7 +89,7 @@ def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch) -> Fo
         raise ValueError(f"batch has {num_tokens} tokens > pipeline.token_budget {token_budget}")
     if min(lengths) < 1:
         raise ValueError("a batch contains an empty sequence")
-    seq_len = max(lengths)
+    seq_len = max(max(lengths), pad_to or 0)
 
     padded_ids = torch.zeros(num_seqs, seq_len, dtype=torch.int64)  # (B, S)
     packed_ids = torch.zeros(token_budget, dtype=torch.int64)  # (T,)
@@ -111,7 +130,12 @@ class TapCapture:
     duration of one `run` only, so the same model can serve other uses (e.g. speculative decoding) between.
     """
 
-    def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int], *, capture_last_hidden: bool = False):
+    def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int], *, capture_last_hidden: bool = False,
+                 padded_lengths: str = "longest"):
+        padded_length(1, padded_lengths)  # a ValueError now for an unknown rule, not at the first job
+        self.padded_lengths = padded_lengths
+        """How `prepare` pads a job's batch: `padded_length`'s rule (`target.padded_lengths`)."""
+        self.max_positions: Optional[int] = getattr(model.config, "max_position_embeddings", None)
         self.decoder = find_decoder(model)
         self.layers = self.decoder.layers
         num_layers = len(self.layers)
@@ -121,6 +145,12 @@ class TapCapture:
         self.hidden = int(model.config.hidden_size)
         self.stop_layer = num_layers - 1 if capture_last_hidden else max(self.tap_layer_ids)
         """Index of the last decoder layer that runs."""
+
+    def prepare(self, sequences: Sequence[TokenizedSequence], out: WireBatch) -> ForwardInputs:
+        """`prepare_inputs` with this capture's padded length."""
+        longest = max((s.num_tokens for s in sequences), default=0)
+        pad_to = padded_length(longest, self.padded_lengths, self.max_positions)
+        return prepare_inputs(sequences, out, pad_to=pad_to)
 
     def run(self, inputs: ForwardInputs, out: WireBatch) -> None:
         """Forward `inputs` up to the stop layer; write taps (and last_hidden) rows [0, num_tokens) of `out`.
