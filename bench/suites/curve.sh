@@ -110,12 +110,13 @@ if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the runs ended: their 
   tail -n 5 "$W/train.log"
   EVAL_OVERRIDES=${EVAL_OVERRIDES:-$(cat "$W/eval_overrides" 2>/dev/null)}
   EVAL_PARALLEL=${EVAL_PARALLEL:-$(cat "$W/eval_parallel" 2>/dev/null || echo 1)}
-  wait  # the training job, if this call started it: `wait -n` below must count only evaluations
-  running=0
+  wait  # the training job, if this call started it: the running jobs below must be evaluations only
   for export_dir in "$W"/runs/*/export; do
     [ -d "$export_dir" ] || continue
     name=$(basename "$(dirname "$export_dir")")
     [ -e "$W/results/eval-alone-$name/eval.json" ] && continue  # evaluated by an earlier call
+    # at most EVAL_PARALLEL at once (bash's `wait -n` here returned at once for a job waited for already)
+    while (( $(jobs -rp | wc -l) >= EVAL_PARALLEL )); do sleep 1; done
     if (( SECONDS - T0 > ${DEADLINE_S:-570} - 130 )); then  # an evaluation may take its 120 s
       echo "eval of $name left to the next PHASE=wait"; continue
     fi
@@ -124,8 +125,6 @@ if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the runs ended: their 
       --out "$W/results/eval-alone-$name" \
       eval.prompts="$W/cache/eval.jsonl" eval.num_prompts="$(wc -l < "$W/cache/eval.jsonl")" eval.max_new_tokens=128 \
       "run.device=${DEVICE:-cuda}" $EVAL_OVERRIDES &
-    running=$((running + 1))
-    if (( running >= EVAL_PARALLEL )); then wait -n; running=$((running - 1)); fi
   done
   wait
   cp "$W/train.log" "$W"/runs/*.log "$LOGS/" 2>/dev/null; cp -r "$W"/results/* "$RESULTS/" 2>/dev/null

@@ -9,10 +9,12 @@
 #   target-compiled  target.compile=true: the target's layers compiled too
 #   cuda-graphs      train.compile_mode=reduce-overhead: the drafter's forward and backward in CUDA graphs
 #   both             the two together
+#   rounded          target.padded_lengths=rounded: fewer batch shapes in an epoch (bench/target_shapes.py); these
+#                    400 steps are all in the first epoch, where every job's shape is new
 source "$(dirname "$0")/common.sh"
 declare -A VARIANT=([base]="" [target-compiled]="target.compile=true"
   [cuda-graphs]="train.compile_mode=reduce-overhead"
-  [both]="target.compile=true train.compile_mode=reduce-overhead")
+  [both]="target.compile=true train.compile_mode=reduce-overhead" [rounded]="target.padded_lengths=rounded")
 for v in ${VARIANTS:-base target-compiled cuda-graphs both}; do
   [ -n "${VARIANT[$v]+set}" ] || { echo "unknown variant $v (${!VARIANT[*]})"; exit 2; }
 done
