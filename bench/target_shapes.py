@@ -4,7 +4,7 @@
     python bench/target_shapes.py --preset qwen3-8b --num-layers 10       # 8B layers, random weights
     python bench/target_shapes.py --smoke                                 # tiny target on the CPU
 
-Training's first epoch ran at half the steps/s of later ones on the practice target (bench/RESULTS.md, "The
+Training's first epoch ran at 12-19 steps/s against ~25 later on the practice target (bench/RESULTS.md, "The
 recipe alone for 21 minutes"); a suspect is cuDNN's attention, which builds an execution plan for every new
 shape, and every job of an epoch has its own (rows, padded length). This measures it: jobs come from the
 project's epoch plan (length buckets, first-fit-decreasing packing) over sequence lengths drawn from a
@@ -15,6 +15,7 @@ runs in its own process (the plan cache is per process) and forwards the first -
   no-cudnn    SDPA without cuDNN's attention (flash, memory-efficient, math)
   pad-64      default, each job's padded length rounded up to a multiple of 64
   rounded     default, `target.padded_lengths=rounded`: up to one of 16 lengths per power of two (<= 6.25% more)
+  rounded-rows  rounded, and the rows rounded up the same way with empty ones (if the plans key on rows too)
 Printed per variant: ms per forward in each pass, distinct (rows, length) shapes, computed / real tokens.
 The last line is JSON.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -37,21 +39,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import git_commit, synchronize, target_attention, write_result  # noqa: E402  (bench/common.py)
+import torch.nn.functional as F  # noqa: E402
+from common import device_name, git_commit, synchronize, target_attention, write_result  # noqa: E402  (bench/common.py)
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from dflash_trainer.config import BatchShape  # noqa: E402
 from dflash_trainer.data.plan import build_epoch_plan  # noqa: E402
 from dflash_trainer.drafter.config import DrafterConfig  # noqa: E402
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
-from dflash_trainer.target.capture import TapCapture, padded_length, prepare_inputs  # noqa: E402
+from dflash_trainer.target.capture import ForwardInputs, TapCapture, padded_length, prepare_inputs  # noqa: E402
 from dflash_trainer.target.checks import choose_tap_layer_ids  # noqa: E402
 from dflash_trainer.target.config import TargetConfig  # noqa: E402
 from dflash_trainer.target.load import load_target  # noqa: E402
 from dflash_trainer.runtime.config import PipelineConfig  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
 
-VARIANTS = ("default", "no-cudnn", "pad-64", "rounded")
+VARIANTS = ("default", "no-cudnn", "pad-64", "rounded", "rounded-rows")
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -59,7 +62,20 @@ def variant_length(longest: int, variant: str) -> int:
     """The length a variant pads a job of longest sequence `longest` to."""
     if variant == "pad-64":
         return math.ceil(longest / 64) * 64
-    return padded_length(longest, "rounded" if variant == "rounded" else "longest")
+    return padded_length(longest, "rounded" if variant.startswith("rounded") else "longest")
+
+
+def job_inputs(sequences: list[TokenizedSequence], out, variant: str) -> ForwardInputs:
+    """A job's batch as `variant` pads it (rounded-rows: also empty rows up to a rounded row count)."""
+    longest = max(s.num_tokens for s in sequences)
+    inputs = prepare_inputs(sequences, out, pad_to=variant_length(longest, variant))
+    if variant != "rounded-rows":
+        return inputs
+    rows, length = inputs.input_ids.shape  # (B, S)
+    more = padded_length(rows, "rounded") - rows
+    # rows appended after every real one: `real_index` (b * S + t) is unchanged
+    return dataclasses.replace(inputs, input_ids=F.pad(inputs.input_ids, (0, 0, 0, more)),  # (B', S)
+                               padded_tokens=(rows + more) * length)
 
 
 def batch_shape(args) -> BatchShape:
@@ -103,12 +119,15 @@ def run_variant(args) -> dict:
     kernels = sdpa_kernel(NO_CUDNN) if args.variant == "no-cudnn" else contextlib.nullcontext()
     passes, shapes, computed, real = [], set(), 0, 0
     with kernels:
+        # one-time costs that are not the shapes' (CUDA modules, library handles, the allocator's first blocks),
+        # on a (1, 16) batch: the plan's sequences are 32 tokens or more, so no job has its shape
+        capture.run(prepare_inputs([TokenizedSequence(input_ids=dataset[0].input_ids[:16],
+                                                      loss_mask=dataset[0].loss_mask[:16])], out), out)
+        synchronize(device)
         for _ in range(2):
             t0 = time.perf_counter()
             for job in jobs:
-                sequences = [dataset[i] for i in job]
-                longest = max(s.num_tokens for s in sequences)
-                inputs = prepare_inputs(sequences, out, pad_to=variant_length(longest, args.variant))
+                inputs = job_inputs([dataset[i] for i in job], out, args.variant)
                 capture.run(inputs, out)
                 shapes.add(tuple(inputs.input_ids.shape))
                 computed, real = computed + inputs.padded_tokens, real + inputs.num_tokens
@@ -116,7 +135,8 @@ def run_variant(args) -> dict:
             passes.append(time.perf_counter() - t0)
     return dict(variant=args.variant, jobs=len(jobs), shapes=len(shapes), layers=num_layers,
                 pass1_ms=1000 * passes[0] / len(jobs), pass2_ms=1000 * passes[1] / len(jobs),
-                computed_per_real=computed / real, device=str(device))
+                computed_per_real=computed / real, device=device_name(device),
+                cudnn=torch.backends.cudnn.version() if device.type == "cuda" else None)
 
 
 def main() -> None:
@@ -154,7 +174,8 @@ def main() -> None:
             raise SystemExit(f"variant {variant} failed (exit {child.returncode})")
         rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
         print(f"{variant}: {rows[-1]}", file=sys.stderr, flush=True)
-    print("| variant | jobs | distinct shapes | computed / real tokens | ms per forward, pass 1 | pass 2 | pass 1 - pass 2 |")
+    print("| variant | jobs | distinct shapes | computed / real tokens | ms per forward, pass 1 | pass 2 "
+          "| pass 1 - pass 2 |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['jobs']} | {r['shapes']} | {r['computed_per_real']:.3f} | {r['pass1_ms']:.1f} "
@@ -163,7 +184,7 @@ def main() -> None:
                   num_layers=args.num_layers, token_budget=args.token_budget, median_length=args.median_length,
                   rows=rows)
     if args.out:
-        write_result(result, "target_shapes", args.target and "practice" or args.preset, args.out)
+        write_result(result, "target_shapes", Path(args.target).name if args.target else args.preset, args.out)
     print(json.dumps(result))
 
 

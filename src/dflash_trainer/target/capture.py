@@ -1,6 +1,7 @@
 """Tap capture: run the target up to its last tapped layer and gather each tap's real tokens into a packed buffer.
 
-Layout. A job's sequences are right-padded to the longest into a `(B, S)` batch, with no attention mask.
+Layout. A job's sequences are right-padded into a `(B, S)` batch, with no attention mask: S is the longest
+sequence's length, or that rounded up (`padded_length`: fewer distinct shapes).
 Right padding with the default positions `0..S-1` gives every real token exactly the position and the
 causal context it has when the sequence runs alone: in a causal decoder token t sees only tokens <= t, and
 the padding comes after every real token of its row. The pad rows compute values nobody reads. A padding
@@ -46,7 +47,8 @@ class ForwardInputs:
     """A job's sequences as the padded target batch, plus where their real tokens are."""
 
     input_ids: torch.Tensor
-    """(B, S) int64 on the target device: right-padded with 0 (no mask needed, see the module docstring)."""
+    """(B, S) int64 on the target device: right-padded with 0 to S >= the longest (no mask needed, see the module
+    docstring)."""
     real_index: torch.Tensor
     """(num_tokens,) int64 on the target device: flat positions b*S + t of real tokens, in packed order."""
     num_tokens: int
