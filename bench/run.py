@@ -212,7 +212,7 @@ def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, 
         # once into a shape-generic graph (the fixed-shape mfu workload compiles once, statically).
         compile_decoder_layers(target, upto=max(spec.tap_layer_ids), dynamic=None)
     loop = drafter_loop(config, spec, head_from_model(target), device, total_steps=len(warmup_jobs) + len(timed_jobs))
-    capture = TapCapture(target, spec.tap_layer_ids, padded_lengths=config.target.padded_lengths)
+    capture = TapCapture(target, spec.tap_layer_ids, cudnn_attention=config.target.cudnn_attention)
     buffers = allocate(wire_spec(config, hidden=spec.hidden_size, num_taps=spec.num_taps), device)
 
     def step(job: Job, timer: StepTimer):
@@ -316,13 +316,12 @@ class StepWork:
 def step_work(config, target, spec, jobs, workload, device) -> StepWork:
     """Re-samples each job's blocks after timing (same key, same device: the blocks the step trained on)."""
     wire = allocate(wire_spec(config, hidden=1, num_taps=1), device)
-    capture = TapCapture(target, spec.tap_layer_ids, padded_lengths=config.target.padded_lengths)  # its padding
     target_total = drafter_total = padded = 0.0
     num_layers = max(spec.tap_layer_ids) + 1
     for job in jobs:
         sequences = [workload.dataset[i] for i in job.sequence_ids]
         lengths = [s.num_tokens for s in sequences]
-        padded += capture.prepare(sequences, wire).padded_tokens
+        padded += prepare_inputs(sequences, wire).padded_tokens
         plan = plan_blocks(input_ids=wire.input_ids, loss_mask=wire.loss_mask.view(torch.bool),
                            cu_seqlens=wire.cu_seqlens, num_blocks=config.batch.num_blocks, block_size=spec.block_size,
                            mask_token_id=spec.mask_token_id, seed=config.run.seed, epoch=job.epoch, job_id=job.job_id)

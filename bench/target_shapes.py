@@ -12,9 +12,9 @@ log-normal (median --median-length, capped at --max-length), so their shapes are
 runs in its own process (the plan cache is per process) and forwards the first --jobs jobs twice, as
 `TapCapture.run` in training: pass 1 meets each shape for the first time, pass 2 again. Variants:
   default     SDPA picks its backend, as training runs now (cuDNN's attention on the H200)
-  no-cudnn    SDPA without cuDNN's attention (flash, memory-efficient, math)
+  no-cudnn    SDPA without cuDNN's attention (`target.cudnn_attention=false`: flash attention)
   pad-64      default, each job's padded length rounded up to a multiple of 64
-  rounded     default, `target.padded_lengths=rounded`: up to one of 16 lengths per power of two (<= 6.25% more)
+  rounded     default, the length rounded up to one of 16 lengths per power of two (at most 6.25% more)
   rounded-rows  rounded, and the rows rounded up the same way with empty ones (if the plans key on rows too)
 Printed per variant: ms per forward in each pass, distinct (rows, length) shapes, computed / real tokens.
 The last line is JSON.
@@ -23,7 +23,6 @@ The last line is JSON.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -41,13 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from common import device_name, git_commit, synchronize, target_attention, write_result  # noqa: E402  (bench/common.py)
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from dflash_trainer.config import BatchShape  # noqa: E402
 from dflash_trainer.data.plan import build_epoch_plan  # noqa: E402
 from dflash_trainer.drafter.config import DrafterConfig  # noqa: E402
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
-from dflash_trainer.target.capture import ForwardInputs, TapCapture, padded_length, prepare_inputs  # noqa: E402
+from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs  # noqa: E402
 from dflash_trainer.target.checks import choose_tap_layer_ids  # noqa: E402
 from dflash_trainer.target.config import TargetConfig  # noqa: E402
 from dflash_trainer.target.load import load_target  # noqa: E402
@@ -55,14 +53,19 @@ from dflash_trainer.runtime.config import PipelineConfig  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
 
 VARIANTS = ("default", "no-cudnn", "pad-64", "rounded", "rounded-rows")
-NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def rounded_length(n: int) -> int:
+    """`n` rounded up to a multiple of 1/16 of its power of two: 16 lengths per octave, at most 6.25% more."""
+    step = max(1, (1 << (n.bit_length() - 1)) // 16)
+    return -(-n // step) * step
 
 
 def variant_length(longest: int, variant: str) -> int:
     """The length a variant pads a job of longest sequence `longest` to."""
     if variant == "pad-64":
         return math.ceil(longest / 64) * 64
-    return padded_length(longest, "rounded" if variant.startswith("rounded") else "longest")
+    return rounded_length(longest) if variant.startswith("rounded") else longest
 
 
 def job_inputs(sequences: list[TokenizedSequence], out, variant: str) -> ForwardInputs:
@@ -72,7 +75,7 @@ def job_inputs(sequences: list[TokenizedSequence], out, variant: str) -> Forward
     if variant != "rounded-rows":
         return inputs
     rows, length = inputs.input_ids.shape  # (B, S)
-    more = padded_length(rows, "rounded") - rows
+    more = rounded_length(rows) - rows
     # rows appended after every real one: `real_index` (b * S + t) is unchanged
     return dataclasses.replace(inputs, input_ids=F.pad(inputs.input_ids, (0, 0, 0, more)),  # (B', S)
                                padded_tokens=(rows + more) * length)
@@ -108,7 +111,7 @@ def run_variant(args) -> dict:
         model.model.layers = model.model.layers[: args.num_layers]
     num_layers = len(model.model.layers)
     taps = choose_tap_layer_ids(num_layers, min(5, num_layers))
-    capture = TapCapture(model, taps)
+    capture = TapCapture(model, taps, cudnn_attention=args.variant != "no-cudnn")  # as target.cudnn_attention
     out = allocate(WireSpec.of(batch_shape(args), num_taps=len(taps), hidden=model.config.hidden_size,
                                dtype=model.dtype, has_last_hidden=False), device)
     jobs, lengths = epoch_jobs(args)
@@ -116,23 +119,21 @@ def run_variant(args) -> dict:
     vocab = model.config.vocab_size
     dataset = {i: TokenizedSequence(input_ids=torch.randint(0, vocab, (n,), generator=g),
                                     loss_mask=torch.ones(n, dtype=torch.bool)) for i, n in enumerate(lengths)}
-    kernels = sdpa_kernel(NO_CUDNN) if args.variant == "no-cudnn" else contextlib.nullcontext()
     passes, shapes, computed, real = [], set(), 0, 0
-    with kernels:
-        # one-time costs that are not the shapes' (CUDA modules, library handles, the allocator's first blocks),
-        # on a (1, 16) batch: the plan's sequences are 32 tokens or more, so no job has its shape
-        capture.run(prepare_inputs([TokenizedSequence(input_ids=dataset[0].input_ids[:16],
-                                                      loss_mask=dataset[0].loss_mask[:16])], out), out)
-        synchronize(device)
-        for _ in range(2):
-            t0 = time.perf_counter()
-            for job in jobs:
-                inputs = job_inputs([dataset[i] for i in job], out, args.variant)
-                capture.run(inputs, out)
-                shapes.add(tuple(inputs.input_ids.shape))
-                computed, real = computed + inputs.padded_tokens, real + inputs.num_tokens
-            synchronize(device)  # the pass ends when its last forward has run
-            passes.append(time.perf_counter() - t0)
+    # one-time costs that are not the shapes' (CUDA modules, library handles, the allocator's first blocks),
+    # on a (1, 16) batch: the plan's sequences are 32 tokens or more, so no job has its shape
+    capture.run(prepare_inputs([TokenizedSequence(input_ids=dataset[0].input_ids[:16],
+                                                  loss_mask=dataset[0].loss_mask[:16])], out), out)
+    synchronize(device)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for job in jobs:
+            inputs = job_inputs([dataset[i] for i in job], out, args.variant)
+            capture.run(inputs, out)
+            shapes.add(tuple(inputs.input_ids.shape))
+            computed, real = computed + inputs.padded_tokens, real + inputs.num_tokens
+        synchronize(device)  # the pass ends when its last forward has run
+        passes.append(time.perf_counter() - t0)
     return dict(variant=args.variant, jobs=len(jobs), shapes=len(shapes), layers=num_layers,
                 pass1_ms=1000 * passes[0] / len(jobs), pass2_ms=1000 * passes[1] / len(jobs),
                 computed_per_real=computed / real, device=device_name(device),

@@ -9,18 +9,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from target_shapes import job_inputs, variant_length  # noqa: E402
+from target_shapes import job_inputs, rounded_length, variant_length  # noqa: E402
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
-from dflash_trainer.target.capture import padded_length  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
 
 
 def test_variants_pad_as_named():
     assert [variant_length(n, "pad-64") for n in (1, 64, 65, 2000)] == [64, 64, 128, 2048]
+    assert [rounded_length(n) for n in (20, 41, 1000, 1024, 1025)] == [20, 42, 1024, 1024, 1088]
     for n in (33, 1000, 1025):
         assert variant_length(n, "default") == variant_length(n, "no-cudnn") == n
-        assert variant_length(n, "rounded") == variant_length(n, "rounded-rows") == padded_length(n, "rounded") > n
+        assert variant_length(n, "rounded") == variant_length(n, "rounded-rows") == rounded_length(n) > n
+    for n in range(1, 4097):
+        assert n <= rounded_length(n) < n * (1 + 1 / 16), n
 
 
 def test_rounded_rows_appends_empty_rows_and_keeps_the_real_tokens_where_they_are():

@@ -9,8 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target import checks
-from dflash_trainer.target.capture import TapCapture, padded_length, prepare_inputs
-from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target.capture import TapCapture, prepare_inputs
 from dflash_trainer.target.checks import check_target, choose_tap_layer_ids, slow_path_warnings
 from dflash_trainer.target.load import find_decoder_layers
 from dflash_trainer.transport.wire import WireSpec, allocate
@@ -29,15 +28,14 @@ def make_sequences(lengths, seed=0):
     ]
 
 
-def capture(model, sequences, taps, *, last_hidden=False, token_budget=64, max_seqs=6, padded_lengths="longest"):
+def capture(model, sequences, taps, *, last_hidden=False, token_budget=64, max_seqs=6, pad_to=None):
     spec = WireSpec(
         token_budget=token_budget, max_seqs=max_seqs, num_taps=len(taps), hidden=H,
         dtype=torch.float32, has_last_hidden=last_hidden,
     )
     out = allocate(spec, "cpu")
-    cap = TapCapture(model, taps, capture_last_hidden=last_hidden, padded_lengths=padded_lengths)
-    inputs = cap.prepare(sequences, out)
-    cap.run(inputs, out)
+    inputs = prepare_inputs(sequences, out, pad_to=pad_to)
+    TapCapture(model, taps, capture_last_hidden=last_hidden).run(inputs, out)
     return inputs, out
 
 
@@ -67,10 +65,10 @@ def test_taps_equal_hf_hidden_states_of_each_sequence_alone(tiny_target, taps, a
     assert not out.taps.requires_grad
 
 
-def test_rounded_padding_leaves_each_sequences_taps_as_it_runs_alone(tiny_target):
+def test_padding_further_leaves_each_sequences_taps_as_it_runs_alone(tiny_target):
     sequences = make_sequences((41, 33, 9))
-    inputs, out = capture(tiny_target, sequences, [1, 3], token_budget=128, padded_lengths="rounded")
-    assert inputs.input_ids.shape == (3, 42) and inputs.padded_tokens == 3 * 42  # 41 rounded up to a step of 2
+    inputs, out = capture(tiny_target, sequences, [1, 3], token_budget=128, pad_to=54)
+    assert inputs.input_ids.shape == (3, 54) and inputs.padded_tokens == 3 * 54
     start = 0
     for seq in sequences:
         hs, n = alone_hidden_states(tiny_target, seq), seq.num_tokens
@@ -80,19 +78,24 @@ def test_rounded_padding_leaves_each_sequences_taps_as_it_runs_alone(tiny_target
         start += n
 
 
-def test_padded_length_rules():
-    assert [padded_length(n, "longest") for n in (1, 41, 1000)] == [1, 41, 1000]
-    assert [padded_length(n, "rounded") for n in (20, 41, 1000, 1024, 1025)] == [20, 42, 1024, 1024, 1088]
-    for n in range(1, 4097):
-        assert n <= padded_length(n, "rounded") < n * (1 + 1 / 16), n
-    # an epoch's lengths up to 2048 fall on 16 values per power of two at most
-    assert len({padded_length(n, "rounded") for n in range(32, 2049)}) <= 16 * 6 + 1
-    assert padded_length(2030, "rounded", max_length=2040) == 2040  # never past the target's positions ...
-    assert padded_length(2045, "rounded", max_length=2040) == 2045  # ... beyond what the longest already needs
-    with pytest.raises(ValueError, match="longest"):
-        padded_length(10, "shortest")
-    with pytest.raises(ConfigError, match="target.padded_lengths"):
-        TargetConfig(padded_lengths="shortest")
+@pytest.mark.parametrize("cudnn_attention", [True, False])
+def test_cudnn_attention_off_takes_sdpa_off_cudnn_for_the_forward_alone(tiny_target, cudnn_attention):
+    seen = []
+    handle = find_decoder_layers(tiny_target)[0].register_forward_pre_hook(
+        lambda module, args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    spec = WireSpec(token_budget=64, max_seqs=6, num_taps=1, hidden=H, dtype=torch.float32, has_last_hidden=False)
+    out = allocate(spec, "cpu")
+    try:
+        TapCapture(tiny_target, [2], cudnn_attention=cudnn_attention).run(prepare_inputs(make_sequences(LENGTHS), out),
+                                                                          out)
+    finally:
+        handle.remove()
+    assert before and seen == [cudnn_attention]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # restored after the forward
+    default_out = allocate(spec, "cpu")
+    TapCapture(tiny_target, [2]).run(prepare_inputs(make_sequences(LENGTHS), default_out), default_out)
+    torch.testing.assert_close(out.taps, default_out.taps)
 
 
 def test_last_hidden_is_the_last_layer_output_before_the_final_norm(tiny_target):

@@ -9,15 +9,15 @@
 #   target-compiled  target.compile=true: the target's layers compiled too
 #   cuda-graphs      train.compile_mode=reduce-overhead: the drafter's forward and backward in CUDA graphs
 #   both             the two together
-#   rounded          target.padded_lengths=rounded: fewer batch shapes in an epoch (bench/target_shapes.py); these
-#                    400 steps are all in the first epoch, where every job's shape is new
+#   cudnn            target.cudnn_attention=true: SDPA may pick cuDNN's attention, which plans each new batch
+#                    shape (bench/target_shapes.py); these 400 steps are in the first epoch, where most shapes are new
 #   budget-32k       pipeline.token_budget=32768: twice the tokens (and blocks) a step, fewer launches per token
 source "$(dirname "$0")/common.sh"
 declare -A VARIANT=([base]="" [target-compiled]="target.compile=true"
   [cuda-graphs]="train.compile_mode=reduce-overhead"
-  [both]="target.compile=true train.compile_mode=reduce-overhead" [rounded]="target.padded_lengths=rounded"
+  [both]="target.compile=true train.compile_mode=reduce-overhead" [cudnn]="target.cudnn_attention=true"
   [budget-32k]="pipeline.token_budget=32768")
-VARIANTS=${VARIANTS:-base target-compiled cuda-graphs both rounded budget-32k}
+VARIANTS=${VARIANTS:-base target-compiled cuda-graphs both cudnn budget-32k}
 for v in $VARIANTS; do
   [ -n "${VARIANT[$v]+set}" ] || { echo "unknown variant $v (${!VARIANT[*]})"; exit 2; }
 done

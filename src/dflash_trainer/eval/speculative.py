@@ -25,8 +25,10 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
+
+from dflash_trainer.target.capture import SDPA_WITHOUT_CUDNN
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,13 +71,10 @@ def _crop(cache: DynamicCache, keep: int) -> None:
         cache.crop(-remove)
 
 
-DECODING_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-"""Attention kernels while decoding: not cuDNN's, which builds an execution plan for every new key length, and
-in decoding every step has a new one (bench/RESULTS.md, "Host time on the device machine")."""
-
-
 def decoding_kernels(fn):
-    """Run a decoding function with the target eager and without cuDNN attention (`DECODING_SDPA_BACKENDS`).
+    """Run a decoding function with the target eager and without cuDNN attention (`SDPA_WITHOUT_CUDNN`): cuDNN
+    builds an execution plan for every new key length, and in decoding every step has a new one (bench/RESULTS.md,
+    "Host time on the device machine").
 
     Eager also when the trainer compiled the target's layers for tap capture (`target.compile`): a compiled
     layer would recompile for every layer's cache state and every new length. The stance is process-wide: this
@@ -84,7 +83,7 @@ def decoding_kernels(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with torch.compiler.set_stance("force_eager"), sdpa_kernel(list(DECODING_SDPA_BACKENDS)):
+        with torch.compiler.set_stance("force_eager"), sdpa_kernel(list(SDPA_WITHOUT_CUDNN)):
             return fn(*args, **kwargs)
 
     return wrapper

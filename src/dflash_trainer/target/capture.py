@@ -1,7 +1,6 @@
 """Tap capture: run the target up to its last tapped layer and gather each tap's real tokens into a packed buffer.
 
-Layout. A job's sequences are right-padded into a `(B, S)` batch, with no attention mask: S is the longest
-sequence's length, or that rounded up (`padded_length`: fewer distinct shapes).
+Layout. A job's sequences are right-padded to the longest into a `(B, S)` batch, with no attention mask.
 Right padding with the default positions `0..S-1` gives every real token exactly the position and the
 causal context it has when the sequence runs alone: in a causal decoder token t sees only tokens <= t, and
 the padding comes after every real token of its row. The pad rows compute values nobody reads. A padding
@@ -25,17 +24,22 @@ that the whole model cannot be one compiled graph: compile the layers instead (`
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.target.checks import check_tap_layer_ids
-from dflash_trainer.target.config import PADDED_LENGTHS
 from dflash_trainer.target.load import find_decoder
 from dflash_trainer.transport.wire import WireBatch
+
+
+SDPA_WITHOUT_CUDNN = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""SDPA's backends but cuDNN's attention, whose plan for each new shape costs more than a small forward."""
 
 
 class _StopForward(Exception):
@@ -55,22 +59,6 @@ class ForwardInputs:
     num_seqs: int
     padded_tokens: int
     """B * S: tokens the forward computes, padding included."""
-
-
-def padded_length(longest: int, rule: str, max_length: Optional[int] = None) -> int:
-    """The length a batch whose longest sequence has `longest` tokens is padded to.
-
-    longest: that length. rounded: up to a multiple of 1/16 of its power of two (16 lengths per octave, at most
-    6.25% more tokens), but not past `max_length` (the target's positions) beyond `longest`: an epoch's batches
-    then take far fewer shapes, and cuDNN's attention builds an execution plan for every new one.
-    """
-    if rule not in PADDED_LENGTHS:
-        raise ValueError(f"padded length rule must be one of {PADDED_LENGTHS}, got {rule!r}")
-    if rule == "longest" or longest < 1:
-        return longest
-    step = max(1, (1 << (longest.bit_length() - 1)) // 16)
-    rounded = -(-longest // step) * step
-    return rounded if max_length is None else max(longest, min(rounded, max_length))
 
 
 def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch, *,
@@ -133,11 +121,9 @@ class TapCapture:
     """
 
     def __init__(self, model: nn.Module, tap_layer_ids: Sequence[int], *, capture_last_hidden: bool = False,
-                 padded_lengths: str = "longest"):
-        padded_length(1, padded_lengths)  # a ValueError now for an unknown rule, not at the first job
-        self.padded_lengths = padded_lengths
-        """How `prepare` pads a job's batch: `padded_length`'s rule (`target.padded_lengths`)."""
-        self.max_positions: Optional[int] = getattr(model.config, "max_position_embeddings", None)
+                 cudnn_attention: bool = True):
+        self.cudnn_attention = cudnn_attention
+        """Whether SDPA may pick cuDNN's attention in the forward (`target.cudnn_attention`)."""
         self.decoder = find_decoder(model)
         self.layers = self.decoder.layers
         num_layers = len(self.layers)
@@ -147,12 +133,6 @@ class TapCapture:
         self.hidden = int(model.config.hidden_size)
         self.stop_layer = num_layers - 1 if capture_last_hidden else max(self.tap_layer_ids)
         """Index of the last decoder layer that runs."""
-
-    def prepare(self, sequences: Sequence[TokenizedSequence], out: WireBatch) -> ForwardInputs:
-        """`prepare_inputs` with this capture's padded length."""
-        longest = max((s.num_tokens for s in sequences), default=0)
-        pad_to = padded_length(longest, self.padded_lengths, self.max_positions)
-        return prepare_inputs(sequences, out, pad_to=pad_to)
 
     def run(self, inputs: ForwardInputs, out: WireBatch) -> None:
         """Forward `inputs` up to the stop layer; write taps (and last_hidden) rows [0, num_tokens) of `out`.
@@ -176,8 +156,10 @@ class TapCapture:
             self.layers[layer_id].register_forward_hook(self._hook(dsts, inputs.real_index, layer_id == self.stop_layer))
             for layer_id, dsts in destinations.items()
         ]
+        # cuDNN's attention builds an execution plan for every new batch shape (bench/RESULTS.md)
+        kernels = nullcontext() if self.cudnn_attention else sdpa_kernel(list(SDPA_WITHOUT_CUDNN))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), kernels:
                 self.decoder(input_ids=inputs.input_ids, use_cache=False)
         except _StopForward:
             pass

@@ -10,7 +10,6 @@ from dflash_trainer.errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZE = (None, "fp8")
-PADDED_LENGTHS = ("longest", "rounded")
 
 
 @dataclass
@@ -33,10 +32,11 @@ class TargetConfig:
     (CUDA only; ignored on the CPU; evaluation's decoding runs the layers eager). It costs compile time once
     and pays back in a long run (figures in bench/RESULTS.md). Turn it off for a model that torch.compile
     cannot trace, or a target too small for its forward to matter."""
-    padded_lengths: str = "longest"
-    """How long a job's padded batch is: `longest`, its longest sequence; `rounded`, that rounded up to one of
-    16 lengths per power of two (at most 6.25% more tokens), so an epoch's batches take far fewer shapes. cuDNN's
-    attention (SDPA's choice on Hopper) builds an execution plan the first time it meets a shape."""
+    cudnn_attention: bool = True
+    """Let SDPA pick cuDNN's attention (its first choice on Hopper) in the tap-capture forward. cuDNN builds an
+    execution plan the first time it meets a batch shape, and nearly every job of a first epoch has its own:
+    ~66 ms each on an H200, 6.7x the practice target's whole forward (bench/RESULTS.md, "The target forward on new
+    shapes"). false: flash attention instead, as evaluation's decoding always runs."""
     quantize: Optional[str] = None
     """`fp8`: the linear layers of the decoder layers in FP8 (e4m3, one scale per weight row and per token of
     the activations, torchao's float8 through `torch._scaled_mm`), on a GPU with FP8 tensor cores (compute
@@ -48,8 +48,6 @@ class TargetConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.padded_lengths not in PADDED_LENGTHS:
-            raise ConfigError(f"target.padded_lengths must be one of {PADDED_LENGTHS}, got {self.padded_lengths!r}")
         if self.quantize not in QUANTIZE:
             raise ConfigError(f"target.quantize must be null or 'fp8', got {self.quantize!r}")
         if self.quantize == "fp8" and self.dtype != "bfloat16":

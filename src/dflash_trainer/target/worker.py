@@ -11,7 +11,7 @@ import torch
 
 from dflash_trainer.data.types import Job, TokenizedSequence
 from dflash_trainer.faults import inject_nan, maybe_fault
-from dflash_trainer.target.capture import ForwardInputs, TapCapture
+from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs
 from dflash_trainer.transport.sender import BatchSender
 from dflash_trainer.transport.wire import HiddenStateBatch, WireBatch, WireHeader, from_wire
 
@@ -114,7 +114,7 @@ def forward_job(capture: TapCapture, dataset: Dataset, job: Job, buffers: WireBa
             "the epoch plan and the tokenized data disagree (re-run planning)"
         )
     maybe_fault("target_forward")  # test-only hook, inert unless DFLASH_TEST_FAULT is set
-    inputs = capture.prepare(sequences, buffers)
+    inputs = prepare_inputs(sequences, buffers)
     capture.run(inputs, buffers)
     if inject_nan(job.job_id):  # test-only hook
         buffers.taps[: inputs.num_tokens].fill_(float("nan"))
