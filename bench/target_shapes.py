@@ -4,9 +4,9 @@
     python bench/target_shapes.py --preset qwen3-8b --num-layers 10       # 8B layers, random weights
     python bench/target_shapes.py --smoke                                 # tiny target on the CPU
 
-Training's first epoch ran at 12-19 steps/s against ~25 later on the practice target; cuDNN's attention builds an
-execution plan for every new shape, and almost every job of an epoch has its own (rows, padded length): 66 ms
-each there (bench/RESULTS.md, "The target forward on new shapes"). This measures it: jobs come from the
+cuDNN's attention builds an execution plan for every new shape, and almost every job of a first epoch has its own
+(rows, padded length): training's first epoch ran slower than later ones (bench/RESULTS.md, "The target forward on
+new shapes"). This measures it: jobs come from the
 project's epoch plan (length buckets, first-fit-decreasing packing) over sequence lengths drawn from a
 log-normal (median --median-length, capped at --max-length), so their shapes are those of an epoch. Each variant
 runs in its own process (the plan cache is per process) and forwards the first --jobs jobs twice, as

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# What the target forward costs the first time a job's batch shape is seen (bench/target_shapes.py): training's
-# first epoch ran at 12-19 steps/s against ~25 later on the practice target, and cuDNN's attention builds a plan
-# for every new shape (66 ms each there: bench/RESULTS.md). Each variant (default, no-cudnn, pad-64, rounded, rounded-rows) in its own process, two passes
-# over the same jobs (VARIANTS=a,b: those alone). PARTS picks the targets (default both; ~8 minutes):
+# What the target forward costs the first time a job's batch shape is seen (bench/target_shapes.py): cuDNN's
+# attention builds a plan for every new shape, and a first epoch meets one at almost every job (bench/RESULTS.md,
+# "The target forward on new shapes"). Each variant (default, no-cudnn, pad-64, rounded, rounded-rows) in its own
+# process, two passes over the same jobs (VARIANTS=a,b: those alone). PARTS picks the targets (default both;
+# ~8 minutes):
 #   practice  the practice target, 300 jobs of 16,384 tokens
 #   8b        the Qwen3-8B shape cut to 10 decoder layers, random weights, 100 jobs
 #   BENCH_COMMIT=<hash> [PARTS=practice] bash bench/suites/shapes.sh    (carry .whl and .practice/model)
