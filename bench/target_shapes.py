@@ -3,6 +3,7 @@
     python bench/target_shapes.py --target .practice/model                # CUDA: the practice target, ~3 min
     python bench/target_shapes.py --preset qwen3-8b --num-layers 10       # 8B layers, random weights
     python bench/target_shapes.py --smoke                                 # tiny target on the CPU
+    python bench/target_shapes.py --census 6 --token-budget 12288 --max-length 3072   # no GPU: new shapes a run meets
 
 cuDNN's attention builds an execution plan for every new shape, and almost every job of a first epoch has its own
 (rows, padded length): training's first epoch ran slower than later ones (bench/RESULTS.md, "The target forward on
@@ -17,7 +18,8 @@ runs in its own process (the plan cache is per process) and forwards the first -
   rounded     default, the length rounded up to one of 16 lengths per power of two (at most 6.25% more)
   rounded-rows  rounded, and the rows rounded up the same way with empty ones (if the plans key on rows too)
 Printed per variant: ms per forward in each pass, distinct (rows, length) shapes, computed / real tokens.
-The last line is JSON.
+The last line is JSON. --census EPOCHS forwards nothing: it counts, for datasets of --census-sequences
+sequences, the jobs of an EPOCHS-epoch run that meet a shape no earlier job had (those that pay the plan).
 """
 
 from __future__ import annotations
@@ -86,16 +88,49 @@ def batch_shape(args) -> BatchShape:
     return BatchShape.of(PipelineConfig(token_budget=args.token_budget), DrafterConfig())
 
 
-def epoch_jobs(args) -> tuple[list[list[int]], list[int]]:
-    """The first --jobs jobs (sequence ids) of an epoch plan over log-normal lengths, and the lengths.
-
-    Lengths start at 2 blocks of 16 (training drops shorter sequences)."""
+def sequence_lengths(args) -> list[int]:
+    """--sequences log-normal lengths (median --median-length, at most --max-length), from 2 blocks of 16 up
+    (training drops shorter sequences)."""
     rng = random.Random(0)
-    lengths = [min(args.max_length, max(32, round(rng.lognormvariate(math.log(args.median_length), 0.8))))
-               for _ in range(args.sequences)]
-    plan = build_epoch_plan(lengths, epoch=0, seed=0, num_buckets=args.num_buckets, token_budget=args.token_budget,
-                            max_seqs=batch_shape(args).max_seqs)
-    return [list(job.sequence_ids) for job in plan.jobs[: args.jobs]], lengths
+    return [min(args.max_length, max(32, round(rng.lognormvariate(math.log(args.median_length), 0.8))))
+            for _ in range(args.sequences)]
+
+
+def epoch_job_ids(args, lengths: list[int], epoch: int) -> list[list[int]]:
+    """The jobs (sequence ids) of epoch `epoch`'s plan, as training packs them."""
+    plan = build_epoch_plan(lengths, epoch=epoch, seed=0, num_buckets=args.num_buckets,
+                            token_budget=args.token_budget, max_seqs=batch_shape(args).max_seqs)
+    return [list(job.sequence_ids) for job in plan.jobs]
+
+
+def epoch_jobs(args) -> tuple[list[list[int]], list[int]]:
+    """The first --jobs jobs (sequence ids) of an epoch plan over log-normal lengths, and the lengths."""
+    lengths = sequence_lengths(args)
+    return epoch_job_ids(args, lengths, 0)[: args.jobs], lengths
+
+
+def shape_census(args, lengths: list[int], epochs: int) -> list[dict]:
+    """Per epoch: its jobs, and how many of them have a (rows, padded length) shape no earlier job had: the
+    forwards that pay cuDNN's plan (no GPU needed)."""
+    seen, rows = set(), []
+    for epoch in range(epochs):
+        jobs = epoch_job_ids(args, lengths, epoch)
+        before = len(seen)
+        seen.update((len(ids), max(lengths[i] for i in ids)) for ids in jobs)
+        rows.append(dict(epoch=epoch, jobs=len(jobs), new_shapes=len(seen) - before))
+    return rows
+
+
+def print_census(args) -> None:
+    """--census: for each --sequences count, the share of an N-epoch run's jobs that meet a new shape."""
+    print("| sequences | jobs per epoch | new shapes by epoch | new-shape share: first epoch | whole run |")
+    print("|---|---|---|---|---|")
+    for count in args.census_sequences:
+        sized = argparse.Namespace(**{**vars(args), "sequences": count})
+        census = shape_census(sized, sequence_lengths(sized), args.census)
+        new = [r["new_shapes"] for r in census]
+        print(f"| {count:,} | {census[0]['jobs']:,} | {', '.join(map(str, new))} | "
+              f"{new[0] / census[0]['jobs']:.3f} | {sum(new) / sum(r['jobs'] for r in census):.3f} |", flush=True)
 
 
 def run_variant(args) -> dict:
@@ -154,6 +189,10 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--num-buckets", type=int, default=8)
+    p.add_argument("--census", type=int, default=0, metavar="EPOCHS",
+                   help="no forward: count the jobs of an EPOCHS-epoch run that meet a new batch shape")
+    p.add_argument("--census-sequences", type=lambda v: [int(x) for x in v.split(",")], default=[10000, 100000],
+                   help="--census: the dataset sizes, comma-separated")
     p.add_argument("--smoke", action="store_true", help="tiny target, few jobs, on the CPU")
     p.add_argument("--out", help="also write the JSON into this folder")
     args = p.parse_args()
@@ -161,6 +200,9 @@ def main() -> None:
         args.target, args.preset, args.dtype = None, "tiny", "float32"
         args.jobs, args.sequences, args.median_length, args.max_length = 6, 200, 40, 128
         args.token_budget = 512
+    if args.census:
+        print_census(args)
+        return
     if args.variant:
         print(json.dumps(run_variant(args)), flush=True)
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from target_shapes import job_inputs, rounded_length, variant_length  # noqa: E402
+from target_shapes import epoch_job_ids, job_inputs, rounded_length, shape_census, variant_length  # noqa: E402
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
@@ -36,3 +37,14 @@ def test_rounded_rows_appends_empty_rows_and_keeps_the_real_tokens_where_they_ar
     assert rows.padded_tokens == 34 * 40 and rows.num_tokens == rounded.num_tokens == 40 + 96
     assert torch.equal(rows.real_index, rounded.real_index) and rows.input_ids[33].eq(0).all()
     assert torch.equal(rows.input_ids.flatten()[rows.real_index], torch.cat([s.input_ids for s in sequences]))
+
+
+def test_census_counts_each_shape_once_at_the_first_job_that_has_it():
+    args = argparse.Namespace(num_buckets=2, token_budget=512, sequences=0)
+    lengths = [100] * 23 + [40] * 30
+    census = shape_census(args, lengths, epochs=3)
+    by_epoch = [[(len(ids), max(lengths[i] for i in ids)) for ids in epoch_job_ids(args, lengths, e)] for e in range(3)]
+    assert len(by_epoch[0]) > len(set(by_epoch[0])) > 1  # shapes repeat within an epoch: they are counted once
+    assert [r["jobs"] for r in census] == [len(jobs) for jobs in by_epoch]
+    assert census[0]["new_shapes"] == len(set(by_epoch[0]))
+    assert sum(r["new_shapes"] for r in census) == len(set().union(*by_epoch))
