@@ -122,7 +122,7 @@ def shape_census(args, lengths: list[int], epochs: int) -> list[dict]:
 
 
 def print_census(args) -> None:
-    """--census: for each --sequences count, the share of an N-epoch run's jobs that meet a new shape."""
+    """--census: for each --census-sequences count, the share of an N-epoch run's jobs that meet a new shape."""
     print("| sequences | jobs per epoch | new shapes by epoch | new-shape share: first epoch | whole run |")
     print("|---|---|---|---|---|")
     for count in args.census_sequences:
