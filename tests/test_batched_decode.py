@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import MistralConfig
 
 from dflash_trainer.eval.batched import (
     BlockDrafts,
@@ -17,10 +18,15 @@ from dflash_trainer.eval.batched import (
     accept_greedy,
     accept_sampled,
     decode_batch,
+    position_masks,
+    sliding_window_of,
 )
 from dflash_trainer.eval.proposers import PromptLookupProposer
 from dflash_trainer.eval.speculative import speculative_generate, target_generate
 from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
+from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target.load import load_target
+from dflash_trainer.target.presets import preset_config
 from tests.eval_helpers import batch_proposer_for, fitted, proposer_for
 
 
@@ -99,6 +105,43 @@ def test_prompt_lookup_is_lossless_and_copies_repeats():
     echo_lengths = out[-1].acceptance_lengths
     if echo_ref.output_ids[:29] == plain[1].output_ids[1:30]:  # the target repeats itself after the echo
         assert max(echo_lengths) == 8
+
+
+def test_speculative_decoding_is_lossless_on_a_sliding_window_target():
+    """gpt-oss layers alternate sliding (window 4) and full attention. Rejected drafts stay in the batch's cache
+    as masked slots, so a window that counted slots (HF's masks and sliding caches) would lose committed tokens
+    and change the output."""
+    target = load_target(TargetConfig(random_init="tiny-gpt-oss", attn_implementation="eager", dtype="float32",
+                                      compile=False), torch.device("cpu"), seed=0)
+    assert sliding_window_of(target.config) == 4
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 500, (n,), generator=generator) for n in (12, 5, 20)]
+    prompts.append(torch.cat([prompts[0]] * 3))  # repeats: lookup drafts get accepted
+    out = decode_batch(target, prompts, proposer=PromptLookupProposer(max_ngram=3), block_size=8, max_new_tokens=30,
+                       stop_token_ids=[])
+    for prompt, result in zip(prompts, out):
+        assert result.output_ids == target_generate(target, prompt, max_new_tokens=30, stop_token_ids=[]).output_ids
+    lengths = [n for result in out for n in result.acceptance_lengths]
+    assert max(lengths) > 1 and min(lengths) == 1  # drafts both accepted and rejected
+
+
+def test_position_masks_count_positions_and_skip_invalid_slots():
+    # one row: slots at positions 0, 1, 2 (slot 2 rejected, masked), then 2, 3 (the next block)
+    key_positions = torch.tensor([[0, 1, 2, 2, 3]])
+    key_valid = torch.tensor([[True, True, False, True, True]])
+    full, sliding = position_masks(key_valid, key_positions, torch.tensor([[2, 3]]), window=2, dtype=torch.float32)
+    assert full.shape == sliding.shape == (1, 1, 2, 5)
+    assert (full[0, 0] == 0).tolist() == [[True, True, False, True, False], [True, True, False, True, True]]
+    assert (sliding[0, 0] == 0).tolist() == [[False, True, False, True, False], [False, False, False, True, True]]
+    assert full.min() == torch.finfo(torch.float32).min
+
+
+def test_sliding_window_of_reads_layer_types_then_the_window():
+    qwen3 = preset_config("tiny")
+    assert sliding_window_of(qwen3) is None  # layer_types all full attention
+    assert sliding_window_of(preset_config("tiny-gpt-oss")) == 4
+    assert sliding_window_of(MistralConfig(num_hidden_layers=2, sliding_window=64)) == 64  # no layer_types
+    assert sliding_window_of(MistralConfig(num_hidden_layers=2, sliding_window=None)) is None
 
 
 def test_ngram_lookup_takes_the_latest_longest_match():

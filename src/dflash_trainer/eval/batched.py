@@ -149,21 +149,59 @@ def accept_sampled(logits: torch.Tensor, drafts: BlockDrafts, temperature: float
     return accepted, torch.multinomial(dist, 1, generator=generator)[:, 0]
 
 
+def sliding_window_of(config) -> Optional[int]:
+    """The attention window of a target with sliding-window layers (gpt-oss; Mistral-style configs), else None."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def position_masks(key_valid: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor, *,
+                   window: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive attention masks (R, 1, n, S) by position, (full, sliding): a query sees every valid key at or
+    before its position; in a sliding layer only those less than `window` positions back (as HF's window).
+    key_valid (R, S) bool, key_positions (R, S), query_positions (R, n)."""
+    back = query_positions[:, :, None] - key_positions[:, None, :]  # (R, n, S)
+    seen = key_valid[:, None, :] & (back >= 0)  # (R, n, S)
+    blocked = torch.finfo(dtype).min
+
+    def additive(allowed: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, blocked)[:, None]
+
+    return additive(seen), additive(seen & (back < window))
+
+
 class _TargetCache:
-    """The target's KV cache of a batch and which slots are valid; positions live with the caller."""
+    """The target's KV cache of a batch, and each slot's position and whether it is valid.
+
+    Slots that hold no committed token (prompt padding, rejected drafts) stay, masked out. HF's masks and its
+    sliding-window caches count slots, so for a target with sliding-window layers the window would count
+    rejected drafts too and drop committed tokens: such a target keeps every slot (a plain cache) and gets
+    masks built here from the positions (`position_masks`)."""
 
     def __init__(self, target) -> None:
         self.target = target
-        self.cache = DynamicCache(config=target.config)
+        self.window = sliding_window_of(target.config)
+        self.by_layer_type = getattr(target.config, "layer_types", None) is not None
+        self.cache = DynamicCache() if self.window else DynamicCache(config=target.config)
         self.valid: Optional[torch.Tensor] = None  # (R, S) bool
+        self.positions: Optional[torch.Tensor] = None  # (R, S) int64
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor, *, hidden: bool,
                 last_only: bool = False):
         """Feed ids (R, n) at positions (R, n); new_valid (R, n) marks real tokens among them (padding is
         False). Returns the HF output (logits (R, n or 1, V), hidden states if asked)."""
         mask = new_valid if self.valid is None else torch.cat([self.valid, torch.ones_like(new_valid)], 1)
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
+        attention_mask = mask.long()
+        if self.window:
+            full, sliding = position_masks(mask, self.positions, positions, window=self.window,
+                                           dtype=self.target.dtype)
+            attention_mask = {"full_attention": full, "sliding_attention": sliding} if self.by_layer_type else sliding
         kwargs = {"logits_to_keep": 1} if last_only else {}
-        out = _forward(self.target, ids, self.cache, attention_mask=mask.long(), position_ids=positions,
+        out = _forward(self.target, ids, self.cache, attention_mask=attention_mask, position_ids=positions,
                        output_hidden_states=hidden, **kwargs)
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], 1)
         return out
@@ -175,7 +213,7 @@ class _TargetCache:
 
     def keep(self, rows: torch.Tensor) -> None:
         self.cache.batch_select_indices(rows)
-        self.valid = self.valid[rows]
+        self.valid, self.positions = self.valid[rows], self.positions[rows]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
