@@ -336,6 +336,15 @@ def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
     assert main(["eval", "--drafter", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err
     assert "set target.path" in err and "or pass --config RUN_DIR/config.yaml" in err
+    # a path that does not exist is named as missing, with what the run holds, with or without --config
+    assert main(["eval", "--drafter", str(run / "exportt")]) == 2
+    assert f"--drafter {run / 'exportt'}: no such directory ({run} holds: checkpoints, export, plan" in \
+        capsys.readouterr().err
+    assert main(["export", "--config", "demo", "--checkpoint", str(run / "checkpoints" / "step_9"), "--out",
+                 str(tmp_path / "e9")]) == 2
+    assert f"no such directory ({run / 'checkpoints'} holds: step_2)" in capsys.readouterr().err
+    assert main(["eval", "--drafter", str(tmp_path / "elsewhere" / "nope")]) == 2
+    assert f"--drafter {tmp_path / 'elsewhere' / 'nope'}: no such directory\n" in capsys.readouterr().err
 
 
 def test_a_target_that_needs_remote_code_names_trust_remote_code_and_the_risk(tmp_path):

@@ -81,9 +81,11 @@ def _run_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """The recipe and extra overrides for this command: `--config`, or for `export --checkpoint` and `eval
     --drafter` without one, the run's own `config.yaml` found above that directory (RUN/checkpoints/step_N,
     RUN/export, RUN/best), with `run.dir` set to that run so its held-out prompts and outputs are found."""
+    given = getattr(args, "checkpoint", None) or getattr(args, "drafter", None)
+    if given:
+        _check_exists("--checkpoint" if getattr(args, "checkpoint", None) else "--drafter", Path(given))
     if args.config is not None:
         return args.config, []
-    given = getattr(args, "checkpoint", None) or getattr(args, "drafter", None)
     if not given:
         return None, []
     given = Path(given).resolve()
@@ -94,6 +96,17 @@ def _run_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
                   "choose another)", file=sys.stderr)
             return str(layout.config), [f"run.dir={run_dir}"]
     return None, []
+
+
+def _check_exists(flag: str, path: Path) -> None:
+    """A missing `--drafter` / `--checkpoint` directory is named, with what its run folder holds instead."""
+    if path.is_dir():
+        return
+    folder = path.resolve().parent
+    hint = ""
+    if folder.is_dir() and (folder.name == "checkpoints" or RunDir(folder).config.is_file()):
+        hint = f" ({folder} holds: {', '.join(sorted(p.name for p in folder.iterdir() if p.is_dir())) or 'nothing'})"
+    raise ConfigError(f"{flag} {path}: no such directory{hint}")
 
 
 def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
