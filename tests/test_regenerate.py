@@ -152,7 +152,14 @@ def test_command_run_local(tmp_path, monkeypatch, capsys):
     manifest = read_manifest(out)
     assert manifest["settings"]["model"] == "random_init=tiny" and manifest["settings"]["thinking"] is False
     assert manifest["source"]["conversations"] == {str(data): 4}
-    assert "4 rows done" in capsys.readouterr().out
+    assert "4 rows done (4 new) of 4 conversations;" in capsys.readouterr().out
+    # two replies each: a row per reply, counted as such
+    two = load_config(None, [f"data.path={data}", "target.random_init=tiny", "target.tokenizer=tiny",
+                             "target.dtype=float32", "run.device=cpu", "regenerate.max_new_tokens=4",
+                             "data.max_conversations=4", "logging.progress=false", "regenerate.num_samples=2",
+                             "regenerate.temperature=0.8"])
+    assert command.run(two, argparse.Namespace(out=str(tmp_path / "two"))) == 0
+    assert "8 rows done (8 new) of 8 rows (4 conversations x 2 replies);" in capsys.readouterr().out
 
 
 def test_prompt_only_datasets_are_regenerated_then_trainable(tmp_path, capsys):

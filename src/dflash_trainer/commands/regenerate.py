@@ -121,12 +121,16 @@ def run(config: Config, args: argparse.Namespace) -> int:
         left_out += f", {summary.rows_failed} failed"
     if left_out:
         left_out += f" (reasons in {summary.failed_log})"
+    samples = config.regenerate.num_samples
+    total = f"{summary.rows_total} conversations"
+    if samples > 1:  # a row per reply
+        total = f"{summary.rows_total} rows ({summary.rows_total // samples} conversations x {samples} replies)"
     if summary.rows_done == 0:
-        raise DataError(f"regenerate wrote no row to {summary.out_dir}: of {summary.rows_total} conversations"
+        raise DataError(f"regenerate wrote no row to {summary.out_dir}: of {total}"
                         f"{left_out}; nothing to train on. Fix the cause (raise the limit) and rerun the same command")
     print(
-        f"regenerate: {summary.rows_done} rows done ({summary.rows_new} new{cut}){left_out} of {summary.rows_total} "
-        f"conversations; output in {summary.out_dir}. Train on it with data.path={summary.out_dir}"
+        f"regenerate: {summary.rows_done} rows done ({summary.rows_new} new{cut}){left_out} of {total}; "
+        f"output in {summary.out_dir}. Train on it with data.path={summary.out_dir}"
     )
     if not summary.complete:
         print("regenerate: not every conversation was answered; rerun the same command to finish.")
