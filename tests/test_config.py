@@ -41,6 +41,7 @@ def test_demo_recipe_loads_and_overrides_apply():
         ("regenerate.request_timeout_s=inf", "regenerate.request_timeout_s must be a finite number"),
         ("drafter.intermediate_size=0", "drafter.intermediate_size must be >= 1"),
         ("drafter.intermediate_size=-5", "drafter.intermediate_size must be >= 1"),
+        ("eval.num_prompts=-3", "eval.num_prompts and eval.max_new_tokens must be >= 1, got -3 and"),
     ],
 )
 def test_bad_config_names_the_key(override, key_in_message):

@@ -142,8 +142,10 @@ def test_regenerate_directory_reads_all_shards(tmp_path):
 
 
 def test_missing_path_and_unknown_directory_are_clear(tmp_path):
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(DataError, match="does not exist; fix data.path"):
         load_source(DataSourceConfig(path=str(tmp_path / "nope.json")))
+    with pytest.raises(DataError, match="'sharegtp' does not exist \\(the bundled ShareGPT data is 'sharegpt'\\)"):
+        load_source(DataSourceConfig(path="sharegtp"))
     with pytest.raises(DataError, match="save_to_disk"):
         load_source(DataSourceConfig(path=str(tmp_path)))
 

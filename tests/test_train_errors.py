@@ -268,7 +268,8 @@ def test_resume_of_a_finished_run_leaves_it_as_it_is(tmp_path, capsys):
     assert json.loads(before)["tokens_trained"] > 0
     capsys.readouterr()
     assert train_in_process(run, "train.max_steps=2", resume=True) == 0
-    assert "is finished" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "is finished" in out and "train.max_steps=2 reached" in out and "max_minutes=None" not in out  # unset
     assert (run / "summary.json").read_text() == before
 
 

@@ -96,7 +96,7 @@ class Config:
             raise ConfigError("set target.path (a model dir or hub id) or target.random_init (a config)")
         if self.target.quantize == "fp8" and self.run.device == "cpu":
             raise ConfigError("target.quantize=fp8 needs a CUDA GPU with FP8 tensor cores (compute capability "
-                              "8.9+) and run.device=cpu: set target.quantize=null on the CPU")
+                              "8.9+), and run.device=cpu asks for none: set target.quantize=null on the CPU")
         if self.pipeline.pool_capacity < self.train.grad_accum:
             raise ConfigError(
                 f"pipeline.pool_capacity ({self.pipeline.pool_capacity}) must be >= train.grad_accum "

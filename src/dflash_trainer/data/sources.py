@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import difflib
 import hashlib
 import json
 import logging
@@ -302,7 +303,9 @@ def source_path(source: DataSourceConfig) -> Iterator[Path]:
         return
     path = Path(source.path).expanduser()
     if not path.exists():
-        raise DataError(f"data source {source.path!r} does not exist; fix data.path / data.sources")
+        near = difflib.get_close_matches(source.path, [BUILTIN_SHAREGPT], n=1)
+        hint = f" (the bundled ShareGPT data is {BUILTIN_SHAREGPT!r})" if near else ""
+        raise DataError(f"data source {source.path!r} does not exist{hint}; fix data.path / data.sources")
     yield path
 
 

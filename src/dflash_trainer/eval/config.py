@@ -28,7 +28,8 @@ class EvalConfig:
         if self.interval < 0:
             raise ConfigError(f"eval.interval must be >= 0, got {self.interval}")
         if self.num_prompts < 1 or self.max_new_tokens < 1:
-            raise ConfigError("eval.num_prompts and eval.max_new_tokens must be >= 1")
+            raise ConfigError(f"eval.num_prompts and eval.max_new_tokens must be >= 1, got {self.num_prompts} and "
+                              f"{self.max_new_tokens}")
         if self.batch_size < 1:
             raise ConfigError(f"eval.batch_size must be >= 1, got {self.batch_size}")
         if self.temperature < 0:

@@ -78,9 +78,13 @@ def run_training(config: Config) -> int:
         summary = _run_role(setup, control, stop) if not setup.finished else None
         if setup.finished:
             if env.rank == 0:
+                limits = ["every planned job committed"]
+                if config.train.max_steps is not None:
+                    limits.append(f"train.max_steps={config.train.max_steps} reached")
+                if config.train.max_minutes is not None:
+                    limits.append(f"train.max_minutes={config.train.max_minutes} spent over its sessions")
                 print(f"run.dir={setup.run_dir} is finished: its summary says ok and nothing is left to train "
-                      f"(every planned job committed, train.max_steps={config.train.max_steps} reached, or "
-                      f"train.max_minutes={config.train.max_minutes} spent over its sessions). It is left as it is. "
+                      f"({', or '.join(limits)}). It is left as it is. "
                       "To train on, resume with a higher train.max_steps, train.num_epochs or train.max_minutes; its "
                       "drafters are in export/ and best/.", flush=True)
         elif summary is not None:
