@@ -7,6 +7,8 @@ fitted DFlash drafter, with stop tokens, and with rows that finish at different 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import MistralConfig
@@ -144,6 +146,9 @@ def test_sliding_window_of_reads_layer_types_then_the_window():
     assert sliding_window_of(preset_config("tiny-gpt-oss")) == 4
     assert sliding_window_of(MistralConfig(num_hidden_layers=2, sliding_window=64)) == 64  # no layer_types
     assert sliding_window_of(MistralConfig(num_hidden_layers=2, sliding_window=None)) is None
+    # other kinds of layers beside the sliding ones (linear attention, convolutions) keep HF's own masks
+    mixed = SimpleNamespace(layer_types=["sliding_attention", "linear_attention"], sliding_window=4)
+    assert sliding_window_of(mixed) is None
 
 
 def test_ngram_lookup_takes_the_latest_longest_match():

@@ -149,12 +149,18 @@ def accept_sampled(logits: torch.Tensor, drafts: BlockDrafts, temperature: float
     return accepted, torch.multinomial(dist, 1, generator=generator)[:, 0]
 
 
+MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The layer types `position_masks` serves; other kinds (linear attention, convolutions) keep HF's own masks."""
+
+
 def sliding_window_of(config) -> Optional[int]:
-    """The attention window of a target with sliding-window layers (gpt-oss; Mistral-style configs), else None."""
+    """The attention window of a target with sliding-window layers (gpt-oss; Mistral-style configs), else None
+    (also when some layers are of a kind other than `MASKED_LAYER_TYPES`)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
+        kinds = set(layer_types)
+        return window if "sliding_attention" in kinds and kinds <= set(MASKED_LAYER_TYPES) else None
     return window if getattr(config, "use_sliding_window", True) else None
 
 
@@ -163,7 +169,7 @@ def position_masks(key_valid: torch.Tensor, key_positions: torch.Tensor, query_p
     """Additive attention masks (R, 1, n, S) by position, (full, sliding): a query sees every valid key at or
     before its position; in a sliding layer only those less than `window` positions back (as HF's window).
     key_valid (R, S) bool, key_positions (R, S), query_positions (R, n)."""
-    back = query_positions[:, :, None] - key_positions[:, None, :]  # (R, n, S)
+    back = query_positions[:, :, None].int() - key_positions[:, None, :].int()  # (R, n, S)
     seen = key_valid[:, None, :] & (back >= 0)  # (R, n, S)
     blocked = torch.finfo(dtype).min
 
@@ -177,13 +183,14 @@ class _TargetCache:
     """The target's KV cache of a batch, and each slot's position and whether it is valid.
 
     Slots that hold no committed token (prompt padding, rejected drafts) stay, masked out. HF's masks and its
-    sliding-window caches count slots, so for a target with sliding-window layers the window would count
-    rejected drafts too and drop committed tokens: such a target keeps every slot (a plain cache) and gets
-    masks built here from the positions (`position_masks`)."""
+    sliding-window caches count slots, so with drafts (`speculative`) a sliding window would count rejected
+    drafts too and drop committed tokens: a target with sliding-window layers then keeps every slot (a plain
+    cache) and gets masks built here from the positions (`position_masks`). Plain decoding leaves no hole
+    between committed slots, so it keeps HF's masks and windowed caches."""
 
-    def __init__(self, target) -> None:
+    def __init__(self, target, *, speculative: bool) -> None:
         self.target = target
-        self.window = sliding_window_of(target.config)
+        self.window = sliding_window_of(target.config) if speculative else None
         self.by_layer_type = getattr(target.config, "layer_types", None) is not None
         self.cache = DynamicCache() if self.window else DynamicCache(config=target.config)
         self.valid: Optional[torch.Tensor] = None  # (R, S) bool
@@ -242,7 +249,7 @@ class _BatchDecode:
         self.device = next(target.parameters()).device
         self.proposer, self.settings, self.on_step = proposer, settings, on_step
         self.hidden = proposer is not None and proposer.needs_taps
-        self.cache = _TargetCache(target)
+        self.cache = _TargetCache(target, speculative=proposer is not None)
         self.outputs: list[list[int]] = [[] for _ in prompts]
         self.lengths: list[list[int]] = [[] for _ in prompts]
         self.reasons = ["max_new_tokens"] * len(prompts)
