@@ -146,6 +146,8 @@ def test_missing_path_and_unknown_directory_are_clear(tmp_path):
         load_source(DataSourceConfig(path=str(tmp_path / "nope.json")))
     with pytest.raises(DataError, match="'sharegtp' does not exist \\(the bundled ShareGPT data is 'sharegpt'\\)"):
         load_source(DataSourceConfig(path="sharegtp"))
+    with pytest.raises(DataError, match="the bundled ShareGPT data is 'sharegpt'"):
+        load_source(DataSourceConfig(path="ShareGPT"))
     with pytest.raises(DataError, match="save_to_disk"):
         load_source(DataSourceConfig(path=str(tmp_path)))
 

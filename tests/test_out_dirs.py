@@ -28,11 +28,13 @@ def bad_outs(tmp_path):
 @pytest.mark.parametrize("case", ["file", "inside a file", "unwritable"])
 @pytest.mark.parametrize("command", ["regenerate", "eval", "export", "report"])
 def test_bad_out_is_refused_before_the_work(command, case, bad_outs, tmp_path, monkeypatch, capsys):
+    import dflash_trainer.commands.eval as eval_command  # imported before the patches: its names stay real
     import dflash_trainer.commands.regenerate as regenerate_command
     import dflash_trainer.report.page as page
     import dflash_trainer.target.load as target_load
 
     monkeypatch.setattr(target_load, "load_target", _no_work)
+    monkeypatch.setattr(eval_command, "load_target", _no_work)
     monkeypatch.setattr(target_load, "target_model_config", _no_work)
     monkeypatch.setattr(regenerate_command, "build_backend", _no_work)
     monkeypatch.setattr(page, "write_report", _no_work)

@@ -345,7 +345,10 @@ def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
                  str(tmp_path / "e9")]) == 2
     assert f"no such directory ({run / 'checkpoints'} holds: step_2)" in capsys.readouterr().err
     assert main(["eval", "--drafter", str(tmp_path / "elsewhere" / "nope")]) == 2
-    assert f"--drafter {tmp_path / 'elsewhere' / 'nope'}: no such directory\n" in capsys.readouterr().err
+    assert f"--drafter {tmp_path / 'elsewhere' / 'nope'}: no such directory; and no config: set target.path" in \
+        capsys.readouterr().err
+    assert main(["eval", "--drafter", str(run / "config.yaml"), "--config", "demo", "--out", str(tmp_path / "o")]) == 2
+    assert f"--drafter {run / 'config.yaml'} is a file; pass the directory" in capsys.readouterr().err
 
 
 def test_a_target_that_needs_remote_code_names_trust_remote_code_and_the_risk(tmp_path):

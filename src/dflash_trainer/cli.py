@@ -14,7 +14,7 @@ from typing import Sequence
 
 from dflash_trainer.config import Config, list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet, StorageError
-from dflash_trainer.rundir import RunDir
+from dflash_trainer.rundir import RunDir, input_dir_problem
 
 SUBCOMMANDS = {
     "plan": "tokenize the data and print the epoch plan summary",
@@ -81,11 +81,9 @@ def _run_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """The recipe and extra overrides for this command: `--config`, or for `export --checkpoint` and `eval
     --drafter` without one, the run's own `config.yaml` found above that directory (RUN/checkpoints/step_N,
     RUN/export, RUN/best), with `run.dir` set to that run so its held-out prompts and outputs are found."""
-    given = getattr(args, "checkpoint", None) or getattr(args, "drafter", None)
-    if given:
-        _check_exists("--checkpoint" if getattr(args, "checkpoint", None) else "--drafter", Path(given))
     if args.config is not None:
         return args.config, []
+    given = getattr(args, "checkpoint", None) or getattr(args, "drafter", None)
     if not given:
         return None, []
     given = Path(given).resolve()
@@ -98,17 +96,6 @@ def _run_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return None, []
 
 
-def _check_exists(flag: str, path: Path) -> None:
-    """A missing `--drafter` / `--checkpoint` directory is named, with what its run folder holds instead."""
-    if path.is_dir():
-        return
-    folder = path.resolve().parent
-    hint = ""
-    if folder.is_dir() and (folder.name == "checkpoints" or RunDir(folder).config.is_file()):
-        hint = f" ({folder} holds: {', '.join(sorted(p.name for p in folder.iterdir() if p.is_dir())) or 'nothing'})"
-    raise ConfigError(f"{flag} {path}: no such directory{hint}")
-
-
 def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
     """The command's config: none for `report` (it reads everything from its run directory)."""
     if args.command == "report":
@@ -119,6 +106,9 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
     except ConfigError as e:
         if recipe is None and args.command in ("eval", "export"):
             given = "--drafter" if args.command == "eval" else "--checkpoint"
+            path = getattr(args, given[2:])
+            if path and (problem := input_dir_problem(given, path)):  # no run around a path that is not there
+                raise ConfigError(f"{problem}; and no config: {e}") from None
             raise ConfigError(f"{e}; or pass --config RUN_DIR/config.yaml, the config of the run that trained it "
                               f"(none was found: {given} is not inside a run directory)") from None
         raise

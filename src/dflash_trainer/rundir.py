@@ -67,6 +67,27 @@ def lock_exclusive(path: Path) -> Optional[IO]:
 
 
 
+def input_dir_problem(flag: str, path: str | os.PathLike) -> Optional[str]:
+    """What is wrong with an input directory (`--drafter`, `--checkpoint`) that is not there, else None; a missing
+    one is named with what its folder holds when that is a run or its checkpoints/ (a typo, a step not kept)."""
+    path = Path(path)
+    if path.is_dir():
+        return None
+    if path.exists():
+        return f"{flag} {path} is a file; pass the directory"
+    folder = path.resolve().parent
+    hint = ""
+    if folder.is_dir() and (folder.name == "checkpoints" or RunDir(folder).config.is_file()):
+        hint = f" ({folder} holds: {', '.join(sorted(p.name for p in folder.iterdir() if p.is_dir())) or 'nothing'})"
+    return f"{flag} {path}: no such directory{hint}"
+
+
+def check_input_dir(flag: str, path: str | os.PathLike) -> None:
+    """`input_dir_problem`, raised."""
+    if problem := input_dir_problem(flag, path):
+        raise ConfigError(problem)
+
+
 def save_config(config: Config, run_dir: str | os.PathLike) -> Path:
     """`RUN_DIR/config.yaml`: the resolved config, which resume and the other commands read back."""
     path = RunDir(run_dir).config

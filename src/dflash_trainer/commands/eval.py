@@ -26,6 +26,7 @@ from dflash_trainer.eval.drafter_eval import (  # noqa: F401 (evaluate_drafter r
 )
 from dflash_trainer.eval.evaluate import format_report, load_prompt_messages
 from dflash_trainer.regen.settings import warn_regen_mismatch
+from dflash_trainer.rundir import check_input_dir
 from dflash_trainer.runtime.env import choose_device
 from dflash_trainer.target.head import head_from_model
 from dflash_trainer.target.load import load_target
@@ -46,6 +47,7 @@ def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
     if not drafter_dir:
         raise ConfigError("dflash-train eval needs --drafter EXPORT_DIR (a directory written by `dflash-train export`)")
     out_dir = _out_dir(config, args)
+    check_input_dir("--drafter", drafter_dir)
     prompts_path = eval_prompts_path(config)
     messages = load_prompt_messages(prompts_path, config.eval.num_prompts)
     warn_regen_mismatch(config)

@@ -8,6 +8,7 @@ from pathlib import Path
 from dflash_trainer.commands.out_dir import checked_out_dir
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.rundir import check_input_dir
 
 
 def run(config: Config, args) -> int:
@@ -27,6 +28,7 @@ def run(config: Config, args) -> int:
     if not args.checkpoint or not args.out:
         raise ConfigError("export needs --checkpoint CHECKPOINT_DIR and --out DIR")
     out_dir = checked_out_dir(args.out)
+    check_input_dir("--checkpoint", args.checkpoint)
     ckpt = Path(args.checkpoint)
     if not (ckpt / COMPLETE).is_file() or not (ckpt / "drafter.safetensors").is_file():
         raise ConfigError(f"--checkpoint {ckpt} is not a complete training checkpoint (checkpoints/step_N)")

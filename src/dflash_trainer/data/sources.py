@@ -303,7 +303,7 @@ def source_path(source: DataSourceConfig) -> Iterator[Path]:
         return
     path = Path(source.path).expanduser()
     if not path.exists():
-        near = difflib.get_close_matches(source.path, [BUILTIN_SHAREGPT], n=1)
+        near = difflib.get_close_matches(source.path.lower(), [BUILTIN_SHAREGPT], n=1)
         hint = f" (the bundled ShareGPT data is {BUILTIN_SHAREGPT!r})" if near else ""
         raise DataError(f"data source {source.path!r} does not exist{hint}; fix data.path / data.sources")
     yield path
