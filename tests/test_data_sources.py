@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import json
+import logging
 
 import pytest
 
@@ -176,6 +178,22 @@ def test_mix_counts():
     assert mix_counts([10, 100], [1.0, 1.0], None) == [10, 10]
 
 
+def test_a_jsonl_line_that_is_not_utf8_is_dropped_counted_and_named(tmp_path, caplog):
+    """One latin-1 line among UTF-8 rows with accents: that line alone is left out (counted, warned about with
+    its number); the others keep their text."""
+    def row(text):
+        return {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "oui"}]}
+    lines = [json.dumps(row(f"café {i}?"), ensure_ascii=False).encode("utf-8") for i in range(3)]
+    lines.insert(1, json.dumps(row("thé?"), ensure_ascii=False).encode("latin-1"))
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(codecs.BOM_UTF8 + b"\n".join(lines) + b"\n")
+    with caplog.at_level(logging.WARNING):
+        out = load_source(DataSourceConfig(path=str(path)))
+    assert out.report.kept == 3 and out.report.dropped == {"not_utf8": 1}
+    assert [c.messages[0].content for c in out.conversations] == ["café 0?", "café 1?", "café 2?"]
+    assert any("1 lines are not UTF-8 (lines 2)" in r.getMessage() for r in caplog.records)
+
+
 def test_non_utf8_files_and_empty_parquet_are_named_errors(tmp_path):
     """latin-1 text in a JSONL or a JSON array, and a 0-byte Parquet file: a DataError naming the file and the
     fix, never replacement characters trained on; a JSON array cut inside a multi-byte character still reads."""
@@ -185,9 +203,10 @@ def test_non_utf8_files_and_empty_parquet_are_named_errors(tmp_path):
     array = tmp_path / "latin1.json"
     array.write_bytes(json.dumps([sharegpt_row(0), {"conversations": [
         {"from": "human", "value": "café?"}, {"from": "gpt", "value": "oui"}]}], ensure_ascii=False).encode("latin-1"))
-    for path in (jsonl, array):
-        with pytest.raises(DataError, match=f"{path}: not UTF-8 text .*byte 0xe9.*iconv -f latin1 -t utf-8"):
-            load_source(DataSourceConfig(path=str(path)))
+    with pytest.raises(DataError, match=f"{jsonl}: not UTF-8 text \\(line 1 .*iconv -f latin1 -t utf-8"):
+        load_source(DataSourceConfig(path=str(jsonl)))
+    with pytest.raises(DataError, match=f"{array}: not UTF-8 text .*byte 0xe9.*iconv -f latin1 -t utf-8"):
+        load_source(DataSourceConfig(path=str(array)))
     empty = tmp_path / "empty.parquet"
     empty.write_bytes(b"")
     with pytest.raises(DataError, match=f"{empty}: not a readable Parquet file"):

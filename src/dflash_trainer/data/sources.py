@@ -206,13 +206,33 @@ class _Truncated(Exception):
 
 
 def _iter_jsonl(path: Path) -> Iterator[Any]:
-    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) would spoil the first row
-        for line in f:
+    """Rows of a JSONL file, each line decoded alone: a line that is not UTF-8 is dropped (`not_utf8`, counted and
+    warned about with its line number), never decoded with replacement characters; a file with no UTF-8 row at
+    all is an error (it is in another encoding)."""
+    bad, good = [], 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):  # a byte-order mark would spoil the first row
+                raw = raw[len(codecs.BOM_UTF8):]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                bad.append(number)
+                yield _Drop("not_utf8")
+                continue
             if line.strip():
+                good += 1
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError:
                     yield _Drop("invalid_json")
+    if bad and not good:
+        raise DataError(f"{path}: not UTF-8 text (line {bad[0]} and every other line with a non-ASCII byte); "
+                        f"convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > converted{path.suffix}`")
+    if bad:
+        log.warning("%s: %d lines are not UTF-8 (lines %s%s) and were left out; fix them, or convert the file if "
+                    "it is in another encoding throughout", path, len(bad), ", ".join(map(str, bad[:5])),
+                    ", ..." if len(bad) > 5 else "")
 
 
 def _iter_parquet(path: Path) -> Iterator[Any]:
