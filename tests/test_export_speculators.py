@@ -106,3 +106,10 @@ def test_cli_export_speculators(tmp_path, capsys):
     assert config["aux_hidden_state_layer_ids"] == [2, 4] and config["block_size"] == 8  # demo: taps [1, 3], B=8
     weights = load_file(str(tmp_path / "c" / "model.safetensors"))
     assert all(torch.equal(weights[k], v) for k, v in drafter.state_dict().items())
+    # eval reads the default format only, and says so for a speculators export
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert main(["eval", "--config", "demo", f"eval.prompts={prompts}", "--drafter", str(tmp_path / "c"),
+                 "--out", str(tmp_path / "e")]) == 2
+    assert f"{tmp_path / 'c'} is a speculators-format export, which this command does not read" in \
+        capsys.readouterr().err

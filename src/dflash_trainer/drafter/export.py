@@ -153,6 +153,10 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
         config = json.loads((root / CONFIG_NAME).read_text())
         if not isinstance(config, dict):
             raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        if "speculators_model_type" in config:  # `export --format speculators`: for vLLM / speculators only
+            raise ConfigError(f"{root} is a speculators-format export, which this command does not read; export "
+                              "the checkpoint again in the default format (`dflash-train export --checkpoint ... "
+                              "--out DIR`) and pass that")
         spec = spec_from_export(config)
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ConfigError(f"{root / CONFIG_NAME} is not a drafter export config ({type(e).__name__}: {e}); "
