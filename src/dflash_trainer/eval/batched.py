@@ -185,8 +185,9 @@ class _TargetCache:
     Slots that hold no committed token (prompt padding, rejected drafts) stay, masked out. HF's masks and its
     sliding-window caches count slots, so with drafts (`speculative`) a sliding window would count rejected
     drafts too and drop committed tokens: a target with sliding-window layers then keeps every slot (a plain
-    cache) and gets masks built here from the positions (`position_masks`). Plain decoding leaves no hole
-    between committed slots, so it keeps HF's masks and windowed caches."""
+    cache) and, after the prefill, gets masks built here from the positions (`position_masks`: (R, n, S) for a
+    block of n, where the prefill's would be (R, P, P)). Plain decoding leaves no hole between committed slots,
+    so it keeps HF's masks and windowed caches."""
 
     def __init__(self, target, *, speculative: bool) -> None:
         self.target = target
@@ -203,7 +204,7 @@ class _TargetCache:
         mask = new_valid if self.valid is None else torch.cat([self.valid, torch.ones_like(new_valid)], 1)
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
         attention_mask = mask.long()
-        if self.window:
+        if self.window and self.valid is not None:  # the prefill has no holes yet: HF's masks are right, and small
             full, sliding = position_masks(mask, self.positions, positions, window=self.window,
                                            dtype=self.target.dtype)
             attention_mask = {"full_attention": full, "sliding_attention": sliding} if self.by_layer_type else sliding
