@@ -66,7 +66,6 @@ def lock_exclusive(path: Path) -> Optional[IO]:
     return handle
 
 
-
 def input_dir_problem(flag: str, path: str | os.PathLike) -> Optional[str]:
     """What is wrong with an input directory (`--drafter`, `--checkpoint`) that is not there, else None; a missing
     one is named with what its folder holds when that is a run or its checkpoints/ (a typo, a step not kept)."""

@@ -195,15 +195,16 @@ class _TargetCache:
         self.by_layer_type = getattr(target.config, "layer_types", None) is not None
         self.cache = DynamicCache() if self.window else DynamicCache(config=target.config)
         self.valid: Optional[torch.Tensor] = None  # (R, S) bool
-        self.positions: Optional[torch.Tensor] = None  # (R, S) int64
+        self.positions: Optional[torch.Tensor] = None  # (R, S) int64, kept for the position masks only
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor, *, hidden: bool,
                 last_only: bool = False):
         """Feed ids (R, n) at positions (R, n); new_valid (R, n) marks real tokens among them (padding is
         False). Returns the HF output (logits (R, n or 1, V), hidden states if asked)."""
         mask = new_valid if self.valid is None else torch.cat([self.valid, torch.ones_like(new_valid)], 1)
-        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
         attention_mask = mask.long()
+        if self.window:
+            self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
         if self.window and self.valid is not None:  # the prefill has no holes yet: HF's masks are right, and small
             full, sliding = position_masks(mask, self.positions, positions, window=self.window,
                                            dtype=self.target.dtype)
@@ -221,7 +222,9 @@ class _TargetCache:
 
     def keep(self, rows: torch.Tensor) -> None:
         self.cache.batch_select_indices(rows)
-        self.valid, self.positions = self.valid[rows], self.positions[rows]
+        self.valid = self.valid[rows]
+        if self.positions is not None:
+            self.positions = self.positions[rows]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
