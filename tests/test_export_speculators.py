@@ -73,6 +73,36 @@ def test_a_verifier_of_another_size_is_refused(tmp_path):
     assert not (tmp_path / "spec").exists()
 
 
+def _verifier_architectures(spec_dir):
+    return json.loads((spec_dir / "config.json").read_text())["speculators_config"]["verifier"]["architectures"]
+
+
+def test_verifier_architectures_without_its_config_at_hand(tmp_path, monkeypatch, caplog):
+    from dflash_trainer.drafter import export_speculators as module
+
+    drafter, target = tiny_drafter()
+    target.architectures = None  # a random-init target's config names none
+    # a hub id whose config cannot be read (offline, or no such model): the target's config stands for it, and
+    # its model type gives the class
+    export_speculators(drafter, tmp_path / "a", verifier="nobody-here/no-such-model", target_config=target)
+    assert _verifier_architectures(tmp_path / "a") == ["Qwen3ForCausalLM"]
+    assert "its config cannot be read" in caplog.text
+    # a folder whose config.json has a model type but no architectures
+    folder = tmp_path / "verifier"
+    target.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("architectures", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    export_speculators(drafter, tmp_path / "b", verifier=str(folder))
+    assert _verifier_architectures(tmp_path / "b") == ["Qwen3ForCausalLM"]
+    # a hub config that can be read is checked against the drafter like a folder's
+    other = type(target).from_dict({**target.to_dict(), "hidden_size": 2 * target.hidden_size,
+                                    "architectures": ["Qwen3ForCausalLM"]})
+    monkeypatch.setattr(module.AutoConfig, "from_pretrained", lambda name, **kw: other)
+    with pytest.raises(ConfigError, match="verifier org/other has hidden_size 128"):
+        export_speculators(drafter, tmp_path / "c", verifier="org/other", target_config=target)
+
+
 def _demo_checkpoint(run_dir):
     """A training checkpoint of the demo recipe's drafter (random weights), as `train` writes it."""
     from dflash_trainer.config import load_config

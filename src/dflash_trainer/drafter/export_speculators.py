@@ -16,17 +16,22 @@ embedding, no LM head). Only config.json differs; it follows speculators 0.9's `
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from dflash_trainer.drafter.export import export_config, export_state, write_export
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig, model_reference
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = "0.9.0"
 """The speculators release whose format this writes (its `speculators_version` field)."""
@@ -51,16 +56,15 @@ def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
 
 
 def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Optional[Any]) -> list[str]:
-    """The verifier's `architectures`. For a local folder they come from its config.json, which must also fit
-    the drafter (hidden size, vocabulary); a hub id is not fetched, the target's config stands for it."""
-    path = Path(verifier)
-    if not path.is_dir():
-        return list(getattr(target_config, "architectures", None) or [])
+    """The verifier's `architectures`, from its config (a folder's config.json; a hub id's from the cache or the
+    hub), which must fit the drafter (hidden size, vocabulary). A hub id whose config cannot be read stands for
+    the target (a warning says so). A config without `architectures` gets the causal-LM class that transformers
+    maps its model type to."""
+    config = _verifier_config(verifier, target_config)
     try:
-        config = json.loads((path / "config.json").read_text())
         text = config.get("text_config") or config  # multimodal configs nest the language model's fields
         sizes = (int(text["hidden_size"]), int(text["vocab_size"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"verifier {verifier}: cannot read hidden_size and vocab_size from its config.json "
                           f"({type(e).__name__}: {e})") from None
     if sizes != (spec.hidden_size, spec.vocab_size):
@@ -68,7 +72,34 @@ def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Opti
             f"verifier {verifier} has hidden_size {sizes[0]} and vocab_size {sizes[1]}, but this drafter was "
             f"built for {spec.hidden_size} and {spec.vocab_size}: name the target the drafter was trained for"
         )
-    return list(config.get("architectures") or [])
+    architectures = list(config.get("architectures") or [])
+    if not architectures and config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
+    if not architectures:
+        log.warning("verifier %s: its config names no architectures and its model type %r no causal-LM class; "
+                    "the export records none (pass a folder with the verifier's config.json as --verifier)",
+                    verifier, config.get("model_type"))
+    return architectures
+
+
+def _verifier_config(verifier: str, target_config: Optional[Any]) -> dict:
+    """The verifier's config as a dict: its config.json if `verifier` is a folder; else the hub id's config, or
+    the target's where that cannot be read (offline, not in the cache)."""
+    path = Path(verifier)
+    if path.is_dir():
+        try:
+            return json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"verifier {verifier}: cannot read its config.json ({type(e).__name__}: {e})") from None
+    try:
+        return AutoConfig.from_pretrained(verifier).to_dict()
+    except (OSError, ValueError) as e:
+        if target_config is None:
+            raise ConfigError(f"verifier {verifier}: cannot read its config ({type(e).__name__}: {e}); pass a "
+                              "folder with its config.json as --verifier") from None
+        log.warning("verifier %s: its config cannot be read (%s); the target's config stands for it",
+                    verifier, type(e).__name__)
+        return target_config.to_dict()
 
 
 def speculators_config(spec: DrafterSpec, *, dtype: torch.dtype, verifier: str, architectures: list[str],
