@@ -218,6 +218,9 @@ def test_plan_cli_on_the_demo_recipe(tmp_path, capsys):
     assert len((run_dir / "plan" / "eval.jsonl").read_text().splitlines()) == held
     out = capsys.readouterr().out
     assert "padding waste" in out and str(run_dir) in out
+    assert sum(b["num_jobs"] for b in summary["buckets"]) == summary["jobs"]  # each job counted in one bucket
+    for b in summary["buckets"]:
+        assert f"{b['num_sequences']} seqs, longest in {b['num_jobs']} jobs" in out
 
 
 def test_duplicates_are_dropped_and_counted_before_holding_out(tmp_path, tiny_tokenizer):

@@ -31,7 +31,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("padding waste", f"{s['padding_waste']:.1%}"),
     ]
     rows += [(f"  bucket {b['bucket_id']}", f"len {b['min_length']}-{b['max_length']}: {b['num_sequences']} seqs, "
-              f"{b['num_jobs']} jobs") for b in s["buckets"]]
+              f"longest in {b['num_jobs']} jobs") for b in s["buckets"]]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -36,6 +36,8 @@ class BucketInfo:
     max_length: int
     num_sequences: int
     num_jobs: int
+    """Jobs whose longest sequence is from this bucket; its shorter sequences also fill longer buckets' jobs, so a
+    bucket of short sequences can lead none."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
