@@ -112,6 +112,7 @@ def test_plain_checkpoint_with_fp8_quantizes_the_decoder_layers_with_torchao_whi
     assert isinstance(config, TorchAoConfig) and not got.requantize
     assert isinstance(config.quant_type, Float8DynamicActivationFloat8WeightConfig)
     assert all(isinstance(g, PerRow) for g in config.quant_type.granularity)
+    assert config.quant_type.set_inductor_config is False  # no process-wide autotuning and TF32 (quantize.py)
     assert config.modules_to_not_convert == ["lm_head"]  # the drafter reads the LM head's weight
     assert got.kwargs["device_map"] == {"": CUDA}  # quantized on the GPU as each weight is read
 

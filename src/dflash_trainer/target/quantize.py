@@ -53,7 +53,10 @@ def torchao_fp8_config() -> Any:
         raise ConfigError(f"target.quantize=fp8 needs the torchao package (a release built for this torch, "
                           f"e.g. torchao 0.17 for torch 2.11): it cannot be imported ({e}). Install it, or set "
                           "target.quantize=null") from None
-    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent autotuning for every
+    # later compile in the process (the drafter's too: minutes per graph and shape) and sets the float32 matmul
+    # precision to TF32 ("high"), which an fp32 evaluation must not get.
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
 
 
 def quantize_layer_fp8(layer: nn.Module) -> None:
