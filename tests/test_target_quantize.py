@@ -1,4 +1,4 @@
-"""FP8 targets on the CPU: `target.quantize` validation, the `from_pretrained` arguments chosen for plain and
+"""FP8 targets: `target.quantize` validation, the `from_pretrained` arguments chosen for plain and
 FP8 checkpoints, an FP8 checkpoint loaded dequantized, and random targets built one layer at a time.
 The FP8 matmuls themselves need a GPU with FP8 tensor cores (bench/target_forward.py --quantize fp8)."""
 
@@ -300,3 +300,28 @@ def test_random_fp8_target_is_made_in_fp8_on_the_gpu_with_bf16_embeddings_and_he
     assert layer.input_layernorm.weight.dtype == torch.bfloat16
     with torch.no_grad():
         assert torch.isfinite(model(torch.arange(12, device="cuda")[None]).logits).all()
+
+
+def test_a_left_padded_batch_on_an_fp8_target_stays_finite(monkeypatch):
+    """The attention output of a query with every key masked (a left-padded prompt's padding) is a zero row; its
+    FP8 scale must not be 0 (NaN), which masked attention would spread to the real tokens of its row.
+    Runs where torchao is installed: on a GPU with FP8 tensor cores, else with torch's scaled matmul on the CPU."""
+    pytest.importorskip("torchao")
+    import torchao.float8.inference as torchao_inference
+
+    from dflash_trainer.target import load as target_load
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        device = CUDA
+    else:  # torchao builds FP8 layers only where it sees FP8 hardware (or an XPU); torch's matmul runs on the CPU
+        device = torch.device("cpu")
+        monkeypatch.setattr(torchao_inference.torch.xpu, "is_available", lambda: True)
+        monkeypatch.setattr(target_load, "require_fp8_device", lambda device: None)
+    model = load_target(TargetConfig(random_init="tiny", quantize="fp8"), device, seed=0)
+    assert type(find_decoder_layers(model)[0].self_attn.o_proj.weight).__name__ == "Float8Tensor"
+    ids = torch.randint(10, 200, (2, 12), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the second prompt is 7 tokens, left-padded
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.isfinite(logits[mask.bool()]).all()

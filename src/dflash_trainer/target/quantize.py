@@ -28,6 +28,9 @@ from dflash_trainer.target.config import TargetConfig
 
 log = logging.getLogger(__name__)
 
+ACTIVATION_AMAX_MIN = 1e-12
+"""Floor of an activation row's absolute maximum when its FP8 scale is chosen: a zero row quantizes to zeros."""
+
 FP8_CAPABILITY = (8, 9)
 """Compute capability with FP8 tensor cores (Ada 8.9, Hopper 9.0 and later)."""
 
@@ -53,10 +56,13 @@ def torchao_fp8_config() -> Any:
         raise ConfigError(f"target.quantize=fp8 needs the torchao package (a release built for this torch, "
                           f"e.g. torchao 0.17 for torch 2.11): it cannot be imported ({e}). Install it, or set "
                           "target.quantize=null") from None
-    # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent autotuning for every
-    # later compile in the process (the drafter's too: minutes per graph and shape) and sets the float32 matmul
-    # precision to TF32 ("high"), which an fp32 evaluation must not get.
-    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    # activation_value_lb: an all-zero activation row (the attention output of a query with every key masked,
+    # e.g. a left-padded prompt's padding) would get scale 0 and turn into NaN, which masked attention then
+    # spreads to the real tokens of its row (0 * NaN). set_inductor_config=False: torchao's default turns on
+    # Inductor's coordinate-descent autotuning for every later compile in the process (the drafter's too: minutes
+    # per graph and shape) and sets the float32 matmul precision to TF32, which an fp32 evaluation must not get.
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=ACTIVATION_AMAX_MIN,
+                                                     set_inductor_config=False)
 
 
 def quantize_layer_fp8(layer: nn.Module) -> None:
