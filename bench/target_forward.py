@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--coordinate-descent", action="store_true", help="compile the layers with Inductor's "
+                   "coordinate-descent autotuning (longer compiles; torchao's set_inductor_config turns it on for "
+                   "the whole process, which target.quantize=fp8 keeps off)")
     p.add_argument("--profile", action="store_true", help="profile 2 more capture forwards per budget and "
                    "compilation: GPU time by kernel kind (where a MoE target's time goes)")
     p.add_argument("--peak-tflops", type=float, default=789.0, help="measured bf16 matmul peak of one H200 (issue calibration: 789)")
@@ -145,7 +148,8 @@ def run_target(args, quantize: str, device: torch.device, dtype: str, budgets: l
     rows = []
     for compiled in [False] if args.no_compile else [False, True]:
         if compiled:
-            compile_decoder_layers(model)
+            compile_decoder_layers(model, **({"options": {"coordinate_descent_tuning": True}}
+                                             if args.coordinate_descent else {}))
         for budget in budgets:
             sequences = make_sequences(budget, args.seq_len, config.vocab_size, seed=budget)
             lengths = [s.num_tokens for s in sequences]
@@ -224,8 +228,8 @@ def main() -> int:
         print(f"{s['quantize']:>8} {s['budget']:>7} {str(s['compiled']):>8} {s['early_exit_saving'] * 100:>17.1f}% "
               f"{s['capture_overhead'] * 100:>16.2f}% {speedup:>12}")
     print(json.dumps(dict(bench="target_forward", preset=args.preset, device=str(device), dtype=dtype,
-                          seq_len=args.seq_len, peak_tflops=args.peak_tflops, targets=targets, rows=rows,
-                          summary=summary)))
+                          seq_len=args.seq_len, peak_tflops=args.peak_tflops,
+                          coordinate_descent=args.coordinate_descent, targets=targets, rows=rows, summary=summary)))
     return 0
 
 

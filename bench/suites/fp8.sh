@@ -3,6 +3,8 @@
 # the 70B part alone nearly fills a call: PARTS=70b in a call of its own):
 #   tests  the GPU tests of target.quantize=fp8
 #   8b     the Qwen3-8B-shape tap-capture forward in bf16 and FP8 in the same run (eager and compiled layers)
+#   8b-cdt the same with the layers compiled with coordinate-descent autotuning (whether the target's compile
+#          should ask for it when quantized: torchao's process-wide setting, now off, gave it to FP8 targets)
 #   70b    whether a Llama-3-70B-shape FP8 target fits on one H200: eager first, then with compiled layers
 #   practice  40 steps of configs/practice.yaml on the practice target's FP8 taps, then on its bf16 taps, every
 #          step logged: where a run on FP8 taps spends its start (one stalled: bench/RESULTS.md, "Sampled
@@ -23,6 +25,8 @@ for part in ${PARTS:-tests 8b}; do
   case $part in
     tests) step gpu-tests 120 python3 -m pytest -q -x tests/test_target_quantize.py ;;
     8b) step fp8-8b 240 python3 bench/target_forward.py --quantize none,fp8 --budgets 16384 --iters 3 ;;
+    8b-cdt) step fp8-8b-cdt 330 python3 bench/target_forward.py --quantize none,fp8 --budgets 16384 --iters 3 \
+           --coordinate-descent ;;
     70b) step fp8-70b-eager 200 python3 bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192 \
            --iters 2 --no-compile
          step fp8-70b 330 python3 bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192 --iters 2 ;;
@@ -30,7 +34,7 @@ for part in ${PARTS:-tests 8b}; do
          ulimit -c 0  # an aborted CUDA process must not write a core file
          practice_steps practice-fp8 target.quantize=fp8
          practice_steps practice-bf16 ;;
-    *) echo "unknown part $part (tests, 8b, 70b, practice)"; exit 2 ;;
+    *) echo "unknown part $part (tests, 8b, 8b-cdt, 70b, practice)"; exit 2 ;;
   esac
 done
 finish
