@@ -77,16 +77,23 @@ def _verifier_architectures(spec_dir):
     return json.loads((spec_dir / "config.json").read_text())["speculators_config"]["verifier"]["architectures"]
 
 
-def test_verifier_architectures_without_its_config_at_hand(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("error", [OSError, ValueError])
+def test_verifier_architectures_without_its_config_at_hand(tmp_path, monkeypatch, caplog, error):
     from dflash_trainer.drafter import export_speculators as module
+
+    def unreadable(name, **kwargs):
+        raise error(f"{name}: offline, not in the cache")
 
     drafter, target = tiny_drafter()
     target.architectures = None  # a random-init target's config names none
-    # a hub id whose config cannot be read (offline, or no such model): the target's config stands for it, and
-    # its model type gives the class
-    export_speculators(drafter, tmp_path / "a", verifier="nobody-here/no-such-model", target_config=target)
+    # a hub id whose config.json cannot be read: the target's config stands for it, its model type gives the class
+    monkeypatch.setattr(module.PretrainedConfig, "get_config_dict", unreadable)
+    export_speculators(drafter, tmp_path / "a", verifier="org/unreadable", target_config=target)
     assert _verifier_architectures(tmp_path / "a") == ["Qwen3ForCausalLM"]
-    assert "its config cannot be read" in caplog.text
+    assert "its config.json cannot be read" in caplog.text
+    # the target itself is not looked up again
+    export_speculators(drafter, tmp_path / "t", verifier="org/target", target_config=target, verifier_is_target=True)
+    assert _verifier_architectures(tmp_path / "t") == ["Qwen3ForCausalLM"]
     # a folder whose config.json has a model type but no architectures
     folder = tmp_path / "verifier"
     target.save_pretrained(folder)
@@ -95,10 +102,18 @@ def test_verifier_architectures_without_its_config_at_hand(tmp_path, monkeypatch
     (folder / "config.json").write_text(json.dumps(config))
     export_speculators(drafter, tmp_path / "b", verifier=str(folder))
     assert _verifier_architectures(tmp_path / "b") == ["Qwen3ForCausalLM"]
-    # a hub config that can be read is checked against the drafter like a folder's
-    other = type(target).from_dict({**target.to_dict(), "hidden_size": 2 * target.hidden_size,
-                                    "architectures": ["Qwen3ForCausalLM"]})
-    monkeypatch.setattr(module.AutoConfig, "from_pretrained", lambda name, **kw: other)
+
+
+def test_a_hub_verifier_config_is_read_raw_and_checked_like_a_folders(tmp_path, monkeypatch):
+    from dflash_trainer.drafter import export_speculators as module
+
+    drafter, target = tiny_drafter()
+    text = {k: target.to_dict()[k] for k in ("model_type", "hidden_size", "vocab_size")}
+    served = {"model_type": "qwen3_vl", "text_config": text}  # multimodal, no architectures
+    configs = {"org/vl": served, "org/other": {**text, "hidden_size": 2 * target.hidden_size}}
+    monkeypatch.setattr(module.PretrainedConfig, "get_config_dict", lambda name, **kw: (configs[name], {}))
+    export_speculators(drafter, tmp_path / "vl", verifier="org/vl", target_config=target)
+    assert _verifier_architectures(tmp_path / "vl") == ["Qwen3VLForConditionalGeneration"]
     with pytest.raises(ConfigError, match="verifier org/other has hidden_size 128"):
         export_speculators(drafter, tmp_path / "c", verifier="org/other", target_config=target)
 

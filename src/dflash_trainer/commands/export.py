@@ -59,7 +59,9 @@ def run(config: Config, args) -> int:
     model.load_state_dict(weights)
     model.to(getattr(torch, config.target.dtype))
     if verifier is not None:
-        out = export_speculators(model, out_dir, verifier=verifier, target_config=target_config)
+        is_target = config.target.path is not None and verifier == verifier_reference(None, config.target)
+        out = export_speculators(model, out_dir, verifier=verifier, target_config=target_config,
+                                 verifier_is_target=is_target)
     else:
         out = export_drafter(model, out_dir, target_config=target_config)
     print(f"exported {ckpt} -> {out} (config.json, model.safetensors)")

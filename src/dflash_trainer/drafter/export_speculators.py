@@ -22,8 +22,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from dflash_trainer.drafter.export import export_config, export_state, write_export
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -55,12 +58,13 @@ def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
     return str(local.resolve()) if local.is_dir() else reference
 
 
-def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Optional[Any]) -> list[str]:
-    """The verifier's `architectures`, from its config (a folder's config.json; a hub id's from the cache or the
-    hub), which must fit the drafter (hidden size, vocabulary). A hub id whose config cannot be read stands for
-    the target (a warning says so). A config without `architectures` gets the causal-LM class that transformers
-    maps its model type to."""
-    config = _verifier_config(verifier, target_config)
+def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Optional[Any], *,
+                           is_target: bool = False) -> list[str]:
+    """The verifier's `architectures`, from its config.json (a folder's; a hub id's from the cache or the hub;
+    the target's when `is_target`), which must fit the drafter (hidden size, vocabulary). A hub id whose config
+    cannot be read stands for the target (a warning says so). A config without `architectures` gets the model
+    class that transformers maps its model type to."""
+    config = _verifier_config(verifier, target_config, is_target=is_target)
     try:
         text = config.get("text_config") or config  # multimodal configs nest the language model's fields
         sizes = (int(text["hidden_size"]), int(text["vocab_size"]))
@@ -72,33 +76,45 @@ def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Opti
             f"verifier {verifier} has hidden_size {sizes[0]} and vocab_size {sizes[1]}, but this drafter was "
             f"built for {spec.hidden_size} and {spec.vocab_size}: name the target the drafter was trained for"
         )
-    architectures = list(config.get("architectures") or [])
-    if not architectures and config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
+    architectures = list(config.get("architectures") or []) or _class_of_model_type(config)
     if not architectures:
-        log.warning("verifier %s: its config names no architectures and its model type %r no causal-LM class; "
-                    "the export records none (pass a folder with the verifier's config.json as --verifier)",
-                    verifier, config.get("model_type"))
+        log.warning("verifier %s: its config names no architectures, and transformers maps its model type %r to no "
+                    "model class: the export records none", verifier, config.get("model_type"))
     return architectures
 
 
-def _verifier_config(verifier: str, target_config: Optional[Any]) -> dict:
-    """The verifier's config as a dict: its config.json if `verifier` is a folder; else the hub id's config, or
-    the target's where that cannot be read (offline, not in the cache)."""
+def _class_of_model_type(config: dict) -> list[str]:
+    """The class transformers serves a model type with: a multimodal one (a `text_config`) as image-text-to-text,
+    not as its language model alone."""
+    mappings = (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    for mapping in mappings if config.get("text_config") else mappings[1:]:
+        if config.get("model_type") in mapping:
+            return [mapping[config["model_type"]]]
+    return []
+
+
+def _verifier_config(verifier: str, target_config: Optional[Any], *, is_target: bool) -> dict:
+    """The verifier's config.json as a dict (raw: no model code runs): a folder's; the target's when the verifier
+    is the target; else a hub id's from the cache or the hub, or the target's where it cannot be read."""
     path = Path(verifier)
     if path.is_dir():
         try:
             return json.loads((path / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"verifier {verifier}: cannot read its config.json ({type(e).__name__}: {e})") from None
+    if is_target and target_config is not None:
+        return target_config.to_dict()
     try:
-        return AutoConfig.from_pretrained(verifier).to_dict()
+        try:
+            return PretrainedConfig.get_config_dict(verifier, local_files_only=True)[0]
+        except OSError:  # not in the cache
+            return PretrainedConfig.get_config_dict(verifier)[0]
     except (OSError, ValueError) as e:
+        fix = "pass a folder holding the verifier's config.json as --verifier"
         if target_config is None:
-            raise ConfigError(f"verifier {verifier}: cannot read its config ({type(e).__name__}: {e}); pass a "
-                              "folder with its config.json as --verifier") from None
-        log.warning("verifier %s: its config cannot be read (%s); the target's config stands for it",
-                    verifier, type(e).__name__)
+            raise ConfigError(f"verifier {verifier}: cannot read its config.json ({type(e).__name__}); {fix}") from None
+        log.warning("verifier %s: its config.json cannot be read (%s); the target's config stands for it (%s to "
+                    "record the verifier's own)", verifier, type(e).__name__, fix)
         return target_config.to_dict()
 
 
@@ -134,10 +150,12 @@ def speculators_config(spec: DrafterSpec, *, dtype: torch.dtype, verifier: str, 
 
 
 def export_speculators(model: DFlashDrafter, out_dir: str | os.PathLike, *, verifier: str,
-                       target_config: Optional[Any] = None, dtype: Optional[torch.dtype] = None) -> Path:
+                       target_config: Optional[Any] = None, dtype: Optional[torch.dtype] = None,
+                       verifier_is_target: bool = False) -> Path:
     """Write config.json + model.safetensors in the speculators format to out_dir (created); returns it.
-    `verifier`: the target's hub id or folder (verifier_reference)."""
-    architectures = verifier_architectures(verifier, model.spec, target_config)
+    `verifier`: the target's hub id or folder (verifier_reference); `verifier_is_target`: it is `target.path`,
+    whose config `target_config` is."""
+    architectures = verifier_architectures(verifier, model.spec, target_config, is_target=verifier_is_target)
     state = export_state(model, target_config=target_config, dtype=dtype)
     config = speculators_config(model.spec, dtype=state["fc.weight"].dtype, verifier=verifier,
                                 architectures=architectures, target_config=target_config)

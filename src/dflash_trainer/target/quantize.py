@@ -58,9 +58,11 @@ def torchao_fp8_config() -> Any:
                           "target.quantize=null") from None
     # activation_value_lb: an all-zero activation row (the attention output of a query with every key masked,
     # e.g. a left-padded prompt's padding) would get scale 0 and turn into NaN, which masked attention then
-    # spreads to the real tokens of its row (0 * NaN). set_inductor_config=False: torchao's default turns on
-    # Inductor's coordinate-descent autotuning for every later compile in the process (the drafter's too: minutes
-    # per graph and shape) and sets the float32 matmul precision to TF32, which an fp32 evaluation must not get.
+    # spreads to the real tokens of its row (0 * NaN); with a bound set, torchao quantizes activations with torch
+    # ops, not the mslk package's kernel, which this project does not install.
+    # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent autotuning for every
+    # later compile in the process (the drafter's too: minutes per graph and shape) and sets the float32 matmul
+    # precision to TF32, which an fp32 evaluation must not get.
     return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=ACTIVATION_AMAX_MIN,
                                                      set_inductor_config=False)
 
