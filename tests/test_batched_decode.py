@@ -23,6 +23,7 @@ from dflash_trainer.eval.batched import (
     position_masks,
     sliding_window_of,
 )
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.proposers import PromptLookupProposer
 from dflash_trainer.eval.speculative import speculative_generate, target_generate
 from tests.drafter_helpers import single_thread, tiny_drafter  # noqa: F401 (single_thread: autouse fixture)
@@ -47,6 +48,19 @@ def test_plain_batched_decoding_equals_each_prompt_alone():
         ref = target_generate(target, prompt, max_new_tokens=17, stop_token_ids=[])
         assert result.output_ids == ref.output_ids
         assert result.acceptance_lengths == [] and result.stop_reason == "max_new_tokens"
+
+
+def test_a_target_whose_logits_are_not_finite_is_an_error_not_garbage():
+    target = fitted().target  # shared: the hook comes off again
+    prompts = _prompts()
+    row = torch.tensor([2])
+    hook = target.lm_head.register_forward_hook(lambda module, args, out: out.index_fill(0, row, float("nan")))
+    try:
+        with pytest.raises(ConfigError, match=f"NaN or inf after 1 of {len(prompts)} prompts .the first: prompt 2 "):
+            decode_batch(target, prompts, max_new_tokens=4, stop_token_ids=[])
+    finally:
+        hook.remove()
+    assert len(decode_batch(target, prompts, max_new_tokens=4, stop_token_ids=[])[2].output_ids) == 4
 
 
 @pytest.mark.parametrize("trained", [False, True])

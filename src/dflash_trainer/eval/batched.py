@@ -24,6 +24,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.speculative import DecodeResult, _forward, decoding_kernels
 
 
@@ -244,6 +245,18 @@ class DecodeSettings:
     tap_layer_ids: tuple[int, ...]
 
 
+def _check_finite(logits: torch.Tensor) -> None:
+    """A ConfigError unless every row of the prefill's next-token logits (R, V) is finite: a target whose numerics
+    break decodes garbage (its argmax of NaN) without a word."""
+    broken = (~torch.isfinite(logits).all(-1)).nonzero().flatten().tolist()  # host sync, once per decode
+    if broken:
+        raise ConfigError(
+            f"the target's next-token logits are NaN or inf after {len(broken)} of {logits.shape[0]} prompts (the "
+            f"first: prompt {broken[0]} of the batch): its numerics are broken, and its replies would be garbage. "
+            "Check target.dtype (float16 can overflow: use bfloat16) and target.quantize"
+        )
+
+
 class _BatchDecode:
     """The decoding state of one batch: device tensors per batch row, host lists per prompt. Rows whose prompt
     is done stay in the batch (ignored) until a quarter of the batch is done, then leave it together."""
@@ -262,6 +275,7 @@ class _BatchDecode:
         self.slot = torch.arange(settings.width, device=self.device)
         ids, valid, positions = _left_pad(prompts, pad_token_id, self.device)
         out = self.cache.forward(ids, positions, valid, hidden=self.hidden, last_only=True)
+        _check_finite(out.logits[:, -1])
         self._observe(ids, positions, valid, out)
         self.last = _pick(out.logits[:, -1], settings.temperature, settings.generator, settings.banned,
                           settings.top_p)  # (R,)
