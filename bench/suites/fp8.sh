@@ -8,9 +8,9 @@
 #   70b    whether a Llama-3-70B-shape FP8 target fits on one H200: eager first, then with compiled layers
 #   practice  40 steps of configs/practice.yaml on the practice target's FP8 taps, then on its bf16 taps, every
 #          step logged: whether a run on FP8 taps starts as fast as one on bf16 taps (bench/RESULTS.md, "FP8 taps
-#          against bf16 taps": torchao's process-wide autotuning once stalled it). Recompilations are logged (TORCH_LOGS=recompiles); a run still going
-#          after 150 s dumps every thread's stack (SIGABRT, faulthandler) into its log. Also carry .practice/model
-#          and .quality/turns4 (the data cache parts).
+#          against bf16 taps": torchao's process-wide autotuning once stalled it). Recompilations are logged
+#          (TORCH_LOGS=recompiles); a run still going after 150 s dumps every thread's stack (SIGABRT,
+#          faulthandler) into its log. Also carry .practice/model and .quality/turns4 (the data cache parts).
 source "$(dirname "$0")/common.sh"
 practice_steps() {  # practice_steps NAME OVERRIDES...: 40 logged steps of the practice recipe, no final eval
   local name=$1; shift
