@@ -11,6 +11,9 @@
 #          against bf16 taps": torchao's process-wide autotuning once stalled it). Recompilations are logged
 #          (TORCH_LOGS=recompiles); a run still going after 150 s dumps every thread's stack (SIGABRT,
 #          faulthandler) into its log. Also carry .practice/model and .quality/turns4 (the data cache parts).
+#   practice-eval  a drafter of 500 steps of configs/practice.yaml (bf16 taps), evaluated on the FP8 target and on
+#          the bf16 one over .quality/eval200 (carry its eval_prompts.jsonl too): whether the FP8 target decodes
+#          left-padded prompts (every prompt's reply, not its first token only) and how close its tau is
 source "$(dirname "$0")/common.sh"
 practice_steps() {  # practice_steps NAME OVERRIDES...: 40 logged steps of the practice recipe, no final eval
   local name=$1; shift
@@ -34,7 +37,17 @@ for part in ${PARTS:-tests 8b}; do
          ulimit -c 0  # an aborted CUDA process must not write a core file
          practice_steps practice-fp8 target.quantize=fp8
          practice_steps practice-bf16 ;;
-    *) echo "unknown part $part (tests, 8b, 8b-cdt, 70b, practice)"; exit 2 ;;
+    practice-eval) practice_data || { finish; exit 1; }
+         run=/tmp/practice-runs/eval-source
+         step practice-eval-train 200 python3 -m dflash_trainer train "${PRACTICE[@]}" run.dir=$run \
+           train.max_steps=500 train.max_minutes=null eval.at_end=false logging.report=false logging.progress=false \
+           run.device=cuda
+         for quantize in fp8 null; do
+           step "practice-eval-$quantize" 150 python3 -m dflash_trainer eval --drafter $run/export \
+             --out "$RESULTS/practice-eval-target-$quantize" eval.prompts="$PWD/.quality/eval200/eval_prompts.jsonl" \
+             eval.num_prompts=200 eval.max_new_tokens=128 run.device=cuda target.quantize=$quantize
+         done ;;
+    *) echo "unknown part $part (tests, 8b, 8b-cdt, 70b, practice, practice-eval)"; exit 2 ;;
   esac
 done
 finish
