@@ -3,6 +3,8 @@
 #   forward  early exit and tap capture, eager vs compiled layers (Qwen3-8B shape)
 #   padded   padded batches with and without the padding mask (taps checked against an fp32 run of each alone)
 #   moe      the Qwen3-30B-A3B shape (MFU by active experts) with a kernel profile of the capture forward
+#   moe-experts  one compiled MoE layer's experts: transformers' grouped_mm combine against two others
+#   gpt-oss  the gpt-oss-20b shape (flex attention with sinks, sliding layers), eager and compiled layers
 source "$(dirname "$0")/common.sh"
 for part in ${PARTS:-forward padded}; do
   case $part in
@@ -10,7 +12,10 @@ for part in ${PARTS:-forward padded}; do
     padded) step target_padded 150 python3 bench/target_padded.py ;;
     moe) step target_forward_moe 400 python3 bench/target_forward.py --preset qwen3-30b-a3b --budgets 16384 \
            --iters 3 --profile ;;
-    *) echo "unknown part $part (forward, padded, moe)"; exit 2 ;;
+    moe-experts) step moe_experts 150 python3 bench/moe_experts.py ;;
+    gpt-oss) step target_forward_gpt_oss 300 python3 bench/target_forward.py --preset gpt-oss-20b --budgets 16384 \
+           --iters 3 ;;
+    *) echo "unknown part $part (forward, padded, moe, moe-experts, gpt-oss)"; exit 2 ;;
   esac
 done
 finish
