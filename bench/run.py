@@ -369,6 +369,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the default: the target's decoder layers compiled, as `target.compile` does in training")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N target forwards and N whole steps (GPU time by kernel kind)")
+    p.add_argument("--quantize", choices=("none", "fp8"), default="none",
+                   help="target.quantize: fp8 runs the target's decoder layers in FP8 (both variants; MFU still "
+                   "against the bf16 peak)")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     args = p.parse_args(argv)
     apply_smoke(args)
@@ -400,7 +403,8 @@ def main(argv=None) -> int:
     device = bench_device(args)
     if device is None:
         return 2
-    config = bench_config(args, device, ("train.compile=false",) if args.no_compile else ())
+    extra = ("train.compile=false",) if args.no_compile else ()
+    config = bench_config(args, device, (*extra, f"target.quantize={'null' if args.quantize == 'none' else 'fp8'}"))
     target = load_target(config.target, device, seed=config.run.seed)
     spec = drafter_spec(target.config, config.drafter)
 
@@ -433,7 +437,7 @@ def main(argv=None) -> int:
     result = dict(
         bench="run", date=datetime.now(timezone.utc).isoformat(timespec="seconds"), commit=git_commit(),
         gpu=device_name(device), torch=torch.__version__,
-        model=args.model, workload=args.workload, workload_note=workload.note,
+        model=args.model, quantize=args.quantize, workload=args.workload, workload_note=workload.note,
         command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         token_budget=config.pipeline.token_budget, num_blocks=config.batch.num_blocks, block_size=spec.block_size,
         tap_layer_ids=list(spec.tap_layer_ids), drafter_layers=spec.num_layers, mask_token_id=spec.mask_token_id,
@@ -456,7 +460,7 @@ def main(argv=None) -> int:
         else ours.rss_after_steps_gb - ours.rss_after_warmup_gb,
         total_s=time.perf_counter() - t_start,
     )
-    print(f"\nbench/run.py: {args.model} {args.workload} on {result['gpu']}; budget {result['token_budget']} tokens, "
+    print(f"\nbench/run.py: {args.model} {'FP8 ' if args.quantize == 'fp8' else ''}{args.workload} on {result['gpu']}; budget {result['token_budget']} tokens, "
           f"{result['num_blocks']} blocks of {spec.block_size}; taps {result['tap_layer_ids']}; {workload.note}")
     print_table({"ours": s_ours, "baseline": s_base})
     if speedup is not None:
@@ -464,7 +468,8 @@ def main(argv=None) -> int:
     print(f"model TFLOP per step: target {work.target_flops / 1e12:.1f}, drafter {work.drafter_flops / 1e12:.1f}; "
           f"target forward computes {work.padded_tokens:.0f} padded tokens per step; "
           f"host RSS {rss_start or 0:.2f} -> {rss_end or 0:.2f} GB; total {result['total_s']:.0f} s")
-    write_result(result, "run", f"{args.model}-{args.workload}", args.out)
+    quantized = "-fp8" if args.quantize == "fp8" else ""
+    write_result(result, "run", f"{args.model}{quantized}-{args.workload}", args.out)
     print(json.dumps(result))
     return 0 if s_ours["status"] == "ok" and (s_base is None or s_base["status"] != "error") else 1
 

@@ -5,6 +5,8 @@
 #   8b     the Qwen3-8B-shape tap-capture forward in bf16 and FP8 in the same run (eager and compiled layers)
 #   8b-cdt the same with the layers compiled with coordinate-descent autotuning (whether the target's compile
 #          should ask for it when quantized: torchao's process-wide setting, now off, gave it to FP8 targets)
+#   e2e    bench/run.py's training step (target forward + drafter step on one GPU) at the Qwen3-8B shape with a bf16
+#          target, then an FP8 one (no naive baseline): what FP8 gives a whole step
 #   70b    whether a Llama-3-70B-shape FP8 target fits on one H200: eager first, then with compiled layers
 #   practice  40 steps of configs/practice.yaml on the practice target's FP8 taps, then on its bf16 taps, every
 #          step logged: whether a run on FP8 taps starts as fast as one on bf16 taps (bench/RESULTS.md, "FP8 taps
@@ -30,6 +32,10 @@ for part in ${PARTS:-tests 8b}; do
     8b) step fp8-8b 240 python3 bench/target_forward.py --quantize none,fp8 --budgets 16384 --iters 3 ;;
     8b-cdt) step fp8-8b-cdt 330 python3 bench/target_forward.py --quantize none,fp8 --budgets 16384 --iters 3 \
            --coordinate-descent ;;
+    e2e) for quantize in none fp8; do
+           step "run-8b-$quantize" 200 python3 bench/run.py --model qwen3-8b --workload mfu --no-baseline \
+             --quantize $quantize --out "$RESULTS"
+         done ;;
     70b) step fp8-70b-eager 200 python3 bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192 \
            --iters 2 --no-compile
          step fp8-70b 330 python3 bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192 --iters 2 ;;
@@ -47,7 +53,7 @@ for part in ${PARTS:-tests 8b}; do
              --out "$RESULTS/practice-eval-target-$quantize" eval.prompts="$PWD/.quality/eval200/eval_prompts.jsonl" \
              eval.num_prompts=200 eval.max_new_tokens=128 run.device=cuda target.quantize=$quantize
          done ;;
-    *) echo "unknown part $part (tests, 8b, 8b-cdt, 70b, practice, practice-eval)"; exit 2 ;;
+    *) echo "unknown part $part (tests, 8b, 8b-cdt, e2e, 70b, practice, practice-eval)"; exit 2 ;;
   esac
 done
 finish
