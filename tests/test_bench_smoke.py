@@ -158,6 +158,16 @@ def test_target_forward_smoke_runs_a_moe_target_and_counts_active_experts():
         assert row["mfu"] == pytest.approx(flops / (row["ms"] / 1e3) / (last["peak_tflops"] * 1e12))
 
 
+def test_moe_experts_smoke_variants_agree_with_transformers_experts():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_experts.py"), "--smoke"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["preset"] == "tiny-moe" and last["k"] == 4
+    assert [r["variant"] for r in last["rows"]] == ["grouped_mm", "index_copy", "index_add"]
+    assert all(r["max_rel_diff"] < 1e-5 for r in last["rows"])
+
+
 def test_bench_scripts_take_the_moe_presets():
     import run
 
