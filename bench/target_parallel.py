@@ -96,7 +96,8 @@ def main() -> None:
         s.close()
         mp.start_processes(_rank, args=(port, args, out_dir), nprocs=2, start_method="spawn")
         ranks = [torch.load(os.path.join(out_dir, f"r{i}.pt"), weights_only=True) for i in range(2)]
-    model = load_target(TargetConfig(random_init=args.preset, dtype=args.dtype), device, seed=SEED)
+    # built on the host as the group's ranks built theirs: a seed gives other weights on the GPU's generator
+    model = load_target(TargetConfig(random_init=args.preset, dtype=args.dtype), "cpu", seed=SEED).to(device)
     taps = choose_tap_layer_ids(model.config.num_hidden_layers, 5 if not args.smoke else 3)
     want, ms_alone = taps_of(model, taps, args.lengths, model.config.vocab_size, device, args.compiled, args.iters)
     n = sum(args.lengths)

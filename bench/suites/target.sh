@@ -16,8 +16,8 @@ for part in ${PARTS:-forward padded}; do
     moe-experts) step moe_experts 150 python3 bench/moe_experts.py ;;
     gpt-oss) step target_forward_gpt_oss 300 python3 bench/target_forward.py --preset gpt-oss-20b --budgets 16384 \
            --iters 3 ;;
-    tp-shared) step target_parallel 200 python3 bench/target_parallel.py
-           step target_parallel_eager 150 python3 bench/target_parallel.py --eager ;;
+    tp-shared) step target_parallel 250 python3 bench/target_parallel.py
+           step target_parallel_eager 250 python3 bench/target_parallel.py --eager ;;
     *) echo "unknown part $part (forward, padded, moe, moe-experts, gpt-oss, tp-shared)"; exit 2 ;;
   esac
 done
