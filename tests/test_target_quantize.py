@@ -241,6 +241,40 @@ def test_target_tensors_of_an_fp8_checkpoint_are_dequantized(checkpoints):
     torch.testing.assert_close(got, want)
 
 
+def test_expert_banks_left_in_bf16_by_fp8_are_reported_and_dense_layers_are_not(caplog):
+    """torchao's float8 quantizes nn.Linear layers only: a MoE target's experts (3-D weight banks) stay in bf16,
+    which a user of target.quantize=fp8 must be told (most of such a target's weights)."""
+    from dflash_trainer.target.presets import preset_config
+    from dflash_trainer.target.quantize import warn_weights_left_unquantized
+
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(preset_config("qwen3-30b-a3b"), dtype=torch.bfloat16)
+        dense = AutoModelForCausalLM.from_config(preset_config("qwen3-8b"), dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger="dflash_trainer.target.quantize"):
+        left = warn_weights_left_unquantized(find_decoder_layers(moe), "bfloat16")
+        assert warn_weights_left_unquantized(find_decoder_layers(dense), "bfloat16") == 0
+    experts = 48 * 128 * 3 * 2048 * 768 * 2 / 2**30  # layers x experts x (gate, up, down) x H x width x 2 bytes
+    assert left == pytest.approx(experts)
+    [record] = [r for r in caplog.records if r.name == "dflash_trainer.target.quantize"]  # none for the dense one
+    assert "target.quantize=fp8: 54.0 GiB" in record.getMessage() and "96 weight banks" in record.getMessage()
+
+
+def test_fp8_moe_target_quantizes_attention_and_reports_its_experts(monkeypatch, caplog):
+    pytest.importorskip("torchao")
+    import torchao.float8.inference as torchao_inference
+
+    from dflash_trainer.target import load as target_load
+
+    monkeypatch.setattr(torchao_inference.torch.xpu, "is_available", lambda: True)  # FP8 layers on the CPU
+    monkeypatch.setattr(target_load, "require_fp8_device", lambda device: None)
+    with caplog.at_level("WARNING", logger="dflash_trainer.target.quantize"):
+        model = load_target(TargetConfig(random_init="tiny-moe", quantize="fp8"), "cpu", seed=0)
+    layer = find_decoder_layers(model)[0]
+    assert type(layer.self_attn.q_proj.weight).__name__ == "Float8Tensor"
+    assert layer.mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    assert any("weight banks" in r.getMessage() for r in caplog.records)
+
+
 def test_llama3_70b_preset_has_the_70b_shape():
     from dflash_trainer.target.presets import preset_config
 

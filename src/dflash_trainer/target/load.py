@@ -18,6 +18,7 @@ from dflash_trainer.target.quantize import (
     pretrained_quantization,
     quantize_layer_fp8,
     require_fp8_device,
+    warn_weights_left_unquantized,
 )
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) ->
         if quantization.requantize:
             for layer in find_decoder_layers(model):
                 quantize_layer_fp8(layer)
+    if cfg.quantize == "fp8":
+        warn_weights_left_unquantized(find_decoder_layers(model), cfg.dtype)
     model.eval()
     model.requires_grad_(False)
     return model

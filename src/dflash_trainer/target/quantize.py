@@ -74,6 +74,22 @@ def quantize_layer_fp8(layer: nn.Module) -> None:
     quantize_(layer, torchao_fp8_config(), filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
 
 
+def warn_weights_left_unquantized(layers: nn.Module, dtype: str) -> float:
+    """Log how much of the decoder layers FP8 quantization left in `dtype`, and return it in GiB: weight banks of
+    3 or more dimensions (a MoE target's experts) are not nn.Linear layers, which are all it quantizes."""
+    def gib(params) -> float:
+        return sum(p.numel() * p.element_size() for p in params) / 2**30
+
+    banks = [p for m in layers.modules() if not isinstance(m, nn.Linear)
+             for p in m.parameters(recurse=False) if p.dim() >= 3]
+    left = gib(banks)
+    if left:
+        log.warning("target.quantize=fp8: %.1f GiB of the decoder layers' %.1f GiB stay in %s: %d weight banks of 3+ "
+                    "dimensions (a MoE target's experts) are not nn.Linear layers, the only ones quantized to FP8; "
+                    "attention and dense layers run in FP8", left, gib(layers.parameters()), dtype, len(banks))
+    return left
+
+
 def shipped_quantization(model_config: PretrainedConfig) -> Optional[str]:
     """The `quant_method` of the checkpoint's `quantization_config` (e.g. `fp8`), None for plain weights."""
     if getattr(model_config, "quantization_config", None) is None:
