@@ -3,9 +3,9 @@
     python bench/moe_experts.py                 # CUDA: the Qwen3-30B-A3B shape, 18,432 tokens (16K + padding)
     python bench/moe_experts.py --smoke         # a tiny shape on the CPU: the variants agree (checks the script)
 
-`bench/RESULTS.md` (Qwen3-30B-A3B profile) found the combine step of transformers' `grouped_mm` experts (each
-token's top-k expert outputs gathered back from expert order by the inverse permutation, then summed) compiled
-into one kernel at ~0.6 TB/s. Each variant below is the whole experts forward (sort by expert, grouped GEMMs,
+The combine step of transformers' `grouped_mm` experts (each token's top-k expert outputs gathered back from
+expert order by the inverse permutation, then summed) is where the kernel profile of a MoE target's forward
+points (`bench/RESULTS.md`). Each variant below is the whole experts forward (sort by expert, grouped GEMMs,
 gating, combine) under torch.compile; only the combine differs:
   grouped_mm    transformers' own (`config._experts_implementation = "grouped_mm"`): the baseline
   index_copy    expert rows copied into token order (a permutation, so deterministic), weighted, summed over k
@@ -65,15 +65,16 @@ def index_add_forward(experts, hidden, top_k_index, top_k_weights):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b"],
+                   help="a Qwen3-MoE shape (its experts class is the one built here)")
     p.add_argument("--tokens", type=int, default=18432)
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     preset = "tiny-moe" if args.smoke else args.preset
     config = preset_config(preset)
-    if args.smoke:  # top 4 of the tiny preset's experts: with 2 the sums would agree in any order
-        config.num_experts_per_tok = 4
+    if args.smoke:  # top 3 of 8 experts: groups of uneven sizes, some perhaps empty, 3 terms to each sum
+        config.num_experts, config.num_experts_per_tok = 8, 3
     tokens = 64 if args.smoke else args.tokens
     dtype = torch.float32 if args.smoke else torch.bfloat16
     config._experts_implementation = "grouped_mm"
@@ -96,6 +97,7 @@ def main() -> None:
         with torch.no_grad():
             out = compiled(hidden, top_k_index, top_k_weights)
             want = out if want is None else want
+            # read on the host once per variant, before timing
             diff = float((out.float() - want.float()).abs().max() / want.float().abs().max())
             ms = None
             if not args.smoke:

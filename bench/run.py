@@ -460,7 +460,9 @@ def main(argv=None) -> int:
         else ours.rss_after_steps_gb - ours.rss_after_warmup_gb,
         total_s=time.perf_counter() - t_start,
     )
-    print(f"\nbench/run.py: {args.model} {'FP8 ' if args.quantize == 'fp8' else ''}{args.workload} on {result['gpu']}; budget {result['token_budget']} tokens, "
+    fp8 = "FP8 " if args.quantize == "fp8" else ""
+    print(f"\nbench/run.py: {args.model} {fp8}{args.workload} on {result['gpu']}; "
+          f"budget {result['token_budget']} tokens, "
           f"{result['num_blocks']} blocks of {spec.block_size}; taps {result['tap_layer_ids']}; {workload.note}")
     print_table({"ours": s_ours, "baseline": s_base})
     if speedup is not None:

@@ -41,6 +41,7 @@ def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
     assert len(files) == 1 and json.loads(files[0].read_text()) == last
     assert last["status"] == "ok" and last["baseline_status"] == "ok"
     assert last["workload"] == "mfu" and last["gpu"] == "cpu" and "--smoke" in last["command"]
+    assert last["quantize"] == "none"  # and the file name has no -fp8
     assert last["token_budget"] == 256 and last["num_blocks"] == 32 and last["tap_layer_ids"] == [1, 3]
     assert last["tokens_per_s"] > 0 and last["baseline_tokens_per_s"] > 0 and last["speedup"] > 0
     assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * 128)  # 2 sequences of 128 tokens
@@ -51,6 +52,15 @@ def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
     assert 0 < last["drafter_wait_frac"] < 1 and 0 < last["target_idle_frac"] < 1
     assert last["loss"] == pytest.approx(last["baseline"]["loss"], rel=0.05)  # same objective, random init
     assert "ours" in proc.stdout and "baseline" in proc.stdout
+
+
+def test_run_with_an_fp8_target_asks_for_it_and_is_refused_on_the_cpu_by_name():
+    import run
+
+    from dflash_trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="target.quantize=fp8 needs a CUDA GPU"):
+        run.main(["--smoke", "--quantize", "fp8"])
 
 
 def test_smoke_drafter_step_compares_variants_with_the_same_loss(tmp_path):
@@ -163,9 +173,18 @@ def test_moe_experts_smoke_variants_agree_with_transformers_experts():
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert last["preset"] == "tiny-moe" and last["k"] == 4
+    assert last["preset"] == "tiny-moe" and last["k"] == 3
     assert [r["variant"] for r in last["rows"]] == ["grouped_mm", "index_copy", "index_add"]
     assert all(r["max_rel_diff"] < 1e-5 for r in last["rows"])
+
+
+def test_target_parallel_smoke_tp2_taps_equal_tp1_taps():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "target_parallel.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["up_proj_full"] == [128, 64] and last["up_proj_local"] == [64, 64]  # really sharded
+    assert max(last["tp2_vs_tp1_rel_error"]) < 1e-5 and last["rank0_vs_rank1_rel_error"] < 1e-6
 
 
 def test_bench_scripts_take_the_moe_presets():

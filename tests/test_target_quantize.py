@@ -242,8 +242,8 @@ def test_target_tensors_of_an_fp8_checkpoint_are_dequantized(checkpoints):
 
 
 def test_expert_banks_left_in_bf16_by_fp8_are_reported_and_dense_layers_are_not(caplog):
-    """torchao's float8 quantizes nn.Linear layers only: a MoE target's experts (3-D weight banks) stay in bf16,
-    which a user of target.quantize=fp8 must be told (most of such a target's weights)."""
+    """torchao's float8 quantizes nn.Linear layers only: a MoE target's experts (3-D weight banks) and routers stay
+    in bf16, which a user of target.quantize=fp8 must be told (most of such a target's weights)."""
     from dflash_trainer.target.presets import preset_config
     from dflash_trainer.target.quantize import warn_weights_left_unquantized
 
@@ -253,10 +253,12 @@ def test_expert_banks_left_in_bf16_by_fp8_are_reported_and_dense_layers_are_not(
     with caplog.at_level("WARNING", logger="dflash_trainer.target.quantize"):
         left = warn_weights_left_unquantized(find_decoder_layers(moe), "bfloat16")
         assert warn_weights_left_unquantized(find_decoder_layers(dense), "bfloat16") == 0
-    experts = 48 * 128 * 3 * 2048 * 768 * 2 / 2**30  # layers x experts x (gate, up, down) x H x width x 2 bytes
-    assert left == pytest.approx(experts)
+    # 48 layers x 128 experts x (gate, up, down) x H x width, plus each layer's (128, H) router; 2 bytes each
+    assert left == pytest.approx(48 * 128 * (3 * 2048 * 768 + 2048) * 2 / 2**30)
     [record] = [r for r in caplog.records if r.name == "dflash_trainer.target.quantize"]  # none for the dense one
-    assert "target.quantize=fp8: 54.0 GiB" in record.getMessage() and "96 weight banks" in record.getMessage()
+    # of 55.7 GiB in all: + 48 x (q, o: 2048 x 4096; k, v: 2048 x 512) x 2 bytes of attention = 1.7 GiB
+    assert "target.quantize=fp8: 54.0 GiB of the decoder layers' 55.7 GiB" in record.getMessage()
+    assert "144 weight tensors" in record.getMessage()
 
 
 def test_fp8_moe_target_quantizes_attention_and_reports_its_experts(monkeypatch, caplog):
@@ -264,15 +266,22 @@ def test_fp8_moe_target_quantizes_attention_and_reports_its_experts(monkeypatch,
     import torchao.float8.inference as torchao_inference
 
     from dflash_trainer.target import load as target_load
+    from dflash_trainer.target.quantize import warn_weights_left_unquantized
 
     monkeypatch.setattr(torchao_inference.torch.xpu, "is_available", lambda: True)  # FP8 layers on the CPU
     monkeypatch.setattr(target_load, "require_fp8_device", lambda device: None)
     with caplog.at_level("WARNING", logger="dflash_trainer.target.quantize"):
         model = load_target(TargetConfig(random_init="tiny-moe", quantize="fp8"), "cpu", seed=0)
-    layer = find_decoder_layers(model)[0]
-    assert type(layer.self_attn.q_proj.weight).__name__ == "Float8Tensor"
-    assert layer.mlp.experts.gate_up_proj.dtype == torch.bfloat16
-    assert any("weight banks" in r.getMessage() for r in caplog.records)
+    layers = find_decoder_layers(model)
+    assert type(layers[0].self_attn.q_proj.weight).__name__ == "Float8Tensor"
+    assert layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    [record] = [r for r in caplog.records if r.name == "dflash_trainer.target.quantize"]
+    experts = sum(p.numel() * 2 for n, p in layers.named_parameters() if ".experts." in n or ".gate." in n)
+    assert warn_weights_left_unquantized(layers, "bfloat16") == pytest.approx(experts / 2**30)
+    # FP8 weights count one byte each (plus a float32 scale a row), not the bf16 their tensors report
+    q_proj = layers[0].self_attn.q_proj.weight
+    assert quantize._nbytes(q_proj) == q_proj.numel() + 4 * q_proj.shape[0]
+    assert f"{len(layers) * 3} weight tensors" in record.getMessage()
 
 
 def test_llama3_70b_preset_has_the_70b_shape():

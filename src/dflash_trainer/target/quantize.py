@@ -74,19 +74,25 @@ def quantize_layer_fp8(layer: nn.Module) -> None:
     quantize_(layer, torchao_fp8_config(), filter_fn=lambda module, fqn: isinstance(module, nn.Linear))
 
 
-def warn_weights_left_unquantized(layers: nn.Module, dtype: str) -> float:
-    """Log how much of the decoder layers FP8 quantization left in `dtype`, and return it in GiB: weight banks of
-    3 or more dimensions (a MoE target's experts) are not nn.Linear layers, which are all it quantizes."""
-    def gib(params) -> float:
-        return sum(p.numel() * p.element_size() for p in params) / 2**30
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes held by `tensor`; a tensor subclass (torchao's Float8Tensor reports its bf16 dtype) by its parts."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_nbytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
 
-    banks = [p for m in layers.modules() if not isinstance(m, nn.Linear)
-             for p in m.parameters(recurse=False) if p.dim() >= 3]
-    left = gib(banks)
+
+def warn_weights_left_unquantized(layers: nn.Module, dtype: str) -> float:
+    """Log how much of the decoder layers FP8 quantization left in `dtype`, and return it in GiB: only nn.Linear
+    layers are quantized, so weight matrices held elsewhere (a MoE target's expert banks and routers) are not."""
+    left_params = [p for m in layers.modules() if not isinstance(m, nn.Linear)
+                   for p in m.parameters(recurse=False) if p.dim() >= 2]
+    left = sum(_nbytes(p) for p in left_params) / 2**30
     if left:
-        log.warning("target.quantize=fp8: %.1f GiB of the decoder layers' %.1f GiB stay in %s: %d weight banks of 3+ "
-                    "dimensions (a MoE target's experts) are not nn.Linear layers, the only ones quantized to FP8; "
-                    "attention and dense layers run in FP8", left, gib(layers.parameters()), dtype, len(banks))
+        total = sum(_nbytes(p) for p in layers.parameters()) / 2**30
+        log.warning("target.quantize=fp8: %.1f GiB of the decoder layers' %.1f GiB stay in %s: %d weight tensors held "
+                    "outside nn.Linear layers (a MoE target's expert banks and routers), which alone are quantized "
+                    "to FP8", left, total, dtype, len(left_params))
     return left
 
 
