@@ -2,6 +2,7 @@
 
     python bench/scaling.py --gpus 8 --splits 3,4       # 8 GPUs: 1 GPU colocated, then 3:5 and 4:4 split
     python bench/scaling.py --gpus 2 --splits 1 --colocated-n
+    python bench/scaling.py --gpus 4 --splits 1 --target-parallel 1,2   # 1:3 split, then one TP=2 group : 2
     python bench/scaling.py --smoke                     # CPU + gloo, tiny target: 1 colocated, 1:2 split
 
 Each run is the real `dflash-train train` (one process for one GPU, `torchrun` on one host for N), on the
@@ -101,10 +102,33 @@ def run_one(name: str, ranks: int, overrides: list[str], out_dir: Path, timeout_
                                            "drafter_wait_frac", "target_idle_frac")}}
 
 
-def main(argv=None) -> int:
+def run_plan(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
+    """(name, ranks, overrides) of each run: one GPU colocated first (the baseline), then each split once per
+    target_parallel value that leaves a drafter rank, then N colocated if asked."""
+    plan = [("1 colocated", 1, ["pipeline.colocated=true"])]
+    for t in (int(x) for x in args.splits.split(",") if x.strip()):
+        if not 0 < t < args.gpus:
+            raise SystemExit(f"--splits {t}: a split needs 1..{args.gpus - 1} target ranks")
+        for k in (int(x) for x in args.target_parallel.split(",") if x.strip()):
+            if t * k >= args.gpus:
+                print(f"--splits {t} with --target-parallel {k}: {t * k} target ranks leave no drafter rank of "
+                      f"{args.gpus}; skipped", file=sys.stderr)
+                continue
+            name = f"{t}:{args.gpus - t * k} split" if k == 1 else f"{t}xTP{k}:{args.gpus - t * k} split"
+            plan.append((name, args.gpus, ["pipeline.colocated=false", f"pipeline.num_targets={t}",
+                                           f"pipeline.target_parallel={k}"]))
+    if args.colocated_n:
+        plan.append((f"{args.gpus} colocated", args.gpus, ["pipeline.colocated=true"]))
+    return plan
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpus", type=int, default=8, help="ranks of the N-rank runs")
     p.add_argument("--splits", default="", help="comma list of target-rank counts for split runs (e.g. 3,4)")
+    p.add_argument("--target-parallel", default="1",
+                   help="comma list of pipeline.target_parallel values: each split runs once per value, its target "
+                   "groups of that many ranks (e.g. 1,2: TP=2 groups against single-GPU targets)")
     p.add_argument("--colocated-n", action="store_true", help="also run N ranks colocated")
     p.add_argument("--steps", type=int, default=40, help="train.max_steps of every run")
     p.add_argument("--timeout-s", type=float, default=540.0, help="per run")
@@ -114,15 +138,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.gpus, args.splits, args.steps = 3, args.splits or "1", min(args.steps, 8)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     common = (SMOKE_OVERRIDES if args.smoke else GPU_OVERRIDES) + [f"train.max_steps={args.steps}"]
     work = Path(args.work_dir) / datetime.now().strftime("%Y%m%dT%H%M%S")
-    plan = [("1 colocated", 1, ["pipeline.colocated=true"])]
-    for t in (int(x) for x in args.splits.split(",") if x.strip()):
-        if not 0 < t < args.gpus:
-            raise SystemExit(f"--splits {t}: a split needs 1..{args.gpus - 1} target ranks")
-        plan.append((f"{t}:{args.gpus - t} split", args.gpus, ["pipeline.colocated=false", f"pipeline.num_targets={t}"]))
-    if args.colocated_n:
-        plan.append((f"{args.gpus} colocated", args.gpus, ["pipeline.colocated=true"]))
+    plan = run_plan(args)
     results = [run_one(name, ranks, common + extra, work, args.timeout_s) for name, ranks, extra in plan]
     single = results[0]["steady_tokens_per_s"]
     for r in results:
@@ -133,12 +156,13 @@ def main(argv=None) -> int:
         return format(x, spec) if x is not None else "-"
 
     print(f"\nscaling ({'CPU smoke' if args.smoke else 'GPU'}; {args.steps} steps per run; steady = last half)")
-    print(f"{'run':<16}{'ranks':>6}{'tokens/s':>11}{'vs N x 1':>10}{'I tok/s':>10}{'T tok/s':>10}{'wait':>7}"
+    print(f"{'run':<18}{'ranks':>6}{'tokens/s':>11}{'vs N x 1':>10}{'I tok/s':>10}{'T tok/s':>10}{'wait':>7}"
           f"{'idle':>7}  status")
     for r in results:
-        print(f"{r['name']:<16}{r['ranks']:>6}{fmt(r['steady_tokens_per_s'], '.0f'):>11}{fmt(r['efficiency'], '.2f'):>10}"
-              f"{fmt(r['I_tokens_per_s'], '.0f'):>10}{fmt(r['T_tokens_per_s'], '.0f'):>10}"
-              f"{fmt(r['drafter_wait_frac'], '.2f'):>7}{fmt(r['target_idle_frac'], '.2f'):>7}  {r['status'] or r['rc']}")
+        print(f"{r['name']:<18}{r['ranks']:>6}{fmt(r['steady_tokens_per_s'], '.0f'):>11}"
+              f"{fmt(r['efficiency'], '.2f'):>10}{fmt(r['I_tokens_per_s'], '.0f'):>10}"
+              f"{fmt(r['T_tokens_per_s'], '.0f'):>10}{fmt(r['drafter_wait_frac'], '.2f'):>7}"
+              f"{fmt(r['target_idle_frac'], '.2f'):>7}  {r['status'] or r['rc']}")
     result = {"bench": "scaling", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "commit": git_commit(), "smoke": args.smoke, "gpus": args.gpus,
               "steps": args.steps, "command": " ".join([sys.executable, *sys.argv]), "results": results}

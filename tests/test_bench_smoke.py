@@ -255,6 +255,18 @@ def test_smoke_scaling_runs_colocated_and_split_training(tmp_path):
     assert len(list(tmp_path.glob("*-scaling-3.json"))) == 1
 
 
+def test_scaling_plan_runs_each_split_once_per_target_parallel_value():
+    import scaling
+
+    plan = scaling.run_plan(scaling.parse_args(["--gpus", "4", "--splits", "1,2", "--target-parallel", "1,2"]))
+    # 2 groups of 2 would leave no drafter rank: skipped
+    assert [(name, ranks) for name, ranks, _ in plan] == [
+        ("1 colocated", 1), ("1:3 split", 4), ("1xTP2:2 split", 4), ("2:2 split", 4)]
+    assert plan[2][2] == ["pipeline.colocated=false", "pipeline.num_targets=1", "pipeline.target_parallel=2"]
+    with pytest.raises(SystemExit, match="a split needs 1..3 target ranks"):
+        scaling.run_plan(scaling.parse_args(["--gpus", "4", "--splits", "4"]))
+
+
 def test_smoke_data_prep_times_one_process_against_workers_with_equal_results():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "data_prep.py"), "--smoke"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
