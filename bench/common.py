@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -211,6 +212,13 @@ def device_name(device: torch.device) -> str:
 def or_dash(value, fmt: str = "{:.2f}") -> str:
     """A table cell: `value` formatted, or `-` when it was not measured."""
     return "-" if value is None else fmt.format(value)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous (torchrun's, or a spawned process group's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def git_commit() -> str:

@@ -20,14 +20,13 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common import ROOT, git_commit, write_result
+from common import ROOT, free_port, git_commit, write_result
 
 GPU_OVERRIDES = [
     "run.device=cuda", "target.random_init=qwen3-8b", "target.dtype=bfloat16", "target.compile=true",
@@ -38,12 +37,6 @@ GPU_OVERRIDES = [
 ]
 SMOKE_OVERRIDES = ["data.max_conversations=120", "train.num_epochs=1", "train.checkpoint_interval=100000",
                    "eval.at_end=false", "logging.progress=false"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(ranks: int, overrides: list[str], run_dir: Path, timeout_s: float) -> tuple[int, str, float]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from common import free_port  # noqa: E402  (bench/common.py)
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402
@@ -34,6 +34,7 @@ from dflash_trainer.target.checks import choose_tap_layer_ids  # noqa: E402
 from dflash_trainer.target.config import TargetConfig  # noqa: E402
 from dflash_trainer.target.load import find_decoder_layers, load_target  # noqa: E402
 from dflash_trainer.target.parallel import shard_target  # noqa: E402
+from dflash_trainer.target.presets import preset_config  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402
 
 SEED = 7
@@ -72,10 +73,9 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     target = TargetConfig(random_init=args.preset, dtype=args.dtype)
     model = load_target(target, "cpu", seed=SEED)  # as a target group's ranks do: whole on the host, then shards
-    taps = choose_tap_layer_ids(model.config.num_hidden_layers, 5 if not args.smoke else 3)
     model = shard_target(model, dist.new_group([0, 1]), device)
     local = find_decoder_layers(model)[0].mlp.up_proj.weight
-    got, ms = taps_of(model, taps, args.lengths, model.config.vocab_size, device, args.compiled, args.iters)
+    got, ms = taps_of(model, args.taps, args.lengths, model.config.vocab_size, device, args.compiled, args.iters)
     torch.save({"taps": got, "ms": ms, "up_local": tuple(local.to_local().shape), "up_full": tuple(local.shape)},
                os.path.join(out_dir, f"r{rank}.pt"))
     dist.destroy_process_group()
@@ -93,17 +93,14 @@ def main() -> None:
         args.preset, args.iters = "tiny", 1
     args.dtype = "float32" if args.smoke else "bfloat16"
     args.lengths = [48, 80, 20] if args.smoke else [1500, 2048, 700]
+    args.taps = choose_tap_layer_ids(preset_config(args.preset).num_hidden_layers, 3 if args.smoke else 5)
     device = torch.device("cpu" if args.smoke else "cuda:0")
-    with tempfile.TemporaryDirectory() as out_dir, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        mp.start_processes(_rank, args=(port, args, out_dir), nprocs=2, start_method="spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_rank, args=(free_port(), args, out_dir), nprocs=2, start_method="spawn")
         ranks = [torch.load(os.path.join(out_dir, f"r{i}.pt"), weights_only=True) for i in range(2)]
     # built on the host as the group's ranks built theirs: a seed gives other weights on the GPU's generator
     model = load_target(TargetConfig(random_init=args.preset, dtype=args.dtype), "cpu", seed=SEED).to(device)
-    taps = choose_tap_layer_ids(model.config.num_hidden_layers, 5 if not args.smoke else 3)
-    want, ms_alone = taps_of(model, taps, args.lengths, model.config.vocab_size, device, args.compiled, args.iters)
+    want, ms_alone = taps_of(model, args.taps, args.lengths, model.config.vocab_size, device, args.compiled, args.iters)
     n = sum(args.lengths)
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,13 +108,13 @@ def main() -> None:
 
     result = {
         "bench": "target_parallel", "preset": args.preset, "dtype": args.dtype, "device": str(device),
-        "compiled": args.compiled, "lengths": args.lengths, "taps": taps,
+        "compiled": args.compiled, "lengths": args.lengths, "taps": args.taps,
         "up_proj_full": ranks[0]["up_full"], "up_proj_local": ranks[0]["up_local"],
         "tp2_vs_tp1_rel_error": [rel(r["taps"], want) for r in ranks],
         "rank0_vs_rank1_rel_error": rel(ranks[0]["taps"], ranks[1]["taps"]),
         "tp1_ms": ms_alone, "tp2_ms_shared_gpu_gloo": [r["ms"] for r in ranks],
     }
-    print(f"{args.preset} {args.dtype} on {device}, taps {taps}: TP=2 taps against TP=1, relative error "
+    print(f"{args.preset} {args.dtype} on {device}, taps {args.taps}: TP=2 taps against TP=1, relative error "
           f"{result['tp2_vs_tp1_rel_error']}; rank 0 against rank 1 {result['rank0_vs_rank1_rel_error']:.2e}; "
           f"up_proj {result['up_proj_full']} held as {result['up_proj_local']} per rank")
     print(json.dumps(result))
