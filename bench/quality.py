@@ -8,7 +8,8 @@ then measure real tau on held-out prompts beside prompt lookup on the same promp
 The practice target (`../shared/practice_target/`) was pretrained on the bundled ShareGPT file except its last
 500 records: training prompts come from the others, evaluation prompts (the first `--eval-prompts` first user
 turns under 1,500 characters, in file order; with `--eval-turns N`, conversations cut after their N-th user
-turn, every user turn under 1,500 characters) from those 500 only. A record's turns before its first user turn
+turn, every user turn under 1,500 characters) from those 500 only, leaving out any whose user turn is also a
+training user turn (`same_text`: ShareGPT repeats conversations). A record's turns before its first user turn
 are left out. Both are answered by the target itself
 (`dflash-train regenerate`, the recipe's `regenerate` section); the held-out replies are the validation set
 (walk tau) and their prompts the real-tau prompts. The training prompts are answered a second time,
@@ -68,29 +69,43 @@ def target_overrides(target) -> list[str]:
     return [f"target.path={target}"]
 
 
+def same_text(text: str) -> str:
+    """A user turn's content up to case and whitespace: what makes two prompts the same one."""
+    return " ".join(text.split()).lower()
+
+
 def split_sharegpt(num_eval: int, max_train: int | None = None, eval_turns: int = 1):
-    """(training conversations, evaluation conversations) of the bundled ShareGPT file, as described above;
-    `eval_turns` > 1: held-out conversations of at least that many user turns, cut after the last one's reply
-    (decoding then answers their last user turn after the target's own earlier replies)."""
+    """(training conversations, evaluation conversations) of the bundled ShareGPT file (`split_conversations`)."""
     from dflash_trainer.data.config import DataSourceConfig
     from dflash_trainer.data.sources import load_source
-    from dflash_trainer.data.types import Conversation
 
     loaded = load_source(DataSourceConfig(path="sharegpt"), purpose=None)  # rows as they are: cut below
     records = loaded.report.records_read - loaded.report.dropped.get("truncated_record", 0)
-    first_held = records - HELD_OUT_RECORDS
+    return split_conversations(loaded.conversations, records - HELD_OUT_RECORDS, num_eval, max_train, eval_turns)
+
+
+def split_conversations(conversations, first_held: int, num_eval: int, max_train: int | None = None,
+                        eval_turns: int = 1):
+    """(training conversations, evaluation conversations), as described above: records before `first_held`
+    train; `eval_turns` > 1: held-out conversations of at least that many user turns, cut after the last one's
+    reply (decoding then answers their last user turn after the target's own earlier replies)."""
+    from dflash_trainer.data.types import Conversation
+
     # Many ShareGPT records open with an assistant turn (a greeting): the prompts start at the first user turn.
     convs = []
-    for c in loaded.conversations:
+    for c in conversations:
         first_user = next((i for i, m in enumerate(c.messages) if m.role == "user"), None)
         if first_user is not None:
             convs.append(Conversation(messages=c.messages[first_user:], source=c.source, source_index=c.source_index))
     train = [c for c in convs if c.source_index < first_held][:max_train]
+    # ShareGPT repeats conversations: a held-out prompt whose user turn is also a training user turn is left out
+    seen = {same_text(m.content) for c in convs if c.source_index < first_held for m in c.messages if m.role == "user"}
     evals = []
     for c in convs:
         users = [i for i, m in enumerate(c.messages) if m.role == "user"][:eval_turns]
         if (c.source_index >= first_held and len(users) == eval_turns and len(c.messages) > users[-1] + 1
-                and all(len(c.messages[i].content) < MAX_PROMPT_CHARS for i in users)):
+                and all(len(c.messages[i].content) < MAX_PROMPT_CHARS for i in users)
+                and not any(same_text(c.messages[i].content) in seen for i in users)):
             evals.append(Conversation(messages=c.messages[: users[-1] + 2], source=c.source,
                                       source_index=c.source_index))
         if len(evals) == num_eval:

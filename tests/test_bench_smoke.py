@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from flops import drafter_step_flops, target_forward_flops, visible_pairs  # noqa: E402
-from quality import pack, read_arms, run_overrides, unpack  # noqa: E402
+from quality import pack, read_arms, run_overrides, split_conversations, unpack  # noqa: E402
 
 from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
@@ -580,3 +580,27 @@ def test_device_suites_parse(suite):
     proc = subprocess.run(["bash", "-n", str(ROOT / "bench" / "suites" / suite)], capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_held_out_prompts_leave_out_those_the_training_records_also_hold():
+    """bench/quality.py's split: a held-out record whose user turn (up to case and whitespace) is also a training
+    record's user turn is not an evaluation prompt; records open at their first user turn."""
+    from dflash_trainer.data.types import Conversation, Message
+
+    def conv(index, *turns):
+        roles = ["assistant"] + ["user", "assistant"] * len(turns) if index == 0 else ["user", "assistant"] * len(turns)
+        texts = ["hello"] + [t for turn in turns for t in (turn, "reply")] if index == 0 else \
+            [t for turn in turns for t in (turn, "reply")]
+        return Conversation(messages=tuple(Message(role=r, content=t) for r, t in zip(roles, texts)),
+                            source="s", source_index=index)
+
+    records = [conv(0, "Write a poem", "Shorter"), conv(1, "What is 2+2?"),
+               conv(2, "  write A   poem "), conv(3, "Explain gravity"), conv(4, "Name a color", "shorter"),
+               conv(5, "Tell a joke")]
+    train, evals = split_conversations(records, first_held=2, num_eval=10)
+    assert [c.source_index for c in train] == [0, 1] and train[0].messages[0].role == "user"
+    assert [c.source_index for c in evals] == [3, 4, 5]  # 2 repeats record 0's first turn
+    _, two_turns = split_conversations(records, first_held=2, num_eval=10, eval_turns=2)
+    assert two_turns == []  # record 4's second turn is record 0's second turn; no other has two
+    _, first = split_conversations(records, first_held=2, num_eval=2)
+    assert [c.source_index for c in first] == [3, 4]
