@@ -123,6 +123,11 @@ def test_resume_follows_the_data_content_not_the_code_that_tokenized_it(tmp_path
     assert [r["step"] for r in metrics(run_dir) if "jobs" in r] == [1, 2, 3, 4]
     capsys.readouterr()
     rc = train_in_process(run_dir, cache, "data.max_length=200", "train.max_steps=6", resume=True)
+    assert rc == 2 and "data.max_length: 256 -> 200" in capsys.readouterr().err  # refused before any work
+    # the checkpoint's own guard, for a config.yaml edited by hand (or data files changed in place)
+    config_file = run_dir / "config.yaml"
+    config_file.write_text(config_file.read_text().replace("max_length: 256", "max_length: 200"))
+    rc = train_in_process(run_dir, cache, "data.max_length=200", "train.max_steps=6", resume=True)
     assert rc == 2 and "trained on other data" in capsys.readouterr().err
 
 

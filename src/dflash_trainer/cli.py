@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from dflash_trainer.config import Config, list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet, StorageError
+from dflash_trainer.resume import resumed_config
 from dflash_trainer.rundir import RunDir, input_dir_problem
 
 SUBCOMMANDS = {
@@ -96,10 +98,50 @@ def _run_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return None, []
 
 
+def _given(overrides: Sequence[str], key: str) -> str | None:
+    """The value the last `key=value` override gives (None when none does)."""
+    values = [item.split("=", 1)[1] for item in overrides if item.split("=", 1)[0] == key]
+    return values[-1] if values else None
+
+
+def _resumed_run(args: argparse.Namespace, overrides: list[str]) -> Path | None:
+    """For `train --resume`: the run dir to continue when it holds the run's config.yaml (else None: a start)."""
+    resume = _given(overrides, "train.resume")
+    if args.command != "train" or resume in (None, "", "null", "None"):
+        return None
+    run_dir = _given(overrides, "run.dir")
+    if run_dir is None and args.config is not None:  # a recipe that names its run dir
+        run_dir = load_config(args.config, [o for o in overrides if not o.startswith("train.resume=")]).run.dir
+    if run_dir in (None, "", "null", "None"):
+        raise ConfigError("--resume needs the run to continue: add run.dir=RUN_DIR")
+    found = RunDir(Path(run_dir).expanduser())
+    return found.root if found.config.is_file() else None
+
+
+def _resume_config(args: argparse.Namespace, overrides: list[str], run_dir: Path) -> Config:
+    """The run's own config with the changes a resume may make (`resume.py`); says what it applied and what of
+    `--config` it did not."""
+    resumed = resumed_config(run_dir, overrides, args.config)
+    args.resume_changes = resumed.changes
+    if os.environ.get("RANK", "0") != "0":  # under torchrun every rank resolves the config; rank 0 says so
+        return resumed.config
+    print(f"dflash-train train: resuming {run_dir} with its own config ({RunDir(run_dir).config})", file=sys.stderr)
+    for change in resumed.changes:
+        print(f"  changed on resume: {change}", file=sys.stderr)
+    if resumed.recipe_not_applied:
+        print(f"  --config {args.config} is not applied on resume; the run keeps its own "
+              f"{', '.join(f'{c.key}={c.old!r}' for c in resumed.recipe_not_applied)} (the recipe says "
+              f"{', '.join(repr(c.new) for c in resumed.recipe_not_applied)}): pass a change as an override, e.g. "
+              f"{resumed.recipe_not_applied[0].key}={resumed.recipe_not_applied[0].new}", file=sys.stderr)
+    return resumed.config
+
+
 def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
     """The command's config: none for `report` (it reads everything from its run directory)."""
     if args.command == "report":
         return None
+    if (run_dir := _resumed_run(args, overrides)) is not None:
+        return _resume_config(args, overrides, run_dir)
     recipe, found = _run_config(args)
     try:
         return load_config(recipe, found + overrides)

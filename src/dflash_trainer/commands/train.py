@@ -8,4 +8,4 @@ from dflash_trainer.config import Config
 def run(config: Config, args) -> int:
     from dflash_trainer.runtime.launch import run_training
 
-    return run_training(config)
+    return run_training(config, resume_changes=getattr(args, "resume_changes", ()))

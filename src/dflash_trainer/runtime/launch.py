@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -50,7 +51,8 @@ from dflash_trainer.transport.pool import PoolReport
 log = logging.getLogger(__name__)
 
 
-def run_training(config: Config) -> int:
+def run_training(config: Config, resume_changes: tuple = ()) -> int:
+    """`resume_changes`: the `resume.Change`s this resume applied to the run's config (logged, and in the summary)."""
     env = dist_env()
     device = choose_device(config.run.device, env.local_rank)
     store, _ = init_distributed(env, device, config.pipeline.timeout_s)
@@ -71,6 +73,7 @@ def run_training(config: Config) -> int:
     stop = StopSignals(control=control, on_failure=_peer_failed(holder, control), on_second=_stop_now(holder),
                        gone_peers=liveness.gone_peers if liveness is not None else lambda: []).install()
     holder["stop"] = stop
+    holder["env"] = env
     started = time.time()
     try:
         setup = setup_run(config, env, device, control, on_run_dir=lambda path: holder.update(run_dir=path),
@@ -91,9 +94,15 @@ def run_training(config: Config) -> int:
             if stop.requested():
                 summary["status"] = "stopped"
                 summary["stopped_by"] = signal.Signals(stop.signum).name
+                summary["resume_command"] = resume_command(setup.run_dir, env)
+            if resume_changes:
+                summary["resume_changes"] = [{"key": c.key, "old": c.old, "new": c.new} for c in resume_changes]
             summary["elapsed_s"] = round(time.time() - started, 3)
             write_summary_file(setup.run_dir, summary)
             print_summary(summary, setup.run_dir)
+            if stop.requested():
+                print(f"stopped by {summary['stopped_by']}; continue this run with:\n  {summary['resume_command']}",
+                      flush=True)
             if config.logging.report:
                 _write_report(setup.run_dir)
             control.set_value("run_done", "1")
@@ -126,6 +135,19 @@ def run_training(config: Config) -> int:
     if env.distributed:
         dist.destroy_process_group()
     return stop.exit_code
+
+
+def resume_command(run_dir: Path, env) -> str:
+    """The command that continues the run in `run_dir` (the run's own config.yaml is read back; torchrun's
+    rendezvous options, for several nodes, are the user's own)."""
+    train = f"train --resume run.dir={shlex.quote(str(Path(run_dir).resolve()))}"
+    if not env.distributed:
+        return f"dflash-train {train}"
+    nodes = env.world_size // max(1, env.local_world_size)
+    launcher = f"torchrun --nproc_per_node {env.local_world_size}"
+    if nodes > 1:
+        launcher = f"torchrun --nnodes {nodes} --nproc_per_node {env.local_world_size} <the same --rdzv-* options>"
+    return f"{launcher} -m dflash_trainer {train}"
 
 
 def _release(holder: dict, *, failed: bool) -> None:
@@ -190,8 +212,11 @@ def _stop_now(holder: dict):
 
     def leave(signum: int) -> None:
         if holder.get("run_dir") is not None:
+            command = resume_command(holder["run_dir"], holder["env"])
             write_summary_file(holder["run_dir"], {"status": "stopped", "stopped_by": signal.Signals(signum).name,
-                                                   "note": "stopped at once by a second signal: no final checkpoint"})
+                                                   "note": "stopped at once by a second signal: no final checkpoint",
+                                                   "resume_command": command})
+            print(f"stopped at once; continue this run from its last checkpoint with:\n  {command}", flush=True)
         exit_now(128 + signum)
 
     return leave
