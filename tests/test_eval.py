@@ -180,7 +180,7 @@ def test_eval_command_end_to_end(tmp_path, capsys, caplog):
     assert any("thinking=on" in r.getMessage() for r in caplog.records)  # data regenerated with thinking on
     printed = capsys.readouterr().out
     assert "tau" in printed and "acceptance histogram" in printed and "greedy match rate" in printed
-    result = json.loads((tmp_path / "run" / "eval.json").read_text())
+    result = json.loads((tmp_path / "run" / "eval-export.json").read_text())  # beside a training's eval.json
     for key in ("tau", "acceptance_histogram", "prompts", "tokens_generated", "block_size", "temperature",
                 "target_tokens_per_s", "speculative_tokens_per_s", "greedy_match_rate", "note", "drafter",
                 "max_new_tokens"):

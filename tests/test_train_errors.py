@@ -64,6 +64,11 @@ def test_nan_batch_is_skipped_counted_and_warned_then_other_shape_cannot_resume(
     monkeypatch.delenv("DFLASH_TEST_FAULT")
     capsys.readouterr()
     assert train_in_process(run_dir, "train.checkpoint_interval=2", "drafter.num_layers=2", resume=True) == 2
+    assert "drafter.num_layers: 1 -> 2" in capsys.readouterr().err  # refused from the run's config, before any work
+    # the checkpoint's own guard, for a config.yaml edited by hand
+    config_file = run_dir / "config.yaml"
+    config_file.write_text(config_file.read_text().replace("num_layers: 1", "num_layers: 2"))
+    assert train_in_process(run_dir, "train.checkpoint_interval=2", "drafter.num_layers=2", resume=True) == 2
     err = capsys.readouterr().err
     assert "is of another model shape" in err and "num_layers" in err, err
 
@@ -318,20 +323,26 @@ def test_a_resumed_run_counts_the_training_time_of_every_session(tmp_path, capsy
 
 def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
     """`export --checkpoint RUN/checkpoints/step_N` and `eval --drafter RUN/export` read RUN/config.yaml (and
-    say so); eval writes RUN/eval.json on the run's held-out prompts."""
+    say so); eval writes RUN/eval-export.json on the run's held-out prompts, beside the training's eval.json."""
     from dflash_trainer.cli import main
 
     run = tmp_path / "run"
-    assert train_in_process(run, "train.max_steps=2", "eval.at_end=false") == 0
+    assert train_in_process(run, "train.max_steps=2", "eval.at_end=true", "eval.num_prompts=2",
+                            "eval.max_new_tokens=4") == 0
     capsys.readouterr()
-    (run / "eval.json").unlink(missing_ok=True)
+    training_eval = (run / "eval.json").read_text()
+    assert json.loads(training_eval)["step"] == 2
     assert main(["export", "--checkpoint", str(run / "checkpoints" / "step_2"), "--out", str(tmp_path / "e")]) == 0
     assert f"using the run's config {run / 'config.yaml'}" in capsys.readouterr().err
     assert (tmp_path / "e" / "model.safetensors").is_file()
     assert main(["eval", "--drafter", str(run / "export"), "eval.num_prompts=2", "eval.max_new_tokens=4"]) == 0
     assert f"using the run's config {run / 'config.yaml'}" in capsys.readouterr().err
-    result = json.loads((run / "eval.json").read_text())
+    result = json.loads((run / "eval-export.json").read_text())
     assert result["prompts"] == 2 and result["prompts_path"] == str(run / "plan" / "eval.jsonl")
+    assert (run / "eval.json").read_text() == training_eval  # the training's evaluation is kept as it was
+    assert main(["eval", "--drafter", str(run / "export"), "--out", str(run), "eval.num_prompts=1"]) == 0
+    assert (run / "eval.json").read_text() == training_eval  # --out the run dir: beside it too
+    assert json.loads((run / "eval-export.json").read_text())["prompts"] == 1
     # a directory that is not one of a run's drafters does not borrow a config from above it
     (tmp_path / "config.yaml").write_text((run / "config.yaml").read_text())
     assert main(["eval", "--drafter", str(tmp_path / "e")]) == 2
@@ -339,7 +350,7 @@ def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
     assert "set target.path" in err and "or pass --config RUN_DIR/config.yaml" in err
     # a path that does not exist is named as missing, with what the run holds, with or without --config
     assert main(["eval", "--drafter", str(run / "exportt")]) == 2
-    assert f"--drafter {run / 'exportt'}: no such directory ({run} holds: checkpoints, export, plan" in \
+    assert f"--drafter {run / 'exportt'}: no such directory ({run} holds: best, checkpoints, export, plan" in \
         capsys.readouterr().err
     assert main(["export", "--config", "demo", "--checkpoint", str(run / "checkpoints" / "step_9"), "--out",
                  str(tmp_path / "e9")]) == 2

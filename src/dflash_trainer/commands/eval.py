@@ -2,7 +2,8 @@
 
 Loads the target, its tokenizer and the drafter export, checks they fit, runs speculative decoding on the
 eval prompts (`eval.prompts`, default `RUN_DIR/plan/eval.jsonl`) with plain target decoding as the
-baseline, prints the report and writes `eval.json` to `--out` (default: the run dir).
+baseline, prints the report and writes `--out DIR/eval.json`, or by default `RUN_DIR/eval-<drafter folder>.json`
+(beside the training's own `eval.json`, never over it).
 """
 
 from __future__ import annotations
@@ -34,11 +35,24 @@ from dflash_trainer.target.load import load_target
 log = logging.getLogger(__name__)
 
 
-def _out_dir(config: Config, args: Optional[argparse.Namespace]) -> Path:
+def _out_file(config: Config, args: Optional[argparse.Namespace], drafter_dir: str) -> Path:
+    """`--out DIR`: DIR/eval.json; else the run dir's `eval-<drafter folder>.json`. Never the run's own eval.json
+    (the training's evaluation, with its step and held-out figures): an evaluation written there goes beside it."""
     out = getattr(args, "out", None)
     if not out and not config.run.dir:
         raise ConfigError("nowhere to write eval.json: pass --out DIR or set run.dir")
-    return checked_out_dir(out, flag="--out") if out else checked_out_dir(config.run.dir, flag="run.dir")
+    folder = checked_out_dir(out, flag="--out") if out else checked_out_dir(config.run.dir, flag="run.dir")
+    path = folder / "eval.json"
+    if not out or _written_by_training(path):
+        path = folder / f"eval-{Path(drafter_dir).resolve().name}.json"
+    return path
+
+
+def _written_by_training(path: Path) -> bool:
+    try:
+        return "step" in json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
@@ -46,7 +60,7 @@ def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
     drafter_dir = getattr(args, "drafter", None)
     if not drafter_dir:
         raise ConfigError("dflash-train eval needs --drafter EXPORT_DIR (a directory written by `dflash-train export`)")
-    out_dir = _out_dir(config, args)
+    path = _out_file(config, args, drafter_dir)
     check_input_dir("--drafter", drafter_dir)
     prompts_path = eval_prompts_path(config)
     messages = load_prompt_messages(prompts_path, config.eval.num_prompts)
@@ -69,8 +83,7 @@ def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
         "prompts_path": str(prompts_path),
         "thinking": config.data.thinking,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "eval.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}  [{time.perf_counter() - start:.1f}s]")
     return 0
