@@ -121,3 +121,16 @@ def test_options_are_accepted_after_the_overrides(argv, option, value, capsys):
     assert main(["export", "train.nope=1", "--checkpoint", "C", "--out", "O"]) == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments" not in err and "train.nope" in err
+
+
+def test_the_test_script_runs_the_tests_it_is_given():
+    """`bash scripts/test.sh tests/test_layers.py` collects that file's tests alone (not the whole suite)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", "scripts/test.sh", "tests/test_layers.py", "--collect-only"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert collected and all(line.startswith("tests/test_layers.py::") for line in collected), collected[:5]

@@ -237,3 +237,72 @@ def test_a_lone_surrogate_drops_its_row_counted_not_the_whole_source(tmp_path):
     out = load_source(DataSourceConfig(path=str(path)))
     assert out.report.kept == 2 and out.report.dropped == {"lone_surrogate": 1}
     assert [c.source_index for c in out.conversations] == [0, 2]
+
+
+def test_rows_of_another_layout_name_the_columns_found_and_expected(tmp_path, caplog):
+    """Most rows dropped for a layout reason: the warning (and a training start's error) names the columns, or the
+    turn keys, found and the layouts expected, not a block-size hint; a few bad rows only count."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.data.prepare import prepare_data
+
+    columns = tmp_path / "columns.jsonl"
+    columns.write_text("".join(json.dumps({"prompt": f"q{i}", "response": f"a{i}"}) + "\n" for i in range(16)))
+    with caplog.at_level(logging.WARNING):
+        report = load_source(DataSourceConfig(path=str(columns))).report
+    assert report.dropped == {"missing_turns": 16}
+    assert "16 of 16 rows dropped as missing_turns: the rows have the columns [prompt, response]" in caplog.text
+    assert "expected a `messages` list of {role, content} turns" in caplog.text
+    config = load_config("demo", [f"data.path={columns}", f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(DataError, match=r"the rows have the columns \[prompt, response\]") as e:
+        prepare_data(config, tmp_path / "run")
+    assert "block_size" not in str(e.value)
+
+    keys = tmp_path / "keys.jsonl"
+    keys.write_text("".join(json.dumps({"messages": [{"speaker": "user", "text": "hi"},
+                                                     {"speaker": "assistant", "text": "yo"}]}) + "\n" for _ in range(5))
+                    + json.dumps({"messages": [{"role": "user", "content": "a"},
+                                               {"role": "assistant", "content": "b"}]}) + "\n")
+    report = load_source(DataSourceConfig(path=str(keys))).report
+    assert report.kept == 1 and "5 of 6 rows dropped as missing_role: their turns have the keys [speaker, text]" in \
+        report.layout_problem
+    few = tmp_path / "few.jsonl"
+    few.write_text(keys.read_text().splitlines()[0] + "\n" + "".join(keys.read_text().splitlines()[-1] + "\n"
+                                                                    for _ in range(3)))
+    assert load_source(DataSourceConfig(path=str(few))).report.layout_problem is None  # 1 of 4: a count only
+
+
+def test_the_readme_data_format_example_loads_whole(tmp_path):
+    """README "Data format": its JSONL example is three usable conversations, as the text says."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Data format", 1)[1]
+    example = section.split("```json\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "example.jsonl"
+    path.write_text(example)
+    loaded = load_source(DataSourceConfig(path=str(path)))
+    assert loaded.report.kept == 3 and not loaded.report.dropped
+    assert [m.role for m in loaded.conversations[1].messages] == ["system", "user", "assistant"]
+
+
+def test_a_large_held_out_share_is_warned_about(tmp_path, caplog):
+    """16 conversations with the demo recipe's 8 held out: the warning names the share and the setting."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.data.prepare import prepare_data
+
+    rows = tmp_path / "small.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i} " * 8},
+                                                     {"role": "assistant", "content": f"answer {i} " * 30}]}) + "\n"
+                            for i in range(16)))
+    config = load_config("demo", [f"data.path={rows}", f"data.cache_dir={tmp_path / 'cache'}"])
+    with caplog.at_level(logging.WARNING):
+        prepared = prepare_data(config, tmp_path / "run")
+    assert len(prepared.eval_conversations) == 8
+    assert "8 of 16 usable conversations (50%) are held out for evaluation (data.num_eval_conversations=8)" in \
+        caplog.text
+    caplog.clear()
+    config = load_config("demo", [f"data.path={rows}", f"data.cache_dir={tmp_path / 'cache'}",
+                                  "data.num_eval_conversations=2"])
+    with caplog.at_level(logging.WARNING):
+        prepare_data(config, tmp_path / "run2")
+    assert "held out for evaluation" not in caplog.text  # 2 of 16

@@ -136,3 +136,26 @@ def test_metrics_rows_of_wrong_types_are_left_out_not_a_traceback(tmp_path, caps
     assert [r["step"] for r in log.steps] == [1, 2, 3]
     assert log.steps[1] == {"step": 2, "loss": None, "step_time_s": 0.1}
     assert log.series("loss") == ([1, 3], [2.0, 1.5])
+
+
+def test_the_tau_legend_covers_no_marker(tmp_path):
+    """The tau figure's legend sits beside the axes: no evaluation marker (prompt lookup's, real tau's) can be under
+    it, wherever the markers fall (inside, it covered the prompt-lookup marker of the demo's figure)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from dflash_trainer.report import figures
+    from dflash_trainer.report.runlog import RunLog
+
+    steps = [{"step": s, "loss": 3.0, "sim_tau": 1.0 + s / 10} for s in range(1, 31)]
+    evals = [{"step": s, "eval_tau": 1.5 + s / 30, "eval_prompt_lookup_tau": 1.8, "val_walk_tau": 1.4 + s / 30,
+              "val_sim_tau": 1.6} for s in (1, 10, 20, 30)]
+    run = RunLog(run_dir=tmp_path, config={}, summary={"eval": {"best_step": 30, "best_tau": 2.5}}, steps=steps,
+                 evals=evals, last_eval=None)
+    fig, _ = figures.tau(run)
+    FigureCanvasAgg(fig).draw()
+    (ax,) = fig.axes
+    legend, plot = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= plot.x1, (legend, plot)  # beside the plot: it covers no point of it
+    assert legend.x1 <= fig.bbox.x1 + 1  # and inside the figure (the constrained layout made room)
+    points = [ax.transData.transform((r["step"], r[k])) for r in evals for k in ("eval_tau", "eval_prompt_lookup_tau")]
+    assert all(plot.contains(*p) for p in points)

@@ -60,6 +60,10 @@ class DataSummary:
     """`TokenizedDataset.content_sha256` of the training set (resume checks it)."""
 
 
+HELD_OUT_WARN_SHARE = 0.2
+"""A held-out share of the data above this is warned about: it is data the drafter never trains on."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PreparedData:
     train: TokenizedDataset
@@ -92,6 +96,7 @@ def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[Tokenize
     meta = {  # every cache this code can read has it: the cache key hashes this package's data code
         "content_sha256": outcome.dataset.content_sha256(),
         "conversations_total": loaded.report.records_read,
+        "layout_problem": loaded.report.layout_problem,
         "dropped": dict(Counter(loaded.report.dropped) + Counter(outcome.dropped)
                         + Counter(duplicate=len(loaded.conversations) - len(unique),
                                   held_out_prompt_sibling=split.siblings_dropped)),
@@ -130,6 +135,8 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
         log.info("tokenized data from cache %s", path)
     dataset, meta = cached or built
     source_names = [s.path for s in config.data.resolved_sources()]
+    if len(dataset) == 0 and meta.get("layout_problem"):
+        raise DataError(f"no trainable sequence: {meta['layout_problem']} (dropped: {meta['dropped']})")
     if len(dataset) == 0:
         raise DataError(
             f"no trainable sequence in {source_names} (dropped: {meta['dropped']}). Check data.path and the format, "
@@ -141,6 +148,11 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
                     "data.max_length (and pipeline.token_budget) to keep them", meta["truncated"],
                     config.data.max_length, meta["truncated_tokens"])
     held = tuple(Conversation.from_json(r) for r in meta["eval"])
+    if len(held) > HELD_OUT_WARN_SHARE * (len(held) + len(dataset)):
+        log.warning("%d of %d usable conversations (%.0f%%) are held out for evaluation (data.num_eval_conversations="
+                    "%d), leaving %d to train on: lower data.num_eval_conversations, or give more data", len(held),
+                    len(held) + len(dataset), 100 * len(held) / (len(held) + len(dataset)),
+                    config.data.num_eval_conversations, len(dataset))
     if write_files:  # one rank writes; the others read the same cache
         write_eval_conversations(run_dir, held)
     summary = DataSummary(

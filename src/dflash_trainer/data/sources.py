@@ -68,6 +68,9 @@ class LoadReport:
     """Rows dropped, by reason (e.g. `empty_turn`, `unknown_role`, `truncated_record`)."""
     stopped_early: bool = False
     """Reading stopped at the conversation limit (rows after it were never read)."""
+    layout_problem: Optional[str] = None
+    """When most rows were dropped for a layout reason (no turn list, no role, ...): the columns (or turn keys)
+    found and the ones expected."""
 
     def merged(self, other: "LoadReport", *, source: str = "mix") -> "LoadReport":
         return LoadReport(
@@ -76,7 +79,32 @@ class LoadReport:
             kept=self.kept + other.kept,
             dropped=dict(Counter(self.dropped) + Counter(other.dropped)),
             stopped_early=self.stopped_early or other.stopped_early,
+            layout_problem=self.layout_problem or other.layout_problem,
         )
+
+
+ROW_LAYOUT = ("missing_turns", "not_an_object")
+TURN_LAYOUT = ("bad_turn", "missing_role", "unknown_role", "missing_content", "non_text_content")
+EXPECTED_LAYOUT = ("a `messages` list of {role, content} turns (roles system, user, assistant), or ShareGPT's "
+                   "`conversations` list of {from, value} turns (from: human, gpt, system); README \"Data format\"")
+
+
+def _keys(value: Any) -> tuple[str, ...]:
+    return tuple(sorted(map(str, value))) if isinstance(value, dict) else (type(value).__name__,)
+
+
+def _layout_problem(name: str, read: int, dropped: Counter, rows: Counter, turns: Counter) -> Optional[str]:
+    """What to say when most rows of a source were dropped for one layout reason; `rows`/`turns`: the key sets
+    of the rows and of their first turns seen."""
+    if not dropped:
+        return None
+    reason, count = dropped.most_common(1)[0]
+    if count * 2 <= read or reason not in ROW_LAYOUT + TURN_LAYOUT:
+        return None
+    found = rows if reason in ROW_LAYOUT else turns
+    where = "the rows have the columns" if reason in ROW_LAYOUT else "their turns have the keys"
+    seen = "; ".join(f"[{', '.join(keys)}]" for keys, _ in found.most_common(3))
+    return f"{name}: {count} of {read} rows dropped as {reason}: {where} {seen}; expected {EXPECTED_LAYOUT}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -338,6 +366,8 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
     expected_key = {"sharegpt": "conversations", "messages": "messages"}.get(source.format)
     kept: list[Conversation] = []
     dropped: Counter[str] = Counter()
+    row_keys: Counter[tuple[str, ...]] = Counter()  # the layouts seen, for the message when most rows drop
+    turn_keys: Counter[tuple[str, ...]] = Counter()
     read = 0
     stopped = False
     with source_path(source) as path, _named_decode_errors(path):
@@ -348,6 +378,11 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
                 try:
                     if isinstance(row, _Drop):
                         raise row
+                    if len(row_keys) < 8:
+                        row_keys[_keys(row)] += 1
+                        turns = row.get("messages", row.get("conversations")) if isinstance(row, dict) else None
+                        if isinstance(turns, list) and turns:
+                            turn_keys[_keys(turns[0])] += 1
                     if expected_key and isinstance(row, dict) and expected_key not in row:
                         raise _Drop("missing_turns")
                     kept.append(normalize_row(row, source=name, index=index, purpose=purpose))
@@ -362,8 +397,12 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
             if t.partial_record:
                 read += 1
                 dropped["truncated_record"] += 1
-    report = LoadReport(source=name, records_read=read, kept=len(kept), dropped=dict(dropped), stopped_early=stopped)
-    if dropped:
+    problem = _layout_problem(name, read, dropped, row_keys, turn_keys)
+    report = LoadReport(source=name, records_read=read, kept=len(kept), dropped=dict(dropped), stopped_early=stopped,
+                        layout_problem=problem)
+    if problem:
+        log.warning("%s", problem)
+    elif dropped:
         log.info("%s: kept %d of %d rows; dropped %s", name, len(kept), read, dict(dropped))
     return LoadedSource(conversations=tuple(kept), report=report)
 
