@@ -14,11 +14,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dflash_trainer"
 
 LAYERS = {
-    "base": 0,  # errors, faults, config, rundir (the run dir on disk), resume (a resumed run's config), the *.config sections
+    "base": 0,  # errors, faults, config, rundir (the run dir on disk), resume (a resumed run's config), hub (an unreachable hub), the *.config sections
     "data": 1, "transport": 2, "target": 3, "drafter": 4, "eval": 5, "train": 6, "regen": 7, "report": 7,
     "runtime": 8, "commands": 9, "cli": 10, "__main__": 11,
 }
-BASE = {"errors", "faults", "config", "rundir", "resume", "__init__"}
+BASE = {"errors", "faults", "config", "rundir", "resume", "hub", "__init__"}
 
 
 def _unit(module: str) -> str:

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from dflash_trainer.data.templates import TEMPLATE_NAMES, builtin_template
 from dflash_trainer.data.tiny_tokenizer import build_tiny_tokenizer
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.config import TargetConfig, loading_error, model_reference
+from dflash_trainer.target.config import TargetConfig, loading_error, model_source
 
 
 def load_tokenizer(target: TargetConfig, chat_template: str | None = None) -> PreTrainedTokenizerFast:
@@ -25,7 +25,7 @@ def load_tokenizer(target: TargetConfig, chat_template: str | None = None) -> Pr
         tok = build_tiny_tokenizer(family)
     else:
         key = "target.tokenizer" if target.tokenizer else "target.path"
-        reference = model_reference(name, key, "tokenizer_config.json")
+        reference = model_source(name, key, "tokenizer_config.json")
         try:
             tok = AutoTokenizer.from_pretrained(reference, trust_remote_code=target.trust_remote_code)
         except (OSError, ValueError) as e:

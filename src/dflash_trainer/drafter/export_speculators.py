@@ -32,6 +32,7 @@ from dflash_trainer.drafter.export import export_config, export_state, write_exp
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.hub import hub_unreachable
 from dflash_trainer.target.config import TargetConfig, model_reference
 
 log = logging.getLogger(__name__)
@@ -108,13 +109,18 @@ def _verifier_config(verifier: str, target_config: Optional[Any], *, is_target: 
         try:
             return PretrainedConfig.get_config_dict(verifier, local_files_only=True)[0]
         except OSError:  # not in the cache
+            from huggingface_hub import constants
+
+            if not constants.HF_HUB_OFFLINE and (why := hub_unreachable(constants.ENDPOINT)):
+                raise OSError(f"the hub ({constants.ENDPOINT}) cannot be reached from here: {why}") from None
             return PretrainedConfig.get_config_dict(verifier)[0]
     except (OSError, ValueError) as e:
         fix = "pass a folder holding the verifier's config.json as --verifier"
+        why = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
         if target_config is None:
-            raise ConfigError(f"verifier {verifier}: cannot read its config.json ({type(e).__name__}); {fix}") from None
+            raise ConfigError(f"verifier {verifier}: cannot read its config.json ({why}); {fix}") from None
         log.warning("verifier %s: its config.json cannot be read (%s); the target's config stands for it (%s to "
-                    "record the verifier's own)", verifier, type(e).__name__, fix)
+                    "record the verifier's own)", verifier, why, fix)
         return target_config.to_dict()
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.hub import hub_reference
 
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZE = (None, "fp8")
@@ -85,3 +86,10 @@ def model_reference(name: str, key: str, needs: str) -> str:
         raise ConfigError(f"{key}={name!r} does not exist (relative paths start from {Path.cwd()}); give an existing "
                           "model folder or a hub id (org/name)")
     return name
+
+
+def model_source(name: str, key: str, needs: str) -> str:
+    """What a loader reads `name` from: `model_reference(name, ...)`, and for a hub id its cached folder when the
+    hub cannot be reached (`hub.py`: transformers would retry it for most of a minute)."""
+    reference = model_reference(name, key, needs)
+    return reference if Path(reference).expanduser().is_dir() else hub_reference(reference, key, needs)

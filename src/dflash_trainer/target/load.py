@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.config import TargetConfig, loading_error, model_reference
+from dflash_trainer.target.config import TargetConfig, loading_error, model_source
 from dflash_trainer.target.presets import PRESETS, preset_config
 from dflash_trainer.target.quantize import (
     materialize_layerwise,
@@ -40,7 +40,7 @@ def target_model_config(cfg: TargetConfig) -> PretrainedConfig:
     else:
         assert cfg.path is not None
         key, name = "target.path", cfg.path
-        path = model_reference(cfg.path, "target.path", "config.json")  # outside the try: its error is clear
+        path = model_source(cfg.path, "target.path", "config.json")  # outside the try: its error is clear
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -88,7 +88,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) ->
     else:
         quantization = pretrained_quantization(cfg, model_config, device)
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.path,
+            model_source(cfg.path, "target.path", "config.json"),
             dtype=dtype,
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,

@@ -1,0 +1,51 @@
+"""Where a hub id's files come from when the Hugging Face hub cannot be reached.
+
+transformers retries an unreachable hub for 25-50 s before it gives up, even for a model in the local cache. So a
+hub id is checked once per process: the hub's host is tried with a short connect timeout; when it does not answer,
+a model in the cache is read from its cached folder (no network), and one that is not is a one-line error naming
+the setting, the hub and the fix. With `HF_HUB_OFFLINE=1` nothing is probed (the library reads the cache alone).
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+from dflash_trainer.errors import ConfigError
+
+CONNECT_TIMEOUT_S = 3.0
+
+
+@functools.lru_cache(maxsize=None)
+def hub_unreachable(endpoint: str) -> Optional[str]:
+    """Why the hub at `endpoint` cannot be reached (None when a TCP connection to it opens)."""
+    url = urlparse(endpoint)
+    host, port = url.hostname or endpoint, url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}" if not isinstance(e, TimeoutError) else \
+            f"no answer within {CONNECT_TIMEOUT_S:.0f} s"
+
+
+def hub_reference(name: str, key: str, needs: str) -> str:
+    """`name` (a hub id) as the loaders should get it: as it is when the hub answers or the library is offline;
+    the cached snapshot folder when the hub does not answer and `needs` is cached; else a ConfigError naming `key`."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE:
+        return name
+    why = hub_unreachable(constants.ENDPOINT)
+    if why is None:
+        return name
+    cached = try_to_load_from_cache(name, needs)
+    if isinstance(cached, str):
+        return str(Path(cached).parent)
+    raise ConfigError(
+        f"{key}={name!r} is not a local folder, the hub ({constants.ENDPOINT}) cannot be reached from here ({why}), "
+        f"and the model is not in the local cache ({constants.HF_HUB_CACHE}): download it where there is network "
+        f"(`hf download {name}`) and set {key} to its folder, or copy the cache here")

@@ -1,0 +1,68 @@
+"""A hub id with no reachable hub: one clear line within seconds (transformers retries for most of a minute), or
+the model's cached folder when the cache has it; a speculators export's verifier falls back at once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+from huggingface_hub import constants
+
+from dflash_trainer import hub
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target.load import target_model_config
+
+
+@pytest.fixture
+def no_hub(monkeypatch, tmp_path):
+    """A hub endpoint that refuses connections, an empty cache, and the library not in offline mode."""
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    hub.hub_unreachable.cache_clear()
+    yield tmp_path / "hub-cache"
+    hub.hub_unreachable.cache_clear()
+
+
+def test_a_hub_id_that_cannot_be_fetched_fails_at_once_naming_the_setting(no_hub):
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        target_model_config(TargetConfig(path="dflash-test/no-such-model"))
+    assert time.monotonic() - start < 10
+    message = str(e.value)
+    assert message.startswith("target.path='dflash-test/no-such-model' is not a local folder, the hub "
+                              "(http://127.0.0.1:9) cannot be reached from here"), message
+    assert "hf download dflash-test/no-such-model" in message and "\n" not in message
+
+
+def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_cannot_be_reached(no_hub):
+    from transformers import Qwen3Config
+
+    snapshot = no_hub / "models--dflash-test--cached" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=128, vocab_size=256).save_pretrained(snapshot)
+    (no_hub / "models--dflash-test--cached" / "refs").mkdir()
+    (no_hub / "models--dflash-test--cached" / "refs" / "main").write_text("abc123")
+    start = time.monotonic()
+    config = target_model_config(TargetConfig(path="dflash-test/cached"))
+    assert config.hidden_size == 64 and time.monotonic() - start < 10
+
+
+def test_a_speculators_verifier_the_hub_cannot_serve_falls_back_at_once(no_hub, caplog):
+    from transformers import Qwen3Config
+
+    from dflash_trainer.drafter.export_speculators import _verifier_config
+
+    target = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=256)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        config = _verifier_config("dflash-test/verifier", target, is_target=False)
+    assert config["hidden_size"] == 64 and time.monotonic() - start < 10
+    assert "the hub (http://127.0.0.1:9) cannot be reached from here" in caplog.text
+    with pytest.raises(ConfigError, match="cannot be reached"):
+        _verifier_config("dflash-test/verifier", None, is_target=False)
+    assert json.dumps(config)  # a plain dict, as the export writes it
