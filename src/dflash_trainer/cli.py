@@ -136,12 +136,26 @@ def _resume_config(args: argparse.Namespace, overrides: list[str], run_dir: Path
     return resumed.config
 
 
+REQUIRED_INPUTS = {"eval": (("drafter", "--drafter EXPORT_DIR (a directory written by `dflash-train export`, or "
+                                       "RUN_DIR/export, RUN_DIR/best)"),),
+                   "export": (("checkpoint", "--checkpoint CHECKPOINT_DIR (RUN_DIR/checkpoints/step_N)"),
+                              ("out", "--out DIR"))}
+"""What a command cannot run without, named before its config (whose run is found from them) is read."""
+
+
+def _check_inputs_given(args: argparse.Namespace) -> None:
+    missing = [text for name, text in REQUIRED_INPUTS.get(args.command, ()) if not getattr(args, name, None)]
+    if missing:
+        raise ConfigError(f"dflash-train {args.command} needs {' and '.join(missing)}")
+
+
 def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
     """The command's config: none for `report` (it reads everything from its run directory)."""
     if args.command == "report":
         return None
     if (run_dir := _resumed_run(args, overrides)) is not None:
         return _resume_config(args, overrides, run_dir)
+    _check_inputs_given(args)
     recipe, found = _run_config(args)
     try:
         return load_config(recipe, found + overrides)
