@@ -32,6 +32,8 @@ def test_round_trip_exact(tmp_path):
     assert loaded.spec == drafter.spec
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+    modes = [(tmp_path / name).stat().st_mode & 0o777 for name in ("model.safetensors", "config.json")]
+    assert modes[0] == modes[1] and modes[0] & 0o044, [oct(m) for m in modes]  # readable by a server's user too
 
 
 def test_bf16_round_trip(tmp_path):

@@ -152,6 +152,8 @@ def test_command_run_local(tmp_path, monkeypatch, capsys):
     manifest = read_manifest(out)
     assert manifest["settings"]["model"] == "random_init=tiny" and manifest["settings"]["thinking"] is False
     assert manifest["source"]["conversations"] == {str(data): 4}
+    report = manifest["source"]["report"]  # the source's load report as fields, not a repr string
+    assert report["kept"] == 4 and report["source"] == str(data) and report["stopped_early"] is True
     assert "4 rows done (4 new) of 4 conversations;" in capsys.readouterr().out
     # two replies each: a row per reply, counted as such
     two = load_config(None, [f"data.path={data}", "target.random_init=tiny", "target.tokenizer=tiny",

@@ -223,3 +223,18 @@ def test_pool_does_not_deadlock_when_consumer_holds_slots():
     first = pool.take()  # held by the consumer: its slot cannot refill, one more ready batch must suffice
     assert pool.take() is not None
     pool.release(first.slot)
+
+
+def test_the_printed_summary_reads_as_text_not_python_reprs(capsys):
+    from dflash_trainer.runtime.summary import print_summary
+
+    summary = {"status": "ok", "steps": 264, "jobs_planned": {"0": 44, "1": 44}, "final_loss": 5.84123,
+               "eval": {"step": 264, "tau": 3.1074, "tau_stderr": 0.6972, "prompt_lookup_tau": 1.8077,
+                        "best_tau": 3.1074, "best_step": 264, "best_dir": "R/best",
+                        "val": {"walk_tau": 3.418, "slot_accuracy": (0.78, 0.76)}}}
+    print_summary(summary, "R")
+    out = capsys.readouterr().out
+    assert "real tau 3.107 ± 0.6972 at step 264; prompt lookup 1.808; best 3.107 at step 264 (R/best); held-out " \
+           "walk tau 3.418" in out
+    assert "0: 44, 1: 44" in out and "5.841" in out
+    assert "{" not in out and "(0.78" not in out

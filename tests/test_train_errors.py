@@ -113,7 +113,7 @@ def test_mask_token_on_an_ordinary_token_is_warned_about(tmp_path, caplog):
     assert not any("ordinary token" in r.getMessage() for r in caplog.records)
 
 
-def test_a_second_run_into_a_run_dir_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
+def test_a_second_run_into_a_run_dir_is_refused_unless_resumed_or_overwritten(tmp_path, capsys, caplog):
     run = tmp_path / "run"
     quick = ("train.max_steps=2", "eval.at_end=false")
     assert train_in_process(run, *quick) == 0
@@ -129,7 +129,9 @@ def test_a_second_run_into_a_run_dir_is_refused_unless_resumed_or_overwritten(tm
 
     (run / "report").mkdir(exist_ok=True)
     (run / "report" / "stale.png").write_bytes(b"")  # the old run's report goes with it
-    assert main(["train", "--config", "demo", *overrides(run, *quick, "train.lr=1e-3"), "--overwrite"]) == 0
+    with caplog.at_level(logging.WARNING):
+        assert main(["train", "--config", "demo", *overrides(run, *quick, "train.lr=1e-3"), "--overwrite"]) == 0
+    assert f"--overwrite: deleting the run in {run} (" in caplog.text and "metrics.jsonl" in caplog.text
     assert not (run / "report" / "stale.png").exists()
     steps = [r["step"] for r in metrics(run) if "loss" in r]
     assert steps == [1, 2] and summary(run)["steps"] == 2  # a fresh run: no rows of the first one

@@ -314,6 +314,9 @@ def _clear_for_new_run(layout: RunDir) -> None:
             f"(no {layout.marker.name} file): --overwrite deletes only a run's own outputs; set run.dir to a new "
             "directory, or move those files away yourself"
         )
+    if found:
+        log.warning("--overwrite: deleting the run in %s (%s) to train a new one there", layout.root,
+                    ", ".join(p.name for p in found))
     for path in found:
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     stale = sorted(layout.plan.glob("epoch_*.json"))

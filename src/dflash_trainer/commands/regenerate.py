@@ -6,6 +6,7 @@ Train on the result with `data.path=DIR`. Rerun the same command to resume after
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from collections import Counter
 from typing import Any
@@ -73,7 +74,7 @@ def _source_info(config: Config, conversations: list, report: Any) -> dict[str, 
         "max_conversations": config.data.max_conversations,
         "conversations": dict(per_source),
         "num_samples": config.regenerate.num_samples,
-        "report": report if isinstance(report, (dict, list, str, int, float)) else str(report),
+        "report": dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report,  # a LoadReport
     }
 
 

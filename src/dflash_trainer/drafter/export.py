@@ -105,7 +105,14 @@ def write_export(out_dir: str | os.PathLike, config: dict, state: dict[str, torc
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    _readable_like_its_config(out / WEIGHTS_NAME, out / CONFIG_NAME)
     return out
+
+
+def _readable_like_its_config(weights: Path, config: Path) -> None:
+    """safetensors writes through a private temporary file (mode 0600): give the weights the mode the config got
+    from the umask (0644 usually), so a server running as another user can read the export."""
+    os.chmod(weights, config.stat().st_mode & 0o777)
 
 
 def spec_from_export(config: dict) -> DrafterSpec:

@@ -162,12 +162,8 @@ def evaluate_tau(
     start = time.perf_counter()
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    passes = ["drafter"] + (["prompt lookup"] if with_prompt_lookup else []) + (["target"] if with_baseline else [])
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(passes) * len(prompts) * max_new_tokens, desc="eval", unit="tok", dynamic_ncols=True)
+    passes = 1 + with_prompt_lookup + with_baseline
+    bar = _progress_bar(passes * len(prompts) * max_new_tokens) if progress else None
 
     def run(proposer_factory: Optional[Callable[[], BatchProposer]]) -> tuple[list[DecodeResult], float]:
         t0 = time.perf_counter()
@@ -205,8 +201,7 @@ def evaluate_tau(
         temperature=temperature,
         target_tokens_per_s=sum(len(r.output_ids) for r in plain) / plain_s if plain and plain_s > 0 else None,
         speculative_tokens_per_s=tokens / spec_s if spec_s > 0 else 0.0,
-        greedy_match_rate=(sum(a.output_ids == b.output_ids for a, b in zip(spec, plain)) / len(prompts)
-                           if plain is not None and temperature <= 0 and prompts else None),
+        greedy_match_rate=_greedy_match_rate(spec, plain) if temperature <= 0 else None,
         prompt_lookup_tau=_tau(lookup_histogram) if lookup_histogram is not None else None,
         prompt_lookup_histogram=lookup_histogram,
         tau_stderr=tau_stderr(committed, steps),
@@ -219,6 +214,19 @@ def evaluate_tau(
                                       block_size=block_size, stop_token_ids=tuple(stop_token_ids)),
         seconds=time.perf_counter() - start,
     )
+
+
+def _progress_bar(total_tokens: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total_tokens, desc="eval", unit="tok", dynamic_ncols=True)
+
+
+def _greedy_match_rate(spec: list[DecodeResult], plain: Optional[list[DecodeResult]]) -> Optional[float]:
+    """The share of prompts whose speculative output equals plain decoding's (None without plain decoding)."""
+    if not plain or not spec:
+        return None
+    return sum(a.output_ids == b.output_ids for a, b in zip(spec, plain)) / len(spec)
 
 
 def _with_error(stderr: Optional[float]) -> str:

@@ -110,6 +110,26 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 
 
 def _fmt(v) -> str:
+    """A summary value as people read it: numbers rounded, mappings as `key: value, ...`, the evaluation in a line."""
     if isinstance(v, float):
         return f"{v:,.4g}"
+    if isinstance(v, dict) and "tau" in v:
+        return _eval_line(v)
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) or "-"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
     return str(v)
+
+
+def _eval_line(ev: dict) -> str:
+    """The final evaluation: real tau with its error, prompt lookup beside it, the best checkpoint, walk tau."""
+    parts = [f"real tau {_fmt(ev['tau'])}" + (f" ± {_fmt(ev['tau_stderr'])}" if ev.get("tau_stderr") else "")
+             + f" at step {ev.get('step')}"]
+    if ev.get("prompt_lookup_tau") is not None:
+        parts.append(f"prompt lookup {_fmt(ev['prompt_lookup_tau'])}")
+    if ev.get("best_step") is not None:
+        parts.append(f"best {_fmt(ev['best_tau'])} at step {ev['best_step']} ({ev.get('best_dir')})")
+    if (ev.get("val") or {}).get("walk_tau") is not None:
+        parts.append(f"held-out walk tau {_fmt(ev['val']['walk_tau'])}")
+    return "; ".join(parts)
