@@ -89,3 +89,12 @@ def test_resume_with_the_run_dir_alone_continues_the_same_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "data.max_length: 256 -> 200 (given)" in err, err
     assert json.loads((run / "summary.json").read_text())["steps"] == 6  # nothing ran
+
+
+def test_resume_of_a_directory_without_a_run_says_so(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for run_dir in (tmp_path / "empty", tmp_path / "afile"):
+        assert main(["train", "--resume", f"run.dir={run_dir}"]) == 2
+        assert f"--resume: run.dir='{run_dir}' holds no run to continue" in capsys.readouterr().err
+    assert main(["train", "--resume"]) == 2
+    assert "--resume needs the run to continue: add run.dir=RUN_DIR" in capsys.readouterr().err

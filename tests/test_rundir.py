@@ -28,6 +28,10 @@ def test_an_automatic_name_is_a_new_directory_each_time_and_the_config_resumes_t
     (tmp_path / "blocker").write_text("a file")
     with pytest.raises(ConfigError, match="cannot create or write the run directory"):
         claim_run_dir(_config(tmp_path / "blocker" / "x"), "train")
+    for purpose in ("train", "plan"):  # a file as the run dir itself: named, not a FileExistsError traceback
+        with pytest.raises(ConfigError, match=f"run.dir='{tmp_path / 'blocker'}' is a file, not a run directory"):
+            claim_run_dir(_config(tmp_path / "blocker"), purpose)
+    assert (tmp_path / "blocker").read_text() == "a file"
 
 
 def test_a_second_command_into_a_claimed_run_dir_is_refused(tmp_path):

@@ -157,6 +157,17 @@ def test_damaged_checkpoint_export_refused_and_resume_falls_back(tmp_path, capsy
     assert any("resuming from step_1" in r.getMessage() and "step_2 (drafter.safetensors" in r.getMessage()
                for r in caplog.records)
     assert summary(run)["status"] == "ok" and summary(run)["steps"] == 3
+    # a checkpoint under the legacy marker (no checksums to check) whose weights file is cut short: named, with
+    # the intact checkpoints to export instead, not a SafetensorError traceback
+    legacy = run / "checkpoints" / "step_3"
+    (legacy / "COMPLETE").write_text("ok\n")
+    (legacy / "drafter.safetensors").write_bytes((legacy / "drafter.safetensors").read_bytes()[:300])
+    capsys.readouterr()
+    assert main(["export", "--config", "demo", *overrides(run), "--checkpoint", str(legacy),
+                 "--out", str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err
+    assert f"its weights file {legacy / 'drafter.safetensors'} cannot be read" in err, err
+    assert f"export an intact checkpoint instead ({run / 'checkpoints' / 'step_1'}" in err, err
 
 
 def test_unwritable_checkpoints_folder_fails_at_start_not_at_the_first_save(tmp_path, capsys):

@@ -115,7 +115,12 @@ def _resumed_run(args: argparse.Namespace, overrides: list[str]) -> Path | None:
     if run_dir in (None, "", "null", "None"):
         raise ConfigError("--resume needs the run to continue: add run.dir=RUN_DIR")
     found = RunDir(Path(run_dir).expanduser())
-    return found.root if found.config.is_file() else None
+    if found.config.is_file():
+        return found.root
+    if args.config is None:
+        raise ConfigError(f"--resume: run.dir={run_dir!r} holds no run to continue (no {found.config.name} there); "
+                          "give the directory of the run to resume")
+    return None
 
 
 def _resume_config(args: argparse.Namespace, overrides: list[str], run_dir: Path) -> Config:

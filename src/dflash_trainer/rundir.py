@@ -273,6 +273,9 @@ def _choose_path(config: Config) -> tuple[Path, bool]:
     two commands started in the same second get two directories."""
     if config.run.dir:
         path = Path(config.run.dir).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"run.dir={config.run.dir!r} is a file, not a run directory: set run.dir to a new or "
+                              "existing directory")
         created = not path.exists()
         _writing(path, lambda: path.mkdir(parents=True, exist_ok=True))
         return path, created

@@ -13,7 +13,6 @@ from dflash_trainer.rundir import check_input_dir
 
 def run(config: Config, args) -> int:
     import torch
-    from safetensors.torch import load_file
 
     from dflash_trainer.data.tokenizer import load_tokenizer
     from dflash_trainer.drafter.export import export_drafter
@@ -45,7 +44,7 @@ def run(config: Config, args) -> int:
         load_tokenizer(config.target, config.data.chat_template))
     spec = drafter_spec(target_config, config.drafter, mask_token_id=mask)
     model = DFlashDrafter(spec, attention="sdpa")
-    weights, averaged = split_averaged(load_file(str(ckpt / "drafter.safetensors")))
+    weights, averaged = split_averaged(_read_weights(ckpt))
     if averaged:  # the run evaluated and exported its weight average (train.ema_decay): so does this export
         weights = weights | {k[len(EMA_PREFIX):]: v for k, v in averaged.items()}
         print(f"exporting the weight average (train.ema_decay) that {ckpt} holds")
@@ -66,3 +65,21 @@ def run(config: Config, args) -> int:
         out = export_drafter(model, out_dir, target_config=target_config)
     print(f"exported {ckpt} -> {out} (config.json, model.safetensors)")
     return 0
+
+
+def _read_weights(ckpt: Path) -> dict:
+    """The checkpoint's drafter weights; a file that safetensors cannot read (cut short under a marker that records
+    no checksums) is named, with the intact checkpoints beside it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from dflash_trainer.train.checkpoint import checkpoint_problem
+
+    path = ckpt / "drafter.safetensors"
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        siblings = sorted(p for p in ckpt.parent.iterdir() if p != ckpt and p.is_dir() and not checkpoint_problem(p))
+        others = ", ".join(str(p) for p in siblings) or "none beside it"
+        raise ConfigError(f"--checkpoint {ckpt}: its weights file {path} cannot be read ({e}): it is damaged (cut "
+                          f"short?); export an intact checkpoint instead ({others})") from None
