@@ -403,3 +403,12 @@ def test_a_target_that_needs_remote_code_names_trust_remote_code_and_the_risk(tm
     with pytest.raises(ConfigError, match=f"target.path='{model}': its tokenizer needs Python code .*{risk}"):
         load_tokenizer(TargetConfig(path=str(model)))
     assert not ran.exists()
+
+
+def test_a_max_length_past_the_targets_positions_is_named_before_memory(tmp_path, capsys):
+    """data.max_length far past the target's max_position_embeddings (4096 for the tiny target): the error names
+    both numbers, not the CPU memory the matching token budget would need."""
+    assert train_in_process(tmp_path / "run", "data.max_length=200000", "pipeline.token_budget=200000") == 2
+    err = capsys.readouterr().err
+    assert "data.max_length 200000 exceeds the target's max_position_embeddings 4096" in err, err
+    assert "too large for training on the CPU" not in err

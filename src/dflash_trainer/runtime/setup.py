@@ -29,7 +29,7 @@ from dflash_trainer.runtime.env import DistEnv
 from dflash_trainer.runtime.remote_eval import eval_enabled
 from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
-from dflash_trainer.target.checks import check_target
+from dflash_trainer.target.checks import check_max_length, check_target
 from dflash_trainer.target.load import load_target, target_model_config
 from dflash_trainer.target.parallel import shard_target
 from dflash_trainer.train.checkpoint import check_fits, read_ledger, read_step, read_time_spent_s, resolve_resume
@@ -96,6 +96,8 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     target_config = target_model_config(config.target)
     spec = drafter_spec(target_config, config.drafter, mask_token_id=first_spare_row(tokenizer))
+    # before the memory check: a max_length past the target's positions is the cause, not the token budget it needs
+    check_max_length(config.data.max_length, getattr(target_config, "max_position_embeddings", None))
     check_cpu_step_memory(config, spec, device)
     token = ordinary_token(tokenizer, spec.mask_token_id)
     if token is not None and env.rank == 0:

@@ -88,7 +88,8 @@ def check_max_length(max_length: int, max_position_embeddings: Optional[int]) ->
     if max_position_embeddings is not None and max_length > max_position_embeddings:
         raise ConfigError(
             f"data.max_length {max_length} exceeds the target's max_position_embeddings "
-            f"{max_position_embeddings}: lower data.max_length"
+            f"{max_position_embeddings} (the longest sequence it was trained for): set data.max_length <= "
+            f"{max_position_embeddings} (and pipeline.token_budget >= it)"
         )
 
 
