@@ -10,4 +10,6 @@ bash scripts/setup.sh
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 DATA=runs/demo-data
 dflash-train regenerate --config demo --out "$DATA" logging.progress=false
-dflash-train train --config demo data.path="$DATA" logging.progress=false "$@"
+RECIPE=(--config demo)
+for arg in "$@"; do [ "$arg" = --resume ] && RECIPE=(); done  # a resume continues the run's own config.yaml
+dflash-train train "${RECIPE[@]}" data.path="$DATA" logging.progress=false "$@"

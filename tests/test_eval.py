@@ -202,6 +202,12 @@ def test_eval_command_end_to_end(tmp_path, capsys, caplog):
     assert eval_command.run(config, args) == 0
     result = json.loads((out_dir / "eval.json").read_text())
     assert result["prompts"] == 1 and result["tokens_generated"] <= 6
+    run_dir = tmp_path / "training"  # --out a run dir that has no eval.json yet (still training): beside it still
+    run_dir.mkdir()
+    (run_dir / ".dflash-run").write_text("{}")
+    args = cli._parser().parse_args(["eval", "--drafter", str(export), "--out", str(run_dir)])
+    assert eval_command.run(config, args) == 0
+    assert (run_dir / "eval-export.json").is_file() and not (run_dir / "eval.json").exists()
 
 
 def test_prompts_path_errors(tmp_path, capsys):

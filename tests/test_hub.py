@@ -52,6 +52,26 @@ def test_a_cached_hub_id_loads_from_the_cache_when_the_hub_cannot_be_reached(no_
     assert config.hidden_size == 64 and time.monotonic() - start < 10
 
 
+def test_weights_must_be_cached_too_and_a_proxy_is_not_probed(no_hub, monkeypatch):
+    """A snapshot with config.json alone serves the config, not the model's load; behind a proxy nothing is probed
+    (a direct connection cannot tell), the name goes to the library as it is."""
+    snapshot = no_hub / "models--dflash-test--partial" / "snapshots" / "r1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (no_hub / "models--dflash-test--partial" / "refs").mkdir()
+    (no_hub / "models--dflash-test--partial" / "refs" / "main").write_text("r1")
+    assert hub.hub_reference("dflash-test/partial", "target.path", "config.json") == str(snapshot)
+    with pytest.raises(ConfigError, match="the model's weights are not in the local cache"):
+        hub.hub_reference("dflash-test/partial", "target.path", "config.json", weights=True)
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+    with pytest.raises(ConfigError, match="weights are not in the local cache"):  # a shard missing
+        hub.hub_reference("dflash-test/partial", "target.path", "config.json", weights=True)
+    (snapshot / "s1.safetensors").write_bytes(b"")
+    assert hub.hub_reference("dflash-test/partial", "target.path", "config.json", weights=True) == str(snapshot)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert hub.hub_reference("dflash-test/no-such-model", "target.path", "config.json") == "dflash-test/no-such-model"
+
+
 def test_a_speculators_verifier_the_hub_cannot_serve_falls_back_at_once(no_hub, caplog):
     from transformers import Qwen3Config
 

@@ -45,6 +45,27 @@ def test_a_resume_refuses_what_changes_the_run_naming_each_key_and_both_values(t
     assert "train.max_steps: None -> 9" not in message  # an allowed change is not among the refused
 
 
+def test_paths_compare_by_the_file_they_name_and_measurement_settings_stay(tmp_path, monkeypatch):
+    """`data` and `./data` (or its absolute path) are one folder; how tau is measured (which best/ is chosen by)
+    may not change mid-run, its cadence may."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    run = _saved_run(tmp_path, "data.path=data")
+    for same in ("./data", str(tmp_path / "data"), "data/"):
+        assert resumed_config(run, [f"data.path={same}"]).changes == ()
+    with pytest.raises(ConfigError, match="data.path: 'data' -> 'other'"):
+        resumed_config(run, ["data.path=other"])
+    with pytest.raises(ConfigError, match="eval.num_prompts: 8 -> 32"):
+        resumed_config(run, ["eval.num_prompts=32"])
+    assert [c.key for c in resumed_config(run, ["eval.interval=10"]).changes] == ["eval.interval"]
+
+
+def test_a_recipe_that_cannot_be_read_is_only_not_compared(tmp_path):
+    run = _saved_run(tmp_path)
+    resumed = resumed_config(run, [], recipe=str(tmp_path / "missing.yaml"))
+    assert resumed.config.run.dir == str(run) and "not found" in resumed.recipe_problem
+
+
 def test_a_recipe_is_not_applied_on_resume_its_refused_differences_are_named(tmp_path):
     run = _saved_run(tmp_path, "train.num_epochs=1")
     resumed = resumed_config(run, ["train.resume=latest"], recipe="demo")
@@ -55,9 +76,10 @@ def test_a_recipe_is_not_applied_on_resume_its_refused_differences_are_named(tmp
 
 
 def test_what_may_change_on_resume():
-    assert may_change("train.max_minutes") and may_change("pipeline.colocated") and may_change("eval.num_prompts")
+    assert may_change("train.max_minutes") and may_change("pipeline.colocated") and may_change("eval.interval")
     assert may_change("drafter.flex_kernel_options.fwd_BLOCK_M")  # a speed knob, inside a mapping
-    for key in ("pipeline.token_budget", "train.lr", "data.path", "run.seed", "target.dtype", "drafter.dpace"):
+    for key in ("pipeline.token_budget", "train.lr", "data.path", "run.seed", "target.dtype", "drafter.dpace",
+                "eval.num_prompts", "eval.temperature"):
         assert not may_change(key), key
     a, b = load_config("demo"), load_config("demo", ["data.path=null", "data.sources=[{path: x}]", "drafter.num_blocks=7"])
     assert [c.key for c in differences(a, b)] == ["drafter.num_blocks", "data.path", "data.sources"]
@@ -97,4 +119,4 @@ def test_resume_of_a_directory_without_a_run_says_so(tmp_path, capsys):
         assert main(["train", "--resume", f"run.dir={run_dir}"]) == 2
         assert f"--resume: run.dir='{run_dir}' holds no run to continue" in capsys.readouterr().err
     assert main(["train", "--resume"]) == 2
-    assert "--resume needs the run to continue: add run.dir=RUN_DIR" in capsys.readouterr().err
+    assert "--resume (train.resume) needs the run to continue: add run.dir=RUN_DIR" in capsys.readouterr().err

@@ -32,6 +32,9 @@ def test_an_automatic_name_is_a_new_directory_each_time_and_the_config_resumes_t
         with pytest.raises(ConfigError, match=f"run.dir='{tmp_path / 'blocker'}' is a file, not a run directory"):
             claim_run_dir(_config(tmp_path / "blocker"), purpose)
     assert (tmp_path / "blocker").read_text() == "a file"
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError, match="is a link to .*gone', which does not exist"):
+        claim_run_dir(_config(tmp_path / "dangling"), "train")
 
 
 def test_a_second_command_into_a_claimed_run_dir_is_refused(tmp_path):

@@ -55,11 +55,11 @@ def test_one_process_stops_cleanly_on_a_signal(tmp_path, signum, name):
     assert proc.returncode == 128 + signum, out[-3000:]
     assert "stopping after this step" in out
     _assert_stopped(run_dir, name)
-    command = f"dflash-train train --resume run.dir={run_dir.resolve()}"
+    command = f"cd {os.getcwd()} && dflash-train train --resume run.dir={run_dir.resolve()}"
     assert f"continue this run with:\n  {command}" in out and summary(run_dir)["resume_command"] == command
     if signum == signal.SIGTERM:  # the printed command, as it is (but the budget), continues the same run
         steps = summary(run_dir)["steps"]
-        resumed = subprocess.run([sys.executable, "-m", "dflash_trainer", *command.split()[1:],
+        resumed = subprocess.run([sys.executable, "-m", "dflash_trainer", *command.split("dflash-train ")[1].split(),
                                   f"train.max_steps={steps + 2}"], capture_output=True, text=True, timeout=120,
                                  env=dict(os.environ, PYTHONPATH=str(SRC), HF_HUB_OFFLINE="1"))
         assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -75,7 +75,8 @@ def test_sigterm_to_torchrun_stops_every_rank_cleanly(tmp_path):
     out = _stop_after_steps(proc, run_dir, 3, signal.SIGTERM)
     assert proc.returncode != 0, out[-3000:]
     _assert_stopped(run_dir, "SIGTERM")
-    command = f"torchrun --nproc_per_node 2 -m dflash_trainer train --resume run.dir={run_dir.resolve()}"
+    command = (f"cd {os.getcwd()} && torchrun --nproc_per_node 2 -m dflash_trainer train --resume "
+               f"run.dir={run_dir.resolve()}")
     assert command in out and summary(run_dir)["resume_command"] == command, out[-3000:]
 
 

@@ -167,7 +167,8 @@ def test_damaged_checkpoint_export_refused_and_resume_falls_back(tmp_path, capsy
                  "--out", str(tmp_path / "export")]) == 2
     err = capsys.readouterr().err
     assert f"its weights file {legacy / 'drafter.safetensors'} cannot be read" in err, err
-    assert f"export an intact checkpoint instead ({run / 'checkpoints' / 'step_1'}" in err, err
+    others = f"{run / 'checkpoints' / 'step_1'}, {run / 'checkpoints' / 'step_2'}"  # finished ones, by step
+    assert f"export another checkpoint instead ({others})" in err, err
 
 
 def test_unwritable_checkpoints_folder_fails_at_start_not_at_the_first_save(tmp_path, capsys):

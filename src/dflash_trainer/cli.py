@@ -113,7 +113,7 @@ def _resumed_run(args: argparse.Namespace, overrides: list[str]) -> Path | None:
     if run_dir is None and args.config is not None:  # a recipe that names its run dir
         run_dir = load_config(args.config, [o for o in overrides if not o.startswith("train.resume=")]).run.dir
     if run_dir in (None, "", "null", "None"):
-        raise ConfigError("--resume needs the run to continue: add run.dir=RUN_DIR")
+        raise ConfigError("--resume (train.resume) needs the run to continue: add run.dir=RUN_DIR")
     found = RunDir(Path(run_dir).expanduser())
     if found.config.is_file():
         return found.root
@@ -136,8 +136,11 @@ def _resume_config(args: argparse.Namespace, overrides: list[str], run_dir: Path
     if resumed.recipe_not_applied:
         print(f"  --config {args.config} is not applied on resume; the run keeps its own "
               f"{', '.join(f'{c.key}={c.old!r}' for c in resumed.recipe_not_applied)} (the recipe says "
-              f"{', '.join(repr(c.new) for c in resumed.recipe_not_applied)}): pass a change as an override, e.g. "
-              f"{resumed.recipe_not_applied[0].key}={resumed.recipe_not_applied[0].new}", file=sys.stderr)
+              f"{', '.join(repr(c.new) for c in resumed.recipe_not_applied)}): to change one, pass it as an "
+              "override (section.key=value)", file=sys.stderr)
+    if resumed.recipe_problem:
+        print(f"  --config {args.config} is not applied on resume, and could not be read to compare: "
+              f"{resumed.recipe_problem}", file=sys.stderr)
     return resumed.config
 
 

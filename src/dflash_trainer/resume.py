@@ -1,12 +1,14 @@
 """The config a resumed run trains with: the run's own `config.yaml`, changed only where a resume may change it.
 
 `dflash-train train --resume run.dir=RUN` continues the run RUN as it was configured. Dotted overrides may change
-what does not change what the run learns: its budgets (`train.max_steps`, `max_minutes`, `num_epochs`), checkpoint
-and log cadence, evaluation, logging, the placement (`pipeline.*` but its token budget), the device, and speed knobs
-that compute the same thing. Those are applied, printed, written into `config.yaml` and kept in `summary.json`.
-Any other difference would change the plan, the data, the model or the optimiser mid-run: it is refused, naming
-each key with the run's value and the one given. A `--config` recipe is not applied on resume (the run's config
-is the base); its differences from the run are refused or, where a resume may change them, named and not applied.
+its budgets (`train.max_steps`, `max_minutes`, `num_epochs`: the lr schedule follows them), checkpoint and log
+cadence, evaluation cadence, logging, the placement (`pipeline.*` but its token budget; more drafter ranks take
+more batches a step), the device, and speed knobs that compute the same thing. Those are applied, printed, written
+into `config.yaml` and kept in `summary.json`. Any other difference would change the data, the plan, the model, the
+optimizer's settings, or how tau is measured (which `best/` is chosen by) mid-run: it is refused, naming each key
+with the run's value and the one given. Paths compare by the file they name. A `--config` recipe is not applied on
+resume (the run's config is the base); its differences from the run are refused or, where a resume may change
+them, named and not applied.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ MAY_CHANGE = (
     "train.num_epochs", "train.max_steps", "train.max_minutes", "train.resume", "train.overwrite", "train.keep_last",
     "train.checkpoint_interval", "train.log_interval", "train.max_nonfinite_steps", "train.compile",
     "train.compile_mode", "train.fsdp",
-    "eval", "regenerate", "logging",
+    "eval.interval", "eval.at_end", "eval.batch_size", "eval.prompt_lookup", "regenerate", "logging",
 )
 """Keys (or whole sections) a resume may change: budgets, cadence, evaluation, logging, placement, speed knobs."""
 MUST_STAY = ("pipeline.token_budget",)
@@ -64,6 +66,8 @@ class ResumedConfig:
     """Overrides applied (each one a resume may make)."""
     recipe_not_applied: tuple[Change, ...]
     """Where `--config`'s recipe differs from the run in a setting a resume may change: the run's value is kept."""
+    recipe_problem: Optional[str] = None
+    """Why `--config`'s recipe could not be read (it is not applied on resume, so it is only not compared)."""
 
 
 def _leaves(config: Config) -> dict[str, Any]:
@@ -81,10 +85,23 @@ def _leaves(config: Config) -> dict[str, Any]:
     return out
 
 
+def _compared(value: Any) -> Any:
+    """`value` as a resume compares it: a string naming an existing file or folder by the path it resolves to
+    (`data` and `./data` are one folder), inside lists and mappings too."""
+    if isinstance(value, str) and value and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    if isinstance(value, list):
+        return [_compared(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _compared(v) for k, v in value.items()}
+    return value
+
+
 def differences(old: Config, new: Config) -> list[Change]:
-    """Every leaf setting whose value differs, in the config tree's order."""
+    """Every leaf setting whose value differs (paths by the file they name), in the config tree's order."""
     before, after = _leaves(old), _leaves(new)
-    return [Change(key=k, old=before.get(k), new=after.get(k)) for k in after if before.get(k) != after.get(k)]
+    return [Change(key=k, old=before.get(k), new=after.get(k)) for k in after
+            if _compared(before.get(k)) != _compared(after.get(k))]
 
 
 def may_change(key: str) -> bool:
@@ -103,8 +120,13 @@ def resumed_config(run_dir: Path, overrides: Sequence[str], recipe: Optional[str
     changes = [c for c in differences(saved, requested) if c.key not in NOT_REPORTED]
     refused = [f"{c} (given)" for c in changes if not may_change(c.key)]
     not_applied: list[Change] = []
-    if recipe is not None:
-        from_recipe = load_config(recipe, [*overrides, f"run.dir={run_dir}"])
+    try:
+        from_recipe = None if recipe is None else load_config(recipe, [*overrides, f"run.dir={run_dir}"])
+    except ConfigError as e:  # never applied: a recipe that cannot be read only goes unchecked
+        recipe_problem, from_recipe = str(e), None
+    else:
+        recipe_problem = None
+    if from_recipe is not None:
         for c in differences(requested, from_recipe):
             if c.key in NOT_REPORTED:
                 continue
@@ -118,4 +140,5 @@ def resumed_config(run_dir: Path, overrides: Sequence[str], recipe: Optional[str
             f"trains (the run's value -> the one given): {'; '.join(refused)}. Resume without them (a resume may "
             "change budgets such as train.max_steps, train.max_minutes and train.num_epochs, evaluation, logging, "
             "the placement and speed settings), or start a new run: another run.dir, or --overwrite")
-    return ResumedConfig(config=requested, changes=tuple(changes), recipe_not_applied=tuple(not_applied))
+    return ResumedConfig(config=requested, changes=tuple(changes), recipe_not_applied=tuple(not_applied),
+                         recipe_problem=recipe_problem)

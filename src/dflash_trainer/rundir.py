@@ -273,6 +273,9 @@ def _choose_path(config: Config) -> tuple[Path, bool]:
     two commands started in the same second get two directories."""
     if config.run.dir:
         path = Path(config.run.dir).expanduser()
+        if path.is_symlink() and not path.exists():
+            raise ConfigError(f"run.dir={config.run.dir!r} is a link to {os.readlink(path)!r}, which does not exist: "
+                              "create that directory, or set run.dir to another one")
         if path.exists() and not path.is_dir():
             raise ConfigError(f"run.dir={config.run.dir!r} is a file, not a run directory: set run.dir to a new or "
                               "existing directory")

@@ -27,7 +27,7 @@ from dflash_trainer.eval.drafter_eval import (  # noqa: F401 (evaluate_drafter r
 )
 from dflash_trainer.eval.evaluate import format_report, load_prompt_messages
 from dflash_trainer.regen.settings import warn_regen_mismatch
-from dflash_trainer.rundir import check_input_dir
+from dflash_trainer.rundir import RunDir, check_input_dir
 from dflash_trainer.runtime.env import choose_device
 from dflash_trainer.target.head import head_from_model
 from dflash_trainer.target.load import load_target
@@ -42,17 +42,10 @@ def _out_file(config: Config, args: Optional[argparse.Namespace], drafter_dir: s
     if not out and not config.run.dir:
         raise ConfigError("nowhere to write eval.json: pass --out DIR or set run.dir")
     folder = checked_out_dir(out, flag="--out") if out else checked_out_dir(config.run.dir, flag="run.dir")
-    path = folder / "eval.json"
-    if not out or _written_by_training(path):
-        path = folder / f"eval-{Path(drafter_dir).resolve().name}.json"
-    return path
-
-
-def _written_by_training(path: Path) -> bool:
-    try:
-        return "step" in json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
+    run = RunDir(folder)
+    if out and not (run.is_marked() or run.config.is_file()):  # not a run dir: no training evaluation to keep
+        return folder / "eval.json"
+    return folder / f"eval-{Path(drafter_dir).resolve().name or 'drafter'}.json"
 
 
 def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:

@@ -69,17 +69,21 @@ def run(config: Config, args) -> int:
 
 def _read_weights(ckpt: Path) -> dict:
     """The checkpoint's drafter weights; a file that safetensors cannot read (cut short under a marker that records
-    no checksums) is named, with the intact checkpoints beside it."""
+    no checksums) is named, with the finished checkpoints beside it (not checksummed here: gigabytes each)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from dflash_trainer.train.checkpoint import checkpoint_problem
+    from dflash_trainer.train.checkpoint import COMPLETE
 
     path = ckpt / "drafter.safetensors"
     try:
         return load_file(str(path))
     except (SafetensorError, OSError) as e:
-        siblings = sorted(p for p in ckpt.parent.iterdir() if p != ckpt and p.is_dir() and not checkpoint_problem(p))
+        def step(p: Path) -> tuple[int, str]:
+            digits = "".join(c for c in p.name if c.isdigit())
+            return (int(digits) if digits else -1, p.name)
+
+        siblings = sorted((p for p in ckpt.parent.iterdir() if p != ckpt and (p / COMPLETE).is_file()), key=step)
         others = ", ".join(str(p) for p in siblings) or "none beside it"
         raise ConfigError(f"--checkpoint {ckpt}: its weights file {path} cannot be read ({e}): it is damaged (cut "
-                          f"short?); export an intact checkpoint instead ({others})") from None
+                          f"short?); export another checkpoint instead ({others})") from None

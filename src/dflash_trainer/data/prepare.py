@@ -148,7 +148,7 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
                     "data.max_length (and pipeline.token_budget) to keep them", meta["truncated"],
                     config.data.max_length, meta["truncated_tokens"])
     held = tuple(Conversation.from_json(r) for r in meta["eval"])
-    if len(held) > HELD_OUT_WARN_SHARE * (len(held) + len(dataset)):
+    if write_files and len(held) > HELD_OUT_WARN_SHARE * (len(held) + len(dataset)):  # once: the writing rank
         log.warning("%d of %d usable conversations (%.0f%%) are held out for evaluation (data.num_eval_conversations="
                     "%d), leaving %d to train on: lower data.num_eval_conversations, or give more data", len(held),
                     len(held) + len(dataset), 100 * len(held) / (len(held) + len(dataset)),

@@ -86,23 +86,29 @@ class LoadReport:
 ROW_LAYOUT = ("missing_turns", "not_an_object")
 TURN_LAYOUT = ("bad_turn", "missing_role", "unknown_role", "missing_content", "non_text_content")
 EXPECTED_LAYOUT = ("a `messages` list of {role, content} turns (roles system, user, assistant), or ShareGPT's "
-                   "`conversations` list of {from, value} turns (from: human, gpt, system); README \"Data format\"")
+                   "`conversations` list of {from, value} turns (from: human, gpt or chatgpt, bing, bard, system); "
+                   "README \"Data format\"")
 
 
 def _keys(value: Any) -> tuple[str, ...]:
     return tuple(sorted(map(str, value))) if isinstance(value, dict) else (type(value).__name__,)
 
 
-def _layout_problem(name: str, read: int, dropped: Counter, rows: Counter, turns: Counter) -> Optional[str]:
+def _layout_problem(name: str, read: int, dropped: Counter, rows: Counter, turns: Counter,
+                    speakers: Counter) -> Optional[str]:
     """What to say when most rows of a source were dropped for one layout reason; `rows`/`turns`: the key sets
-    of the rows and of their first turns seen."""
+    of the rows and of their first turns seen; `speakers`: the role names seen that are not known."""
     if not dropped:
         return None
     reason, count = dropped.most_common(1)[0]
     if count * 2 <= read or reason not in ROW_LAYOUT + TURN_LAYOUT:
         return None
-    found = rows if reason in ROW_LAYOUT else turns
-    where = "the rows have the columns" if reason in ROW_LAYOUT else "their turns have the keys"
+    if reason == "unknown_role":
+        where, found = "their turns have the roles", Counter({(s,): n for s, n in speakers.items()})
+    elif reason in ROW_LAYOUT:
+        where, found = "the rows have the columns", rows
+    else:
+        where, found = "their turns have the keys", turns
     seen = "; ".join(f"[{', '.join(keys)}]" for keys, _ in found.most_common(3))
     return f"{name}: {count} of {read} rows dropped as {reason}: {where} {seen}; expected {EXPECTED_LAYOUT}"
 
@@ -368,6 +374,7 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
     dropped: Counter[str] = Counter()
     row_keys: Counter[tuple[str, ...]] = Counter()  # the layouts seen, for the message when most rows drop
     turn_keys: Counter[tuple[str, ...]] = Counter()
+    speakers: Counter[str] = Counter()
     read = 0
     stopped = False
     with source_path(source) as path, _named_decode_errors(path):
@@ -383,6 +390,8 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
                         turns = row.get("messages", row.get("conversations")) if isinstance(row, dict) else None
                         if isinstance(turns, list) and turns:
                             turn_keys[_keys(turns[0])] += 1
+                            speakers.update(t.get("role", t.get("from")) for t in turns if isinstance(t, dict)
+                                            and str(t.get("role", t.get("from"))).strip().lower() not in ROLE_NAMES)
                     if expected_key and isinstance(row, dict) and expected_key not in row:
                         raise _Drop("missing_turns")
                     kept.append(normalize_row(row, source=name, index=index, purpose=purpose))
@@ -397,7 +406,7 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
             if t.partial_record:
                 read += 1
                 dropped["truncated_record"] += 1
-    problem = _layout_problem(name, read, dropped, row_keys, turn_keys)
+    problem = _layout_problem(name, read, dropped, row_keys, turn_keys, speakers)
     report = LoadReport(source=name, records_read=read, kept=len(kept), dropped=dict(dropped), stopped_early=stopped,
                         layout_problem=problem)
     if problem:

@@ -9,6 +9,7 @@ drafter's parameter names (no embedding, no lm_head). The key set is validated o
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -20,6 +21,8 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.checks import choose_tap_layer_ids
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -112,7 +115,10 @@ def write_export(out_dir: str | os.PathLike, config: dict, state: dict[str, torc
 def _readable_like_its_config(weights: Path, config: Path) -> None:
     """safetensors writes through a private temporary file (mode 0600): give the weights the mode the config got
     from the umask (0644 usually), so a server running as another user can read the export."""
-    os.chmod(weights, config.stat().st_mode & 0o777)
+    try:
+        os.chmod(weights, config.stat().st_mode & 0o777)
+    except OSError as e:  # a file system without modes (some network mounts): the export itself is fine
+        log.warning("could not set the mode of %s (%s); it may be readable by its owner only", weights, e)
 
 
 def spec_from_export(config: dict) -> DrafterSpec:

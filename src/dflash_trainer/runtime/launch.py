@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import signal
 import time
@@ -138,16 +139,16 @@ def run_training(config: Config, resume_changes: tuple = ()) -> int:
 
 
 def resume_command(run_dir: Path, env) -> str:
-    """The command that continues the run in `run_dir` (the run's own config.yaml is read back; torchrun's
-    rendezvous options, for several nodes, are the user's own)."""
+    """The command that continues the run in `run_dir`, from this directory (the run's config.yaml may name paths
+    relative to it; torchrun's rendezvous options, for several nodes, are the user's own)."""
     train = f"train --resume run.dir={shlex.quote(str(Path(run_dir).resolve()))}"
     if not env.distributed:
-        return f"dflash-train {train}"
+        return f"cd {shlex.quote(os.getcwd())} && dflash-train {train}"
     nodes = env.world_size // max(1, env.local_world_size)
     launcher = f"torchrun --nproc_per_node {env.local_world_size}"
     if nodes > 1:
         launcher = f"torchrun --nnodes {nodes} --nproc_per_node {env.local_world_size} <the same --rdzv-* options>"
-    return f"{launcher} -m dflash_trainer {train}"
+    return f"cd {shlex.quote(os.getcwd())} && {launcher} -m dflash_trainer {train}"
 
 
 def _release(holder: dict, *, failed: bool) -> None:

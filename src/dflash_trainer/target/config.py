@@ -88,8 +88,11 @@ def model_reference(name: str, key: str, needs: str) -> str:
     return name
 
 
-def model_source(name: str, key: str, needs: str) -> str:
+def model_source(name: str, key: str, needs: str, *, weights: bool = False) -> str:
     """What a loader reads `name` from: `model_reference(name, ...)`, and for a hub id its cached folder when the
-    hub cannot be reached (`hub.py`: transformers would retry it for most of a minute)."""
+    hub cannot be reached (`hub.py`: transformers would retry it for most of a minute); `weights`: the folder must
+    hold the weights too."""
     reference = model_reference(name, key, needs)
-    return reference if Path(reference).expanduser().is_dir() else hub_reference(reference, key, needs)
+    if Path(reference).expanduser().is_dir():
+        return reference
+    return hub_reference(reference, key, needs, weights=weights)

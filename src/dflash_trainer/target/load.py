@@ -88,7 +88,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) ->
     else:
         quantization = pretrained_quantization(cfg, model_config, device)
         model = AutoModelForCausalLM.from_pretrained(
-            model_source(cfg.path, "target.path", "config.json"),
+            model_source(cfg.path, "target.path", "config.json", weights=True),
             dtype=dtype,
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
