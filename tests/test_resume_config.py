@@ -66,13 +66,15 @@ def test_a_recipe_that_cannot_be_read_is_only_not_compared(tmp_path):
     assert resumed.config.run.dir == str(run) and "not found" in resumed.recipe_problem
 
 
-def test_a_recipe_is_not_applied_on_resume_its_refused_differences_are_named(tmp_path):
-    run = _saved_run(tmp_path, "train.num_epochs=1")
+def test_a_recipe_is_not_applied_on_resume_its_differences_are_named(tmp_path):
+    run = _saved_run(tmp_path, "train.num_epochs=1", "train.lr=1e-3")
     resumed = resumed_config(run, ["train.resume=latest"], recipe="demo")
-    assert resumed.config.train.num_epochs == 1  # the run's, not the recipe's 6
-    assert [(c.key, c.old, c.new) for c in resumed.recipe_not_applied] == [("train.num_epochs", 1, 6)]
-    with pytest.raises(ConfigError, match=r"data.max_length: 512 -> 3072 \(from --config qwen3-8b\)"):
-        resumed_config(run, ["train.resume=latest"], recipe="qwen3-8b")
+    assert resumed.config.train.num_epochs == 1 and resumed.config.train.lr == 1e-3  # the run's, not the recipe's
+    assert [(c.key, c.old, c.new) for c in resumed.recipe_not_applied] == [("train.num_epochs", 1, 6),
+                                                                           ("train.lr", 1e-3, 3e-3)]
+    other = resumed_config(run, ["train.resume=latest"], recipe="qwen3-8b")
+    assert other.config.data.max_length == 512 and ("data.max_length", 512, 3072) in [
+        (c.key, c.old, c.new) for c in other.recipe_not_applied]
 
 
 def test_what_may_change_on_resume():
@@ -98,7 +100,8 @@ def test_resume_with_the_run_dir_alone_continues_the_same_run(tmp_path, capsys):
     capsys.readouterr()
     assert main([*args, "train.max_steps=4", "--resume"]) == 0  # the demo script's command, the budget raised
     err = capsys.readouterr().err
-    assert "changed on resume: train.max_steps: 2 -> 4" in err and "train.num_epochs=1" in err and "not applied" in err
+    assert "changed on resume: train.max_steps: 2 -> 4" in err and "not applied" in err
+    assert "train.num_epochs=1 (the recipe: 6)" in err
     assert summary(run)["steps"] == 4 and list(summary(run)["jobs_planned"]) == ["0"]  # one epoch, not six
     assert summary(run)["resume_changes"] == [{"key": "train.max_steps", "old": 2, "new": 4}]
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["max_steps"] == 4

@@ -134,9 +134,10 @@ def _resume_config(args: argparse.Namespace, overrides: list[str], run_dir: Path
     for change in resumed.changes:
         print(f"  changed on resume: {change}", file=sys.stderr)
     if resumed.recipe_not_applied:
+        shown, more = resumed.recipe_not_applied[:8], len(resumed.recipe_not_applied) - 8
         print(f"  --config {args.config} is not applied on resume; the run keeps its own "
-              f"{', '.join(f'{c.key}={c.old!r}' for c in resumed.recipe_not_applied)} (the recipe says "
-              f"{', '.join(repr(c.new) for c in resumed.recipe_not_applied)}): to change one, pass it as an "
+              f"{', '.join(f'{c.key}={c.old!r} (the recipe: {c.new!r})' for c in shown)}"
+              f"{f' and {more} more' if more > 0 else ''}; to change one a resume may change, pass it as an "
               "override (section.key=value)", file=sys.stderr)
     if resumed.recipe_problem:
         print(f"  --config {args.config} is not applied on resume, and could not be read to compare: "

@@ -7,8 +7,7 @@ more batches a step), the device, and speed knobs that compute the same thing. T
 into `config.yaml` and kept in `summary.json`. Any other difference would change the data, the plan, the model, the
 optimizer's settings, or how tau is measured (which `best/` is chosen by) mid-run: it is refused, naming each key
 with the run's value and the one given. Paths compare by the file they name. A `--config` recipe is not applied on
-resume (the run's config is the base); its differences from the run are refused or, where a resume may change
-them, named and not applied.
+resume (the run's config is the base): where it differs from the run, each difference is named as not applied.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ class ResumedConfig:
     changes: tuple[Change, ...]
     """Overrides applied (each one a resume may make)."""
     recipe_not_applied: tuple[Change, ...]
-    """Where `--config`'s recipe differs from the run in a setting a resume may change: the run's value is kept."""
+    """Where `--config`'s recipe differs from the run: the run's value is kept (`old`), the recipe's (`new`) is not."""
     recipe_problem: Optional[str] = None
     """Why `--config`'s recipe could not be read (it is not applied on resume, so it is only not compared)."""
 
@@ -126,14 +125,8 @@ def resumed_config(run_dir: Path, overrides: Sequence[str], recipe: Optional[str
         recipe_problem, from_recipe = str(e), None
     else:
         recipe_problem = None
-    if from_recipe is not None:
-        for c in differences(requested, from_recipe):
-            if c.key in NOT_REPORTED:
-                continue
-            if may_change(c.key):
-                not_applied.append(c)
-            else:
-                refused.append(f"{c} (from --config {recipe})")
+    if from_recipe is not None:  # never applied, so never refused: its differences are named
+        not_applied = [c for c in differences(requested, from_recipe) if c.key not in NOT_REPORTED]
     if refused:
         raise ConfigError(
             f"--resume continues the run in {run_dir} as its config.yaml says, and these settings would change what it "
