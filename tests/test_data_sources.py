@@ -267,8 +267,9 @@ def test_rows_of_another_layout_name_the_columns_found_and_expected(tmp_path, ca
         report.layout_problem
     roles = tmp_path / "roles.jsonl"
     roles.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                                      {"role": "model", "content": "yo"}]}) + "\n" for _ in range(3)))
-    assert "3 of 3 rows dropped as unknown_role: their turns have the roles [model]" in \
+                                                      {"role": "model", "content": "yo"}]}) + "\n" for _ in range(3))
+                     + json.dumps({"messages": [{"role": ["user"], "content": "hi"}]}) + "\n")  # unhashable role
+    assert "3 of 4 rows dropped as unknown_role: their turns have the roles [model]" in \
         load_source(DataSourceConfig(path=str(roles))).report.layout_problem
     few = tmp_path / "few.jsonl"
     few.write_text(keys.read_text().splitlines()[0] + "\n" + "".join(keys.read_text().splitlines()[-1] + "\n"

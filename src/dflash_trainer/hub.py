@@ -1,7 +1,7 @@
 """Where a hub id's files come from when the Hugging Face hub cannot be reached.
 
-transformers retries an unreachable hub for 25-50 s before it gives up, even for a model in the local cache. So a
-hub id is checked once per process: the hub's host is tried with a short connect timeout; when it does not answer,
+transformers retries an unreachable hub for most of a minute before it gives up, even for a model in the local
+cache. So a hub id is checked once per process: the hub's host is tried with a short connect timeout; when it does not answer,
 a model in the cache is read from its cached folder (no network), and one that is not is a one-line error naming
 the setting, the hub and the fix. With `HF_HUB_OFFLINE=1` nothing is probed (the library reads the cache alone), nor
 behind a proxy (a direct connection says nothing of it). The name lookup is the system resolver's, not bounded here.

@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def _out_file(config: Config, args: Optional[argparse.Namespace], drafter_dir: str) -> Path:
-    """`--out DIR`: DIR/eval.json; else the run dir's `eval-<drafter folder>.json`. Never the run's own eval.json
-    (the training's evaluation, with its step and held-out figures): an evaluation written there goes beside it."""
+    """`--out DIR` outside a run dir: DIR/eval.json; else (no --out, or --out a run dir) that run dir's
+    `eval-<drafter folder>.json`, beside the training's own eval.json (its step and held-out figures), never over it."""
     out = getattr(args, "out", None)
     if not out and not config.run.dir:
         raise ConfigError("nowhere to write eval.json: pass --out DIR or set run.dir")

@@ -390,8 +390,9 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
                         turns = row.get("messages", row.get("conversations")) if isinstance(row, dict) else None
                         if isinstance(turns, list) and turns:
                             turn_keys[_keys(turns[0])] += 1
-                            speakers.update(t.get("role", t.get("from")) for t in turns if isinstance(t, dict)
-                                            and str(t.get("role", t.get("from"))).strip().lower() not in ROLE_NAMES)
+                            named = (t.get("role", t.get("from")) for t in turns if isinstance(t, dict))
+                            speakers.update(str(s) for s in named
+                                            if s is not None and str(s).strip().lower() not in ROLE_NAMES)
                     if expected_key and isinstance(row, dict) and expected_key not in row:
                         raise _Drop("missing_turns")
                     kept.append(normalize_row(row, source=name, index=index, purpose=purpose))

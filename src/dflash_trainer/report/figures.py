@@ -78,7 +78,7 @@ def tau(run: RunLog) -> tuple[Figure, str]:
                 zorder=1, label=f"best checkpoint (step {best['best_step']}, tau {best['best_tau']:.2f})")
     if not xs and not run.evals:
         _empty(ax, "no step logged yet")
-    else:  # outside the axes: inside, it covered the prompt-lookup markers of short runs
+    else:  # beside the axes, where it can cover no marker (the final evaluation's sit at the right edge)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     ax.set(xlabel="optimizer step", ylabel="acceptance length tau (tokens per step)", title="Acceptance length")
     return fig, ("Simulated tau on training batches overstates real decoding; walk tau on held-out replies tracks it. "

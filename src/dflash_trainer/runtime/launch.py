@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from dflash_trainer.config import Config
+from dflash_trainer.resume import Change
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.drafter_role import run_drafter
 from dflash_trainer.runtime.env import choose_device, dist_env, init_distributed
@@ -52,7 +53,7 @@ from dflash_trainer.transport.pool import PoolReport
 log = logging.getLogger(__name__)
 
 
-def run_training(config: Config, resume_changes: tuple = ()) -> int:
+def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int:
     """`resume_changes`: the `resume.Change`s this resume applied to the run's config (logged, and in the summary)."""
     env = dist_env()
     device = choose_device(config.run.device, env.local_rank)
