@@ -1,12 +1,16 @@
 """Run ModelOpt's DFlash training example (`main.py`, fetched into `.peer/`, not part of this repository) under
 a wall-clock budget, and record what it trained. Called by `bench/peers.py`; runs in the peer's Python.
 
-    python bench/peer_modelopt_run.py --example DIR --budget-s S --stats FILE.json -- --config RECIPE [k=v ...]
+    python bench/peer_modelopt_run.py --example DIR --budget-s S --stats FILE.json [--init-weights FILE] \
+        -- --config RECIPE [k=v ...]
 
-Two things are added around the unchanged script, through the `transformers.Trainer` it builds:
+What is added around the unchanged script, through the `transformers.Trainer` it builds:
 - a callback that stops training once `--budget-s` seconds have passed since the first step began (the
   step-count schedule is set by the caller from a calibration run, so the budget is only a guard);
 - a count of the real (non-padding) tokens of every training batch, summed on the device (no host sync).
+- with `--init-weights`, the draft module's weights from a DFlash-layout safetensors file, loaded once the
+  trainer holds the converted model (before the first step); every draft tensor must be there with its shape,
+  except the rotary buffers and the embedding / LM head it takes from the target.
 `--stats` gets: steps, seconds from the first step to the last, real tokens, padded tokens, step times.
 """
 
@@ -21,7 +25,25 @@ import time
 from pathlib import Path
 
 
-def install_hooks(budget_s: float, stats_path: Path) -> None:
+def load_draft_weights(model, path: Path) -> int:
+    """Copy the tensors of `path` into `model.dflash_module` (names without the `dflash_module.` prefix);
+    returns how many. Anything missing, extra or of another shape raises: half a warm start is a bug."""
+    from safetensors.torch import load_file
+
+    draft = model.dflash_module
+    own = {k: v for k, v in draft.state_dict().items()
+           if "rotary_emb" not in k and k not in ("embed_tokens.weight", "lm_head.weight")}
+    given = load_file(str(path))
+    missing, extra = sorted(set(own) - set(given)), sorted(set(given) - set(own))
+    shapes = [f"{k} {tuple(given[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+              if k in given and given[k].shape != v.shape]
+    if missing or extra or shapes:
+        raise SystemExit(f"--init-weights {path}: missing {missing[:5]}, unexpected {extra[:5]}, shapes {shapes[:5]}")
+    draft.load_state_dict(given, strict=False)  # the rotary buffers stay as built; dtypes cast on copy
+    return len(given)
+
+
+def install_hooks(budget_s: float, stats_path: Path, init_weights: Path | None = None) -> None:
     import torch
     from transformers import Trainer, TrainerCallback
 
@@ -53,6 +75,9 @@ def install_hooks(budget_s: float, stats_path: Path) -> None:
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         self.add_callback(Budget())
+        if init_weights is not None:
+            n = load_draft_weights(self.model, init_weights)
+            print(f"peer_modelopt_run: draft module initialised from {init_weights} ({n} tensors)", flush=True)
 
     def training_step(self, model, inputs, *args, **kwargs):
         mask = inputs.get("attention_mask")
@@ -88,10 +113,11 @@ def main() -> None:
     p.add_argument("--example", type=Path, required=True, help="ModelOpt's examples/speculative_decoding folder")
     p.add_argument("--budget-s", type=float, required=True)
     p.add_argument("--stats", type=Path, required=True)
+    p.add_argument("--init-weights", type=Path, default=None, help="DFlash-layout safetensors for the draft module")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="-- then main.py's own arguments")
     args = p.parse_args()
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    install_hooks(args.budget_s, args.stats.resolve())
+    install_hooks(args.budget_s, args.stats.resolve(), args.init_weights and args.init_weights.resolve())
     python_311_pickling_shim()
     example = args.example.resolve()
     os.chdir(example)

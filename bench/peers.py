@@ -18,6 +18,10 @@ The peer runs from its installed package (`nvidia-modelopt`) and its own example
   padded to `--seq-len` (it pads every row), `--batch` rows per step.
 - Time: a calibration run measures steps/s; the timed run's `max_steps` is set from it so that its schedule
   ends at the budget (the budget itself only guards). Counted from the first step, as `train.max_minutes`.
+  `--max-steps N` instead trains exactly N steps (no calibration, no budget): equal steps or target tokens.
+- Init: random (the example's own), or `--init target`: our step-0 drafter made from the target's layers
+  (`drafter.init_from: target`), exported, and loaded into the peer's draft module before its first step
+  (`peer_modelopt_run.py --init-weights`; ModelOpt 0.47 has no warm-start option of its own).
 - Evaluation: its export (the example's `export_hf_checkpoint.py`, DFlash format) through `dflash-train eval`
   on the held-out prompts, prompt lookup beside it.
 """
@@ -111,13 +115,33 @@ def recipe_overrides(args, work: Path, out_dir: Path, max_steps: int) -> list[st
     ]
 
 
-def run_peer(args, work: Path, name: str, max_steps: int, budget_s: float) -> dict:
+def write_target_init(args, out: Path) -> Path:
+    """Our step-0 drafter of this shape made from the target's layers (`drafter.init_from: target`, seed
+    `--seed`), in the DFlash export layout, whose tensor names the peer's draft module shares; returns the
+    weights file."""
+    import torch
+    from transformers import AutoConfig
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.drafter.export import export_drafter
+    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.train.trainer import build_drafter
+
+    config = load_config("practice", [f"target.path={args.target}", f"drafter.num_layers={args.num_layers}",
+                                      f"drafter.block_size={args.block_size}", "drafter.init_from=target",
+                                      f"drafter.mask_token_id={args.mask_token_id}", f"run.seed={args.seed}"])
+    target_config = AutoConfig.from_pretrained(args.target)
+    model = build_drafter(config, drafter_spec(target_config, config.drafter), torch.device("cpu"))
+    return export_drafter(model, out, target_config=target_config, dtype=torch.float32) / "model.safetensors"
+
+
+def run_peer(args, work: Path, name: str, max_steps: int, budget_s: float, init: Path | None = None) -> dict:
     """One training run of the example in the peer's Python; returns its stats (peer_modelopt_run.py)."""
     out_dir, stats = work / name, work / f"{name}-stats.json"
     if out_dir.exists():
         raise SystemExit(f"{out_dir} exists: the example resumes from a checkpoint there; give a new --work")
     cmd = [args.peer_python, str(ROOT / "bench" / "peer_modelopt_run.py"), "--example", str(args.example),
-           "--budget-s", str(budget_s), "--stats", str(stats), "--",
+           "--budget-s", str(budget_s), "--stats", str(stats), *(["--init-weights", str(init)] if init else []), "--",
            "--config", "general/speculative_decoding/dflash", *recipe_overrides(args, work, out_dir, max_steps)]
     log = work / f"{name}.log"
     t0 = time.perf_counter()
@@ -161,7 +185,7 @@ def export_and_eval(args, work: Path, trained: dict) -> dict:
     cache = Path(args.cache)
     overrides = [f"target.path={args.target}", f"eval.prompts={cache / 'eval.jsonl'}",
                  f"eval.num_prompts={args.eval_prompts}", f"eval.max_new_tokens={args.max_new_tokens}",
-                 "logging.progress=false", *(["run.device=cpu"] if args.cpu else [])]
+                 "logging.progress=false", *(["run.device=cpu"] if args.cpu else []), *args.eval_overrides]
     if cli.main(["eval", "--config", "practice", "--drafter", str(export), "--out", str(work / "eval"),
                  *overrides]) != 0:
         raise SystemExit("dflash-train eval of the ModelOpt export failed")
@@ -177,16 +201,23 @@ def modelopt(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     sample = [json.loads(line)["messages"] for line in (work / "train.jsonl").read_text().splitlines()[:500]]
     (work / "chat_template.jinja").write_text(generation_template(tokenizer, sample))
-    budget_s = args.minutes * 60
-    calibration = run_peer(args, work, "calibrate", 100000, args.calibrate_s)
-    max_steps = steps_for_budget(calibration, budget_s)
-    print(f"timed run: max_steps={max_steps} for {budget_s:.0f} s", flush=True)
-    trained = run_peer(args, work, "timed", max_steps, budget_s * 1.05)
+    init = write_target_init(args, work / "init") if args.init == "target" else None
+    if args.max_steps:
+        max_steps, budget_s = args.max_steps, float("inf")
+    else:
+        budget_s = args.minutes * 60
+        calibration = run_peer(args, work, "calibrate", 100000, args.calibrate_s, init)
+        max_steps = steps_for_budget(calibration, budget_s)
+        print(f"timed run: max_steps={max_steps} for {budget_s:.0f} s", flush=True)
+    trained = run_peer(args, work, "timed", max_steps, budget_s * 1.05, init)
     report = export_and_eval(args, work, trained)
+    budget = f"{args.max_steps}steps" if args.max_steps else f"{args.minutes:g}min"
     return {
-        "bench": "peers", "trainer": "modelopt", "name": f"modelopt-{args.minutes:g}min",
+        "bench": "peers", "trainer": "modelopt", "name": args.name or f"modelopt-{args.init}-{budget}-s{args.seed}",
+        "init": args.init, "seed": args.seed, "eval_overrides": args.eval_overrides,
         "date": datetime.now().strftime("%Y-%m-%d"), "commit": git_commit()[:7], "peer_version": peer_version(args),
-        "budget_minutes": args.minutes, "rows": rows, "batch": args.batch, "seq_len": args.seq_len,
+        "budget_minutes": None if args.max_steps else args.minutes, "rows": rows, "batch": args.batch,
+        "seq_len": args.seq_len,
         "steps": trained["steps"], "max_steps": max_steps, "train_s": trained["seconds"],
         "stopped_by_budget": trained["stopped_by_budget"], "real_tokens": trained["real_tokens"],
         "real_tokens_per_s": trained["real_tokens"] / trained["seconds"],
@@ -198,14 +229,15 @@ def modelopt(args) -> dict:
 
 
 def peer_version(args) -> str:
-    done = subprocess.run([args.peer_python, "-c", "import modelopt; print(modelopt.__version__)"],
+    done = subprocess.run([args.peer_python, "-c", "import modelopt, transformers; "
+                           "print(modelopt.__version__, 'with transformers', transformers.__version__)"],
                           capture_output=True, text=True, env=peer_env(args))
     return done.stdout.strip() or "unknown"
 
 
 def table_row(r: dict) -> str:
     ratio = r["tau"] / r["prompt_lookup_tau"] if r.get("tau") and r.get("prompt_lookup_tau") else None
-    return (f"| {r['date']} | {r['commit']} | {r['trainer']} | {r['recipe']} | {r['budget_minutes']:g} | "
+    return (f"| {r['date']} | {r['commit']} | {r['trainer']} | {r['recipe']} | {or_dash(r['budget_minutes'], '{:g}')} | "
             f"{r['steps']} | {or_dash(r['train_s'], '{:.0f}')} | {or_dash(r['real_tokens_per_s'], '{:,.0f}')} | "
             f"{or_dash(r['tau'])} | {or_dash(r['prompt_lookup_tau'])} | {or_dash(ratio)}x | "
             f"{or_dash(r['eval_seconds'], '{:.1f}')} |")
@@ -226,8 +258,8 @@ def table(paths: list[Path], record: bool) -> None:
     for path in paths:
         r = json.loads(path.read_text())
         rows.append(table_row(from_quality(r) if r.get("bench") == "quality" else
-                              r | {"recipe": f"ModelOpt {r['peer_version']} example recipe, batch {r['batch']} x "
-                                             f"{r['seq_len']} padded"}))
+                              r | {"recipe": f"ModelOpt {r['peer_version']} example recipe, {r.get('init', 'random')} "
+                                             f"init, seed {r.get('seed', 0)}, batch {r['batch']} x {r['seq_len']} padded"}))
     print(TABLE_HEADER)
     print("|" + "---|" * TABLE_HEADER.count(" | ") + "---|")
     print("\n".join(rows))
@@ -245,6 +277,13 @@ def main(argv=None) -> int:
     m.add_argument("--work", default=None, help="a new folder for the peer's data, runs and export")
     m.add_argument("--minutes", type=float, default=5.0, help="training budget, from the first step")
     m.add_argument("--calibrate-s", type=float, default=60.0)
+    m.add_argument("--max-steps", type=int, default=0, help="train exactly this many steps (no calibration, "
+                   "no time budget): the equal-steps / equal-target-tokens protocol")
+    m.add_argument("--init", choices=("random", "target"), default="random",
+                   help="the peer's draft starts random (its own init) or from our target-initialised step 0")
+    m.add_argument("--name", default=None, help="the result's name (default: modelopt-INIT-BUDGET-sSEED)")
+    m.add_argument("--eval-overrides", nargs="*", default=[], metavar="k=v",
+                   help="extra `dflash-train eval` overrides, as the arms it is compared with (target.dtype=...)")
     m.add_argument("--peer-python", default=sys.executable)
     m.add_argument("--batch", type=int, default=16, help="rows per step (our recipe: 16,384 tokens per step)")
     m.add_argument("--seq-len", type=int, default=1280, help="padded row length (prompts <= 1,024 + 256 new tokens)")

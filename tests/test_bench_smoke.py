@@ -480,6 +480,35 @@ def test_peer_driver_template_shape_and_step_budget(tmp_path):
     assert json.loads((tmp_path / "peer.jsonl").read_text()) == {"messages": rows[0]}
 
 
+def test_peer_warm_start_loads_every_draft_tensor_or_refuses(tmp_path):
+    """peer_modelopt_run.py's warm start: our export's tensors land in the peer's draft module by name (rotary
+    buffers and the target's embedding / head left as built); a file missing a tensor or with another shape is
+    refused before training, never half loaded."""
+    from types import SimpleNamespace
+
+    from drafter_helpers import tiny_drafter
+    from peer_modelopt_run import load_draft_weights
+    from safetensors.torch import load_file, save_file
+
+    from dflash_trainer.drafter.export import export_drafter
+
+    (source, _), (module, _) = tiny_drafter(seed=0), tiny_drafter(seed=1)
+    module.register_buffer("rotary_emb_inv_freq", torch.ones(2))  # a buffer the file lacks, as the peer's rotary
+    weights = export_drafter(source, tmp_path / "init") / "model.safetensors"
+    peer = SimpleNamespace(dflash_module=module)
+    assert load_draft_weights(peer, weights) == len(load_file(str(weights)))
+    for name, p in source.state_dict().items():
+        assert torch.equal(module.state_dict()[name], p), name
+    state = load_file(str(weights))
+    fc = state.pop("fc.weight")
+    save_file(state, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(SystemExit, match="missing \\['fc.weight'\\]"):
+        load_draft_weights(peer, tmp_path / "missing.safetensors")
+    save_file(state | {"fc.weight": fc[:, :-1].contiguous()}, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(SystemExit, match="fc.weight"):
+        load_draft_weights(peer, tmp_path / "shape.safetensors")
+
+
 def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):
     def result(name, rows, minutes, tau, evals=()):
         path = tmp_path / f"{name}.json"
