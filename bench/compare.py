@@ -49,12 +49,25 @@ def pooled_tau(committed: list[int], steps: list[int]) -> float:
     return sum(committed) / sum(steps)
 
 
+def same_lookup(run: dict, base: dict) -> bool:
+    """Whether prompt lookup's per-prompt counts of both runs agree on every prompt: the same prompts, decoding and
+    target replies, where the digests differ only by what they cannot see through (the target's folder path, which
+    it includes). Printed when it is what lets two runs be compared."""
+    if not all(k in run and k in base for k in LOOKUP_FIELDS):
+        return False
+    same = all(run[k] == base[k] for k in LOOKUP_FIELDS)
+    if same:
+        print(f"note: {run['name']} and {base['name']} have other setting digests (a target in another folder?) but "
+              f"prompt lookup's counts agree on all {len(base['per_prompt_steps'])} prompts: compared", file=sys.stderr)
+    return same
+
+
 def compare(runs: list[dict]) -> tuple[list[dict], Optional[dict]]:
     """Each run's tau and its paired difference from the first run's; prompt lookup's tau on the same prompts
     (None when no run kept its per-prompt counts)."""
     base = runs[0]
     for run in runs[1:]:
-        if run["setting_digest"] != base["setting_digest"]:
+        if run["setting_digest"] != base["setting_digest"] and not same_lookup(run, base):
             raise SystemExit(f"{run['path']} was evaluated otherwise than {base['path']} (other prompts, decoding "
                              "settings or target): compare evaluations of the same eval.prompts, eval.num_prompts, "
                              "eval.max_new_tokens, eval.temperature, block size and target")

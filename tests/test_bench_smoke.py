@@ -579,6 +579,15 @@ def test_compare_pairs_the_prompts_and_refuses_other_prompts(tmp_path):
     assert too_many.returncode != 0 and "--first 5" in too_many.stderr and "has 4 prompts" in too_many.stderr
     other = run(base, result("other", [30, 20, 50, 10], digest="d2"))
     assert other.returncode != 0 and "other.json was evaluated otherwise than" in other.stderr
+    # another digest (the target in another folder) with prompt lookup's counts equal on every prompt: compared,
+    # and said; one prompt's lookup count apart: refused
+    moved = result("moved", [34, 21, 56, 13], digest="d3", prompt_lookup_per_prompt_committed=[20, 20, 30, 10],
+                   prompt_lookup_per_prompt_steps=[10] * 4)
+    paired = run(lookup, moved)
+    assert paired.returncode == 0 and "prompt lookup's counts agree on all 4 prompts" in paired.stderr
+    apart = result("apart", [34, 21, 56, 13], digest="d3", prompt_lookup_per_prompt_committed=[20, 20, 30, 11],
+                   prompt_lookup_per_prompt_steps=[10] * 4)
+    assert run(lookup, apart).returncode != 0
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"name": "old", "tau": 3.0}))
     missing = run(base, str(old))
