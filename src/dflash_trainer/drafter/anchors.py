@@ -15,7 +15,7 @@ for all T slots, invalid slots pushed below every valid key, `topk(N)`, sort.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -53,6 +53,26 @@ class BlockPlan:
     @property
     def block_size(self) -> int:
         return self.positions.shape[1]
+
+    def select(self, start: int, stop: int) -> "BlockPlan":
+        """Blocks start .. stop-1 as a plan of their own (a chunk of a chunked step). Blocks past the last one are
+        padding, invalid as `plan_from_anchors` makes them (zero loss weight), so every chunk of a step can have
+        the same number of blocks (fixed shapes)."""
+        if not 0 <= start < stop:
+            raise ValueError(f"select({start}, {stop}): need 0 <= start < stop")
+        part = {f.name: getattr(self, f.name)[start:stop] for f in fields(self)}  # views, no copy
+        pad = stop - max(start, self.num_blocks)
+        if pad <= 0:
+            return BlockPlan(**part)
+        device, b = self.anchors.device, self.block_size
+        zeros = torch.zeros(pad, dtype=torch.int64, device=device)  # (P,)
+        filler = {
+            "anchors": zeros, "block_valid": zeros.bool(), "seq_id": zeros - 1, "anchor_pos": zeros,
+            "positions": torch.arange(b, device=device).expand(pad, b),  # (P, B) anchor_pos 0 + k
+            "block_ids": self.block_ids[:1].expand(pad, b),  # (P, B) any ids: nothing reads an invalid block's
+            "labels": zeros[:, None].expand(pad, b), "label_valid": zeros[:, None].expand(pad, b).bool(),
+        }
+        return BlockPlan(**{name: torch.cat([t, filler[name]]) for name, t in part.items()})
 
 
 def derive_seed(seed: int, epoch: int, job_id: int, stream: str) -> int:

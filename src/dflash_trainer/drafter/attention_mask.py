@@ -147,9 +147,11 @@ class FlexMaskBuilder:
     """Builds BlockMasks whose `mask_mod` is the same function object every batch.
 
     A compiled forward guards on the mask_mod it traced; a fresh closure per batch would recompile every
-    step. The builder keeps one mask_mod per window reading preallocated index buffers, and copies each
-    batch's `MaskIndex` into them (fixed shapes). A BlockMask is valid until the next `build` (steps run
-    in order on one stream, so the copy lands after the previous step's kernels).
+    step. The builder keeps one mask_mod per (mask shape, window) reading preallocated index buffers of that
+    shape, and copies each batch's `MaskIndex` into them (fixed shapes). Masks of several shapes (a chunked step's
+    chunks, the held-out validation's whole batches) keep their own buffers, so alternating between them
+    recompiles nothing. A BlockMask is valid until the next `build` of its shape (steps, and a chunked step's
+    chunks, run in order on one stream, so the copy lands after the previous user's kernels).
     """
 
     tile = 128
@@ -158,42 +160,47 @@ class FlexMaskBuilder:
     def __init__(self, from_intervals: bool = True) -> None:
         self.from_intervals = from_intervals
         """Full-attention masks from the key intervals (`tile_blocks`); False: `create_block_mask` (every pair)."""
-        self._buffers: Optional[MaskIndex] = None
-        self._mods: dict = {}
+        self._buffers: dict[tuple, MaskIndex] = {}
+        """(queries, keys, device) -> the index buffers that shape's mask_mods read."""
+        self._mods: dict[tuple, object] = {}
+        """(queries, keys, device, window) -> mask_mod."""
+        self._last: Optional[tuple] = None
+        """The shape of the latest `build`."""
 
-    def _mask_mod(self, sliding_window: Optional[int]):
-        if sliding_window not in self._mods:
-            buffers = self._buffers
+    def _mask_mod(self, sliding_window: Optional[int], shape: Optional[tuple] = None):
+        """The mask_mod of `shape` (default: the latest build's) and `sliding_window`."""
+        shape = shape or self._last
+        key = (*shape, sliding_window)
+        if key not in self._mods:
+            buffers = self._buffers[shape]
 
             def mask_mod(b, h, q_idx, kv_idx):
                 return visible(buffers, q_idx, kv_idx, sliding_window)
 
-            self._mods[sliding_window] = mask_mod
-        return self._mods[sliding_window]
+            self._mods[key] = mask_mod
+        return self._mods[key]
 
     def build(self, index: MaskIndex, sliding_window: Optional[int] = None):
         from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
         fields = MaskIndex.__slots__
-        if self._buffers is None or any(
-            getattr(self._buffers, f).shape != getattr(index, f).shape
-            or getattr(self._buffers, f).device != getattr(index, f).device
-            for f in fields
-        ):
-            self._buffers = MaskIndex(**{f: getattr(index, f).clone() for f in fields})
-            self._mods = {}
+        device = index.q_block.device
+        shape = (index.q_block.shape[0], index.k_block.shape[0], device)  # every field's length follows from these
+        self._last = shape
+        buffers = self._buffers.get(shape)
+        if buffers is None:
+            self._buffers[shape] = MaskIndex(**{f: getattr(index, f).clone() for f in fields})
         else:
             for f in fields:
-                getattr(self._buffers, f).copy_(getattr(index, f))
-        device = index.q_block.device
+                getattr(buffers, f).copy_(getattr(index, f))
         if sliding_window is None and self.from_intervals:  # tiles from the key intervals, not every (q, k) pair
             partial, full = tile_blocks(index, self.tile)
             return BlockMask.from_kv_blocks(
-                *_ordered(partial), *_ordered(full), BLOCK_SIZE=self.tile, mask_mod=self._mask_mod(None),
+                *_ordered(partial), *_ordered(full), BLOCK_SIZE=self.tile, mask_mod=self._mask_mod(None, shape),
                 seq_lengths=(index.q_block.shape[0], index.k_block.shape[0]),
             )
         return create_block_mask(
-            self._mask_mod(sliding_window),
+            self._mask_mod(sliding_window, shape),
             B=None,
             H=None,
             Q_LEN=index.q_block.shape[0],

@@ -5,7 +5,9 @@ no embedding and no LM head (the target's, frozen, are passed in). In every laye
 from block tokens; keys/values are `concat(context, block)` through the same k_proj/v_proj with k_norm
 on both; RoPE at absolute positions. Two forwards share the layer code:
 
-- `forward_train`: all N blocks of a packed batch at once, masked (see `attention_mask.py`).
+- `forward_train`: all N blocks of a packed batch at once, masked (see `attention_mask.py`); it is
+  `train_context` (the context's keys/values in every layer, once per batch) then `forward_train_blocks`
+  (blocks against that context), which a chunked step calls on its own, a chunk of blocks at a time.
 - `forward_blocks`: one block per row of a decoding batch, over a context K/V cache (`DraftContext`) that
   `extend_context` grows; `forward_block` is the same for one sequence.
 """
@@ -145,6 +147,33 @@ class TrainMasks:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrainContext:
+    """The context of one packed batch as every layer's attention sees it (training); any subset of the batch's
+    blocks can run against it (`forward_train_blocks`)."""
+
+    keys: tuple[torch.Tensor, ...]
+    """Per drafter layer, (T, nkv, hd): k_norm + RoPE applied."""
+    values: tuple[torch.Tensor, ...]
+    """Per drafter layer, (T, nkv, hd)."""
+    dtype: torch.dtype
+    """dtype of the context features hidden_norm(fc(taps)); the blocks' hidden states run in it."""
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.keys, *self.values)
+
+    def detached(self) -> "TrainContext":
+        """Leaf copies that collect the gradients of the blocks run against them (in `.grad`), so the context's
+        own backward can run once, after all of them."""
+        keys = tuple(k.detach().requires_grad_(k.requires_grad) for k in self.keys)
+        values = tuple(v.detach().requires_grad_(v.requires_grad) for v in self.values)
+        return TrainContext(keys=keys, values=values, dtype=self.dtype)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DraftContext:
     """Context keys/values of a batch of decoding rows (block keys are never cached).
 
@@ -234,25 +263,60 @@ class DFlashDrafter(nn.Module):
         embed_weight (V, H) frozen target embedding, masks from `build_masks` (None: built here).
         Returns (N, B, H) after the final norm. Invalid blocks attend only to themselves (finite output,
         zero loss weight)."""
-        num_slots = taps.shape[0]
-        n, b = plan.positions.shape
         if masks is None:
-            masks = self.build_masks(plan, cu_seqlens, num_slots)
+            masks = self.build_masks(plan, cu_seqlens, taps.shape[0])
+        # the private bodies: `compile_forward_train` rebinds the public names, and must not nest them in here
+        context = self._train_context(taps, cu_seqlens)
+        return self._train_blocks(context, plan, embed_weight, masks)
+
+    def train_context(self, taps: torch.Tensor, cu_seqlens: torch.Tensor,
+                      positions: Optional[torch.Tensor] = None) -> TrainContext:
+        """The keys and values of a packed batch's T context slots in every layer: taps (T, K*H), cu_seqlens
+        (S+1,) int32 (RoPE positions restart at each sequence); positions (T,) int64 instead, when given (a
+        context-parallel shard's slots are at their positions in the whole sequence)."""
+        return self._train_context(taps, cu_seqlens, positions)
+
+    def forward_train_blocks(
+        self,
+        *,
+        context: TrainContext,
+        plan: BlockPlan,
+        cu_seqlens: torch.Tensor,
+        embed_weight: torch.Tensor,
+        masks: Optional[TrainMasks] = None,
+    ) -> torch.Tensor:
+        """The blocks of `plan` (any subset of the batch's blocks, e.g. `BlockPlan.select`) against the batch's
+        `context`; masks from `build_masks` for these blocks (None: built here). Returns (n, B, H) after the
+        final norm, equal to those blocks' rows of `forward_train`."""
+        if masks is None:
+            masks = self.build_masks(plan, cu_seqlens, context.num_slots)
+        return self._train_blocks(context, plan, embed_weight, masks)
+
+    def _train_context(self, taps: torch.Tensor, cu_seqlens: torch.Tensor,
+                       positions: Optional[torch.Tensor] = None) -> TrainContext:
+        num_slots = taps.shape[0]
         ctx = self.context(taps)  # (T, H)
-        h = F.embedding(plan.block_ids.reshape(-1), embed_weight).to(ctx.dtype)  # (N*B, H)
-        seq = token_seq_ids(cu_seqlens, num_slots)  # (T,)
-        ctx_pos = torch.arange(num_slots, device=taps.device) - cu_seqlens.to(torch.int64)[seq.clamp(min=0)]
-        rope_ctx = self.rotary(ctx_pos, h.dtype)  # (T, 1, hd)
-        rope_blk = self.rotary(plan.positions.reshape(-1), h.dtype)  # (N*B, 1, hd)
+        ctx_pos = positions
+        if ctx_pos is None:
+            seq = token_seq_ids(cu_seqlens, num_slots)  # (T,)
+            ctx_pos = torch.arange(num_slots, device=taps.device) - cu_seqlens.to(torch.int64)[seq.clamp(min=0)]
+        rope_ctx = self.rotary(ctx_pos, ctx.dtype)  # (T, 1, hd)
+        kv = [layer.self_attn.kv(ctx, rope_ctx) for layer in self.layers]  # per layer (T, nkv, hd) x 2
+        return TrainContext(keys=tuple(k for k, _ in kv), values=tuple(v for _, v in kv), dtype=ctx.dtype)
+
+    def _train_blocks(self, context: TrainContext, plan: BlockPlan, embed_weight: torch.Tensor,
+                      masks: TrainMasks) -> torch.Tensor:
+        n, b = plan.positions.shape
+        h = F.embedding(plan.block_ids.reshape(-1), embed_weight).to(context.dtype)  # (n*B, H)
+        rope_blk = self.rotary(plan.positions.reshape(-1), h.dtype)  # (n*B, 1, hd)
         for i, layer in enumerate(self.layers):
             mask = masks.by_window[self.spec.layer_window(i)]
             if masks.kind == "sdpa":
                 attend = lambda q, k, v, m=mask: _sdpa(q, k, v, m)
             else:
                 attend = lambda q, k, v, m=mask: _flex_attention(q, k, v, m, self.flex_kernel_options)
-            ctx_k, ctx_v = layer.self_attn.kv(ctx, rope_ctx)  # (T, nkv, hd)
-            h = layer(h, ctx_k, ctx_v, rope_blk, attend)
-        return self.norm(h).view(n, b, -1)  # (N, B, H)
+            h = layer(h, context.keys[i], context.values[i], rope_blk, attend)
+        return self.norm(h).view(n, b, -1)  # (n, B, H)
 
     def empty_context(self, rows: int, device: torch.device, dtype: torch.dtype) -> DraftContext:
         empty = torch.zeros(rows, 0, self.spec.num_key_value_heads, self.spec.head_dim, device=device, dtype=dtype)

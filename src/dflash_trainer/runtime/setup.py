@@ -33,6 +33,7 @@ from dflash_trainer.target.checks import check_max_length, check_target
 from dflash_trainer.target.load import load_target, target_model_config
 from dflash_trainer.target.parallel import shard_target
 from dflash_trainer.train.checkpoint import check_fits, read_ledger, read_step, read_time_spent_s, resolve_resume
+from dflash_trainer.train.chunking import even_chunks
 from dflash_trainer.train.trainer import data_fingerprint, model_signature
 from dflash_trainer.transport.wire import WireSpec, wire_spec
 
@@ -166,15 +167,18 @@ def check_cpu_step_memory(config: Config, spec: DrafterSpec, device: torch.devic
     if device.type != "cpu":
         return
     shape = config.batch
-    need = dense_step_bytes(num_blocks=shape.num_blocks, block_size=spec.block_size,
+    setting = config.train.blocks_per_chunk  # the CPU chunks only when set (`train/chunking.py`)
+    blocks = even_chunks(shape.num_blocks, setting) if setting else shape.num_blocks
+    need = dense_step_bytes(num_blocks=blocks, block_size=spec.block_size,
                             token_budget=shape.token_budget, num_layers=spec.num_layers)
     free = available_host_bytes()
     if free is not None and need > free:
+        at_once = f"{blocks} at a time (train.blocks_per_chunk)" if blocks < shape.num_blocks else "all at once"
         raise ConfigError(
             f"pipeline.token_budget={shape.token_budget} is too large for training on the CPU: its {shape.num_blocks} "
-            f"blocks of {spec.block_size} attend through dense masks, about {need / 2**30:.1f} GiB a step, and "
-            f"{free / 2**30:.1f} GiB is available. Lower pipeline.token_budget (the memory grows with its square), "
-            "or train on a GPU (flex attention)"
+            f"blocks of {spec.block_size}, {at_once}, attend through dense masks, about {need / 2**30:.1f} GiB a "
+            f"step, and {free / 2**30:.1f} GiB is available. Lower pipeline.token_budget (the memory grows with its "
+            "square), set a smaller train.blocks_per_chunk, or train on a GPU (flex attention)"
         )
 
 

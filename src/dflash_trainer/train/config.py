@@ -46,6 +46,12 @@ class TrainConfig:
     compile_mode: Optional[str] = None
     """torch.compile's `mode` for that forward: null (the default) | reduce-overhead (CUDA graphs) |
     max-autotune | max-autotune-no-cudagraphs."""
+    blocks_per_chunk: int = 0
+    """The most drafter blocks whose activations are alive at once. The step runs a batch's blocks in equal chunks
+    of at most this many (forward, loss, backward per chunk; the context's keys and values computed once), so the
+    blocks' share of its memory stops growing with the sequence; the loss and gradients are those of one pass.
+    0: chosen from the free GPU memory at start, and logged (one pass whenever the whole batch fits; on the CPU
+    always one pass). With FSDP2 sharding the step always runs one pass. A speed and memory knob only."""
     fsdp: Optional[bool] = None
     """Shard the drafter with FSDP2 over the drafter ranks. None: when its weights and Adam state (16 bytes
     per parameter) would take more than a quarter of a GPU; true/false: always/never (CPU: only if true)."""
@@ -84,6 +90,9 @@ class TrainConfig:
             raise ConfigError(f"train.decay_ratio must be in (0, 1 - train.warmup_ratio], got {self.decay_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.blocks_per_chunk < 0:
+            raise ConfigError(f"train.blocks_per_chunk must be >= 0 (0: chosen from the free GPU memory), got "
+                              f"{self.blocks_per_chunk}")
         for key in ("grad_accum", "keep_last", "checkpoint_interval", "log_interval"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1, got {getattr(self, key)}")

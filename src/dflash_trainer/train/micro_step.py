@@ -1,41 +1,88 @@
-"""One microbatch on a drafter: sample blocks, forward, chunked loss, backward (no host sync)."""
+"""One microbatch on a drafter: sample blocks, forward, chunked loss, backward (no host sync).
+
+When the batch's blocks do not fit in memory at once (`chunking.py`), the step runs them in chunks: the context's
+keys and values are computed once and detached into leaves; each chunk of blocks runs its forward, its share of
+the loss (a sum: chunks add up) and its backward, which frees its activations and adds its gradients to the
+parameters and to the leaves; one backward through the context with the leaves' gradients ends the step. The
+loss and gradients are those of one pass over all blocks.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from typing import Callable, Optional
 
 import torch
 
 from dflash_trainer.config import Config
-from dflash_trainer.drafter.anchors import plan_blocks
-from dflash_trainer.drafter.loss import Teacher, drafter_loss
-from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.anchors import BlockPlan, plan_blocks
+from dflash_trainer.drafter.loss import LossOutput, Teacher, drafter_loss
+from dflash_trainer.drafter.model import DFlashDrafter, TrainContext
 from dflash_trainer.drafter.noise import add_tap_noise
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.load import DTYPES
+from dflash_trainer.train.chunking import ChunkPlan, log_plan, plan_chunks
+from dflash_trainer.train.parallel import is_sharded
 from dflash_trainer.train.step_loop import MicroResult
 from dflash_trainer.transport.wire import HiddenStateBatch
 
+log = logging.getLogger(__name__)
+
 
 def compile_forward_train(model: DFlashDrafter, mode: Optional[str] = None) -> None:
-    """torch.compile the drafter's `forward_train` (fixed shapes: dynamic=False; `mode` is torch.compile's).
-    The attention masks are built eagerly outside the graph and passed in, so mask building stays out of
-    the traced region."""
-    compiled = torch.compile(model.forward_train, dynamic=False, mode=mode)
+    """torch.compile the drafter's training forwards: `forward_train` (one pass), and `train_context` and
+    `forward_train_blocks` (the chunked step's), each compiled on its first call (fixed shapes: dynamic=False;
+    `mode` is torch.compile's). The attention masks are built eagerly outside the graphs and passed in, so mask
+    building stays out of the traced regions."""
+    compile = functools.partial(torch.compile, dynamic=False, mode=mode)
+    whole, blocks = compile(model.forward_train), compile(model.forward_train_blocks)
 
     def forward_train(*, taps, cu_seqlens, plan, embed_weight, masks=None):
         if masks is None:
             masks = model.build_masks(plan, cu_seqlens, taps.shape[0])
-        return compiled(taps=taps, cu_seqlens=cu_seqlens, plan=plan, embed_weight=embed_weight, masks=masks)
+        return whole(taps=taps, cu_seqlens=cu_seqlens, plan=plan, embed_weight=embed_weight, masks=masks)
 
-    model.forward_train = forward_train  # an instance attribute shadows the method
+    def forward_train_blocks(*, context, plan, cu_seqlens, embed_weight, masks=None):
+        if masks is None:
+            masks = model.build_masks(plan, cu_seqlens, context.num_slots)
+        return blocks(context=context, plan=plan, cu_seqlens=cu_seqlens, embed_weight=embed_weight, masks=masks)
+
+    # instance attributes shadow the methods
+    model.forward_train = forward_train
+    model.train_context = compile(model.train_context)
+    model.forward_train_blocks = forward_train_blocks
+
+
+def _sums(loss: LossOutput) -> tuple[torch.Tensor, ...]:
+    """What a microbatch reports, in `_result`'s order (detached device tensors)."""
+    return (loss.loss_sum.detach().float(), loss.weight_sum.float(), loss.slot_correct.float(),
+            loss.slot_count.float(), loss.accept_sum.float(), loss.block_count.float())
+
+
+def _result(sums: tuple[torch.Tensor, ...], batch: HiddenStateBatch) -> MicroResult:
+    loss_sum, weight_sum, slot_correct, slot_count, tau_sum, num_blocks = sums
+    return MicroResult(loss_sum=loss_sum, weight_sum=weight_sum, slot_correct=slot_correct, slot_count=slot_count,
+                       tau_sum=tau_sum, num_blocks=num_blocks, num_tokens=batch.num_tokens)
+
+
+def step_loss(dcfg: DrafterConfig, lm_head: torch.Tensor,
+              teacher: Optional[Teacher] = None) -> Callable[[torch.Tensor, BlockPlan], LossOutput]:
+    """The drafter loss of `drafter.*` as `loss_of(hidden (n, B, H), plan)` for the blocks of `plan`."""
+    return functools.partial(
+        drafter_loss, lm_head_weight=lm_head, gamma=dcfg.loss_gamma, chunk_rows=dcfg.loss_chunk_rows,
+        kd_weight=dcfg.kd_weight, teacher=teacher, dpace=dcfg.dpace, dpace_alpha=dcfg.dpace_alpha,
+        compiled_ce=dcfg.loss_kernel == "compiled",
+    )
 
 
 def make_micro_step(
     config: Config, model: DFlashDrafter, head: TargetHead, *, device: torch.device, progress: Callable[[], float]
 ) -> Callable[[HiddenStateBatch], MicroResult]:
-    """`progress()` is the fraction of training done (for the noise schedule)."""
+    """`progress()` is the fraction of training done (for the noise schedule). The chunk size is planned here,
+    once (`chunking.py`), and logged."""
     spec = model.spec
     dcfg = config.drafter
     compute = DTYPES[config.train.dtype]
@@ -46,6 +93,13 @@ def make_micro_step(
     else:
         autocast = lambda: torch.autocast(device_type=device.type, dtype=compute)  # noqa: E731
         embed, lm_head = head.embed_weight, head.lm_head_weight
+    chunks = plan_chunks(
+        setting=config.train.blocks_per_chunk, spec=spec, num_blocks=config.batch.num_blocks,
+        token_budget=config.batch.token_budget, compute=compute, loss_chunk_rows=dcfg.loss_chunk_rows,
+        num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), device=device,
+        sharded=is_sharded(model),
+    )
+    log_plan(chunks)
 
     def micro_step(batch: HiddenStateBatch) -> MicroResult:
         plan = plan_blocks(
@@ -59,22 +113,62 @@ def make_micro_step(
         teacher = None
         if dcfg.kd_weight > 0:
             teacher = Teacher(last_hidden=batch.last_hidden, final_norm=head.final_norm)
+        loss_of = step_loss(dcfg, lm_head, teacher)
+        if not chunks.one_pass:
+            return _result(chunked_forward_backward(model, taps=taps, batch=batch, plan=plan, embed=embed,
+                                                    chunks=chunks, autocast=autocast, loss_of=loss_of), batch)
         with autocast():
             hidden = model.forward_train(taps=taps, cu_seqlens=batch.cu_seqlens, plan=plan, embed_weight=embed)  # (N, B, H)
-            loss = drafter_loss(
-                hidden, plan, lm_head_weight=lm_head, gamma=dcfg.loss_gamma, chunk_rows=dcfg.loss_chunk_rows,
-                kd_weight=dcfg.kd_weight, teacher=teacher, dpace=dcfg.dpace, dpace_alpha=dcfg.dpace_alpha,
-                compiled_ce=dcfg.loss_kernel == "compiled",
-            )
+            loss = loss_of(hidden, plan)
         loss.loss_sum.backward()
-        return MicroResult(
-            loss_sum=loss.loss_sum.detach().float(),
-            weight_sum=loss.weight_sum.float(),
-            slot_correct=loss.slot_correct.float(),
-            slot_count=loss.slot_count.float(),
-            tau_sum=loss.accept_sum.float(),
-            num_blocks=loss.block_count.float(),
-            num_tokens=batch.num_tokens,
-        )
+        return _result(_sums(loss), batch)
 
     return micro_step
+
+
+def chunked_forward_backward(
+    model: DFlashDrafter, *, taps: torch.Tensor, batch: HiddenStateBatch, plan: BlockPlan, embed: torch.Tensor,
+    chunks: ChunkPlan, autocast: Callable, loss_of: Callable[[torch.Tensor, BlockPlan], LossOutput],
+) -> tuple[torch.Tensor, ...]:
+    """Forward + backward of the batch's blocks in `chunks`, the context once (module docstring). Returns the
+    microbatch's sums (`_sums`), each the total over the chunks."""
+    with autocast():
+        context = model.train_context(taps, batch.cu_seqlens)  # per layer (T, nkv, hd) keys and values
+    return blocks_forward_backward(model, context=context, plan=plan, cu_seqlens=batch.cu_seqlens, embed=embed,
+                                   blocks_per_chunk=chunks.blocks_per_chunk, autocast=autocast, loss_of=loss_of)
+
+
+def blocks_forward_backward(
+    model: DFlashDrafter, *, context: TrainContext, plan: BlockPlan, cu_seqlens: torch.Tensor, embed: torch.Tensor,
+    blocks_per_chunk: int, autocast: Callable, loss_of: Callable[[torch.Tensor, BlockPlan], LossOutput],
+) -> tuple[torch.Tensor, ...]:
+    """Forward + backward of `plan`'s blocks against `context` (still attached to the graph that made it), in chunks
+    of `blocks_per_chunk` blocks (the last padded), then the backward of whatever made the context, once. Returns
+    the sums (`_sums`), each the total over the chunks."""
+    leaves = context.detached()
+    # The leaves' gradients add up over the chunks in fp32 (bf16 values would round at every chunk): each chunk's
+    # gradient moves from `.grad` into its sum as soon as it is written.
+    grads = [torch.zeros_like(leaf, dtype=torch.float32) for leaf in leaves.tensors()]  # per leaf (T, nkv, hd)
+    for leaf, grad in zip(leaves.tensors(), grads):
+        leaf.register_post_accumulate_grad_hook(functools.partial(_move_grad, grad))
+    totals = None
+    size = blocks_per_chunk
+    for start in range(0, plan.num_blocks, size):
+        part = plan.select(start, start + size)  # the last chunk padded with invalid blocks: fixed shapes
+        with autocast():
+            hidden = model.forward_train_blocks(context=leaves, plan=part, cu_seqlens=cu_seqlens,
+                                                embed_weight=embed)  # (C, B, H)
+            loss = loss_of(hidden, part)
+        loss.loss_sum.backward()  # frees this chunk's activations; adds to the weights' and the leaves' .grad
+        sums = _sums(loss)
+        totals = sums if totals is None else tuple(a + b for a, b in zip(totals, sums))
+        del hidden, loss  # before the next chunk's forward
+    outputs = context.tensors()
+    # the context's own backward (fc, hidden_norm, each layer's k/v projections), once
+    torch.autograd.backward(outputs, [g.to(t.dtype) for t, g in zip(outputs, grads)])
+    return totals
+
+
+def _move_grad(total: torch.Tensor, leaf: torch.Tensor) -> None:
+    total.add_(leaf.grad)
+    leaf.grad = None
