@@ -1,17 +1,29 @@
-"""A tiny OpenAI-compatible server for tests: /v1/models and /v1/chat/completions on 127.0.0.1.
+"""A tiny OpenAI-compatible server for tests: /v1/models, /v1/chat/completions and /v1/completions on 127.0.0.1.
 
-Replies are `re:<last user content>`. Behaviour is keyed by the last user message, so tests can make
-some prompts fail, fail a few times first, or be slow on their first attempts.
+Chat replies are `re:<last user content>`. Behaviour is keyed by the last user message, so tests can make
+some prompts fail, fail a few times first, or be slow on their first attempts. Text completions are words drawn
+from the request's seed (or what `Behaviour.completion` says).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+WORDS = ("river", "garden", "python", "budget", "poem", "castle", "recipe", "orbit", "violin", "tax", "essay",
+         "router", "marathon", "quartz", "novel", "pricing", "glacier", "lemon", "theorem", "harbor")
+
+
+def seeded_text(body: dict) -> tuple[str, str]:
+    """Eight words drawn from the request's seed, ended as a stop."""
+    rng = random.Random(body.get("seed", 0))
+    return "Tell me about " + " ".join(rng.choice(WORDS) for _ in range(8)) + ".", "stop"
 
 
 @dataclass
@@ -30,6 +42,10 @@ class Behaviour:
     """Sleep before every answer (to let a test kill a client mid-run)."""
     reasoning: bool = False
     """Return the reasoning apart (`reasoning_content`), as vLLM does with a reasoning parser."""
+    completion: Callable[[dict], tuple[str, str]] = seeded_text
+    """/v1/completions: the request body -> (text, finish_reason)."""
+    completions_404: bool = False
+    """Serve no /v1/completions (a server with the chat endpoint only)."""
     attempts: Counter = field(default_factory=Counter)
     requests: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -58,6 +74,9 @@ def _handler(behaviour: Behaviour):
                 self._send(404, {"error": "not found"})
 
         def do_POST(self) -> None:
+            if self.path == "/v1/completions" and not behaviour.completions_404:
+                self._complete_text(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                return
             if self.path != "/v1/chat/completions":
                 self._send(404, {"error": "not found"})
                 return
@@ -82,6 +101,12 @@ def _handler(behaviour: Behaviour):
                 if behaviour.reasoning:
                     message["reasoning_content"] = f"thinking about {prompt}"
                 self._send(200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+
+        def _complete_text(self, body: dict) -> None:
+            with behaviour.lock:
+                behaviour.requests.append(body)
+            text, finish = behaviour.completion(body)
+            self._send(200, {"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
 
     return Handler
 

@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "eval": "measure acceptance length (tau) by speculative decoding",
     "export": "write a training checkpoint in an inference format (DFlash, or speculators for vLLM)",
     "regenerate": "answer a dataset's prompts again with the target",
+    "synthesize": "the target writes its own prompts (Magpie-style), filtered and deduplicated, and answers them",
     "report": "figures of a run in one self-contained HTML page (RUN_DIR/report/)",
 }
 
@@ -58,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--verifier", default=None,
                            help="with --format speculators: hub id or folder of the target you will serve "
                            "(default: target.path)")
-        if name == "regenerate":
+        if name in ("regenerate", "synthesize"):
             p.add_argument("--out", required=False, help="output dataset directory")
         if name == "report":
             p.add_argument("--out", default=None, help="directory for the report (default: RUN_DIR/report)")

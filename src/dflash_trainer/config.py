@@ -21,6 +21,7 @@ from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.config import EvalConfig
 from dflash_trainer.runtime.config import PipelineConfig
+from dflash_trainer.synth.config import SynthesizeConfig
 from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.train.config import TrainConfig
 
@@ -88,6 +89,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    synthesize: SynthesizeConfig = field(default_factory=SynthesizeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:

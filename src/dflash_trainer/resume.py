@@ -30,8 +30,9 @@ MAY_CHANGE = (
     "pipeline",
     "train.num_epochs", "train.max_steps", "train.max_minutes", "train.resume", "train.overwrite", "train.keep_last",
     "train.checkpoint_interval", "train.log_interval", "train.max_nonfinite_steps", "train.compile",
-    "train.compile_mode", "train.fsdp",
-    "eval.interval", "eval.at_end", "eval.batch_size", "eval.prompt_lookup", "regenerate", "logging",
+    "train.compile_mode", "train.fsdp", "train.blocks_per_chunk",
+    "eval.interval", "eval.at_end", "eval.batch_size", "eval.prompt_lookup", "regenerate", "synthesize",
+    "logging",
 )
 """Keys (or whole sections) a resume may change: budgets, cadence, evaluation, logging, placement, speed knobs."""
 MUST_STAY = ("pipeline.token_budget",)

@@ -20,6 +20,10 @@ from dflash_trainer.regen.turns import limit_turns
 
 log = logging.getLogger(__name__)
 
+LONG_REPLY_TOKENS = 16384
+"""From this `regenerate.max_new_tokens` on, the local backend is told to be slow: it decodes with a plain KV
+cache, one token per row and step, where a serving engine batches continuously and pages its cache."""
+
 
 def build_backend(config: Config) -> Backend:
     """The backend named by `regenerate.backend`, ready to run (server checked / target loaded)."""
@@ -45,6 +49,11 @@ def build_backend(config: Config) -> Backend:
         )
         backend.check_model()
         return backend
+    if regen.max_new_tokens >= LONG_REPLY_TOKENS:
+        log.warning(
+            "regenerate.max_new_tokens=%d with the local backend: it is slow for replies this long (a plain KV "
+            "cache, no continuous batching). Serve the target with vLLM or SGLang and set regenerate.backend=openai "
+            "regenerate.url=http://HOST:PORT/v1 (README \"Training a real drafter\", step 1)", regen.max_new_tokens)
     import torch
 
     from dflash_trainer.data.tokenizer import load_tokenizer

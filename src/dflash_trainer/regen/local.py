@@ -5,14 +5,15 @@ conversation's k-th user turn, conditioned on its regenerated earlier turns). Wi
 are sorted by length and generated in left-padded batches of `batch_size` with a KV cache; finished rows
 leave the batch as they end. Greedy at temperature 0, else sampled at `temperature` from the `top_p` nucleus
 (no top-k). A chunk's rows are yielded when its last round is done, so an interruption loses at
-most one chunk.
+most one chunk. `reply` (one turn of many conversations) and `continue_ids` (raw continuations, with whether
+each ended at a stop token) serve `synthesize` as well.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -21,7 +22,7 @@ from dflash_trainer.data.types import Conversation, Message
 from dflash_trainer.eval.batched import decode_batch
 from dflash_trainer.target.stop_tokens import stop_token_ids
 
-from dflash_trainer.regen.turns import RegenOutcome, TurnState, as_dicts, skipped, start
+from dflash_trainer.regen.turns import Continuation, RegenOutcome, TurnState, as_dicts, skipped, start
 
 _OPEN_THINK = re.compile(r"<think>\s*$")
 
@@ -44,6 +45,7 @@ class LocalBackend:
         seed: int = 0,
         max_prompt_tokens: int | None = None,
         top_p: float = 1.0,
+        extra_stop_ids: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.max_prompt_tokens = max_prompt_tokens
@@ -51,7 +53,7 @@ class LocalBackend:
         self.thinking = thinking
         self.batch_size = batch_size
         self.max_new_tokens = max_new_tokens
-        self.stop_ids = stop_token_ids(tokenizer, model)
+        self.stop_ids = sorted(set(stop_token_ids(tokenizer, model)) | set(extra_stop_ids))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.seed = seed
@@ -61,8 +63,12 @@ class LocalBackend:
         self.banned = list(range(len(tokenizer), rows))  # spare embedding rows decode to nothing: never generate
         self.generator = torch.Generator(device=model.device)
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling stream (a caller that asks in chunks seeds each chunk)."""
+        self.generator.manual_seed(seed)
+
     def run(self, conversations: Iterable[Conversation]) -> Iterator[RegenOutcome]:
-        self.generator.manual_seed(self.seed)
+        self.reseed(self.seed)
         chunk: list[TurnState] = []
         for conv in conversations:
             state = start(conv)
@@ -80,22 +86,29 @@ class LocalBackend:
         ended: dict[str, RegenOutcome] = {}  # skipped at the first turn, or cut short at a later one
         active = states
         while active:
-            prompts = []
-            for state in active:
-                prompt = self._encode(state.row_id, state.next_prompt())  # type: ignore[arg-type]
-                if isinstance(prompt, RegenOutcome):
-                    ended[state.row_id] = state.outcome(cut=prompt.skipped) if state.replied else prompt
+            replies = self.reply([(state.row_id, state.next_prompt()) for state in active])  # type: ignore[misc]
+            for state, reply in zip(active, replies):
+                if isinstance(reply, RegenOutcome):
+                    ended[state.row_id] = state.outcome(cut=reply.skipped) if state.replied else reply
                 else:
-                    prompts.append((state, *prompt))
-            prompts.sort(key=lambda p: len(p[1]))
-            for i in range(0, len(prompts), self.batch_size):
-                batch = prompts[i : i + self.batch_size]
-                replies = self._generate([ids for _, ids, _ in batch])
-                for (state, _, prefix), reply in zip(batch, replies):
-                    state.add_reply(prefix + reply)
+                    state.add_reply(reply)
             active = [s for s in active if s.row_id not in ended and s.next_prompt() is not None]
         for state in states:
             yield ended.get(state.row_id) or state.outcome()
+
+    def reply(self, prompts: Sequence[tuple[str, tuple[Message, ...]]]) -> list[str | RegenOutcome]:
+        """The target's reply to each (row id, messages ending with a user turn), in order; a prompt over a
+        length limit gets its row's skip instead."""
+        replies: list[str | RegenOutcome] = []
+        asked: list[tuple[int, list[int], str]] = []  # (index, prompt ids, reply prefix)
+        for i, (rid, messages) in enumerate(prompts):
+            encoded = self._encode(rid, messages)
+            replies.append(encoded if isinstance(encoded, RegenOutcome) else "")
+            if not isinstance(encoded, RegenOutcome):
+                asked.append((i, *encoded))
+        for (i, _, prefix), continuation in zip(asked, self.continue_ids([ids for _, ids, _ in asked])):
+            replies[i] = prefix + continuation.text
+        return replies
 
     def _encode(self, rid: str, messages: tuple[Message, ...]) -> tuple[list[int], str] | RegenOutcome:
         """(prompt ids, reply prefix), or the row's skip when the prompt is over a length limit.
@@ -106,6 +119,14 @@ class LocalBackend:
         text = self.tokenizer.apply_chat_template(
             as_dicts(messages), tokenize=False, add_generation_prompt=True, enable_thinking=self.thinking
         )
+        ids = self.encode_text(rid, text)
+        if isinstance(ids, RegenOutcome):
+            return ids
+        match = _OPEN_THINK.search(text)
+        return ids, (match.group(0) if match else "")
+
+    def encode_text(self, rid: str, text: str) -> list[int] | RegenOutcome:
+        """The ids of a rendered prompt, or the row's skip when it is over a length limit."""
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             return skipped(rid, f"prompt over regenerate.max_prompt_tokens={self.max_prompt_tokens}",
@@ -113,20 +134,30 @@ class LocalBackend:
         if self.max_positions is not None and len(ids) + self.max_new_tokens > self.max_positions:
             return skipped(rid, f"prompt + max_new_tokens over the target's {self.max_positions} positions",
                            f"{len(ids)} + {self.max_new_tokens} tokens")
-        match = _OPEN_THINK.search(text)
-        return ids, (match.group(0) if match else "")
+        return ids
 
-    def _generate(self, prompts: list[list[int]]) -> list[str]:
-        """Replies to `prompts` (token ids), cut before the first stop token, decoded verbatim."""
+    def continue_ids(self, prompts: Sequence[list[int]]) -> list[Continuation]:
+        """What the target writes after each prompt (token ids), in order; decoded in length-sorted batches of
+        `batch_size` (left padding wastes least when lengths are close)."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        found: dict[int, Continuation] = {}
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            found.update(zip(batch, self._generate([prompts[i] for i in batch])))
+        return [found[i] for i in range(len(prompts))]
+
+    def _generate(self, prompts: list[list[int]]) -> list[Continuation]:
+        """Continuations of `prompts` (token ids), cut before the first stop token, decoded verbatim."""
         results = decode_batch(
             self.model, [torch.tensor(p, dtype=torch.int64) for p in prompts], max_new_tokens=self.max_new_tokens,
             stop_token_ids=self.stop_ids, temperature=self.temperature, top_p=self.top_p, generator=self.generator,
             pad_token_id=self.pad_id, banned_token_ids=self.banned,
         )
         stops = set(self.stop_ids)
-        replies = []
+        found = []
         for result in results:
             tokens = result.output_ids
-            end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
-            replies.append(self.tokenizer.decode(tokens[:end], skip_special_tokens=False))
-        return replies
+            end = next((i for i, t in enumerate(tokens) if t in stops), None)
+            text = self.tokenizer.decode(tokens[: len(tokens) if end is None else end], skip_special_tokens=False)
+            found.append(Continuation(text=text, finished=end is not None))
+        return found

@@ -1,4 +1,5 @@
-"""HTTP backend: an OpenAI-compatible server (vLLM / SGLang `serve`) answers through /v1/chat/completions.
+"""HTTP backend: an OpenAI-compatible server (vLLM / SGLang `serve`) answers through /v1/chat/completions
+(and continues rendered text through /v1/completions, which `synthesize` uses to sample user turns).
 
 Stdlib only (`urllib`). `concurrency` daemon worker threads each take a whole conversation and answer
 its user turns in order; a bounded number of conversations is in flight, so a Ctrl-C loses only those.
@@ -18,11 +19,11 @@ import threading
 import urllib.error
 import urllib.request
 import zlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from dflash_trainer.data.types import Conversation, Message
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.regen.turns import RegenOutcome, TurnState, as_dicts, failed, start
+from dflash_trainer.regen.turns import Continuation, RegenOutcome, TurnState, as_dicts, failed, start
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,23 @@ REFUSED_LATER_TURN = "HTTP 400 from the server at a later turn (e.g. over its co
 
 class _Retryable(Exception):
     pass
+
+
+T = TypeVar("T")
+
+
+def request_seed(seed: int, request_key: str) -> int:
+    """The seed of one sampled request: the samples of one prompt differ, and a rerun asks for the same ones."""
+    return zlib.crc32(f"{seed}:{request_key}".encode()) & 0x7FFFFFFF
+
+
+def _message(payload: dict[str, Any]) -> str:
+    return reply_text(payload["choices"][0]["message"])
+
+
+def _continuation(payload: dict[str, Any]) -> Continuation:
+    choice = payload["choices"][0]
+    return Continuation(text=choice["text"], finished=choice.get("finish_reason") != "length")
 
 
 def base_url(url: str) -> str:
@@ -127,7 +145,43 @@ class OpenAIBackend:
         }
         if self.temperature > 0:
             request["top_p"] = self.top_p
-            request["seed"] = zlib.crc32(f"{self.seed}:{request_key}".encode()) & 0x7FFFFFFF
+            request["seed"] = request_seed(self.seed, request_key)
+        return self._ask("chat/completions", request, _message)
+
+    def complete_text(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        request_key: str = "",
+    ) -> Continuation:
+        """What the model writes after `prompt` (token ids of text rendered here, so the server adds no second
+        BOS and applies no template), through the completions endpoint; retried as `complete` is. Special
+        tokens stay in the text (a turn that writes a role marker must be seen), and `stop_token_ids` (vLLM and
+        SGLang read them) end it at a template's end-of-turn token that is not the model's eos."""
+        request: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stop": list(stop),
+            "skip_special_tokens": False,
+        }
+        if stop_token_ids:
+            request["stop_token_ids"] = list(stop_token_ids)
+        if temperature > 0:
+            request["top_p"] = top_p
+            request["seed"] = request_seed(seed, request_key)
+        return self._ask("completions", request, _continuation)
+
+    def _ask(self, endpoint: str, request: dict[str, Any], parse: Callable[[dict[str, Any]], T]) -> T:
+        """POST `request` to `endpoint` and `parse` the answer, retrying transient errors (a malformed answer is
+        one); raises RequestFailed when it cannot be had."""
         body = json.dumps(request).encode()
         last = ""
         for attempt in range(self.max_retries + 1):
@@ -136,15 +190,19 @@ class OpenAIBackend:
                 if self._stop.wait(delay):
                     raise RequestFailed("stopped")
             try:
-                return self._post(body)
+                payload = self._post(endpoint, body)
+                try:
+                    return parse(payload)
+                except (KeyError, IndexError, TypeError):
+                    raise _Retryable(f"unexpected {endpoint} response: {str(payload)[:300]}") from None
             except _Retryable as e:
                 last = str(e)
                 log.debug("request attempt %d failed: %s", attempt + 1, last)
         raise RequestFailed(f"gave up after {self.max_retries + 1} attempts; last error: {last}")
 
-    def _post(self, body: bytes) -> str:
+    def _post(self, endpoint: str, body: bytes) -> dict[str, Any]:
         request = urllib.request.Request(
-            f"{self.url}/chat/completions", data=body, headers={"Content-Type": "application/json"}
+            f"{self.url}/{endpoint}", data=body, headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as resp:
@@ -160,10 +218,9 @@ class OpenAIBackend:
             raise _Retryable(f"connection error: {e}") from None
         except ValueError as e:
             raise _Retryable(f"malformed JSON response: {e}") from None
-        try:
-            return reply_text(payload["choices"][0]["message"])
-        except (KeyError, IndexError, TypeError):
-            raise _Retryable(f"response without choices[0].message: {str(payload)[:300]}") from None
+        if not isinstance(payload, dict):
+            raise _Retryable(f"unexpected {endpoint} response: {str(payload)[:300]}")
+        return payload
 
     def _answer(self, conversation: Conversation) -> RegenOutcome:
         state = start(conversation)

@@ -52,6 +52,9 @@ def _atomic_write_json(path: Path, obj: dict[str, Any]) -> None:
 class RegenStore:
     """Appends rows and failures to DIR; `open` resumes, `close` writes the final manifest."""
 
+    COMMAND = "regenerate"
+    """The command that writes such a directory (named when a second writer is refused)."""
+
     def __init__(
         self,
         out_dir: Path,
@@ -88,10 +91,12 @@ class RegenStore:
         shard_rows: int,
         source: dict[str, Any],
         expected_ids: set[str],
+        **extra: Any,
     ) -> "RegenStore":
+        """The store of `out_dir`, locked and scanned; `extra`: a subclass's own constructor arguments."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        store = cls(out, settings=settings, shard_rows=shard_rows, source=source, expected_ids=expected_ids)
+        store = cls(out, settings=settings, shard_rows=shard_rows, source=source, expected_ids=expected_ids, **extra)
         store._lock()
         try:
             store._check_dir()
@@ -105,7 +110,8 @@ class RegenStore:
     def _lock(self) -> None:
         self._lock_file = lock_exclusive(self.out_dir / LOCK)
         if self._lock_file is None:
-            raise DataError(f"another `dflash-train regenerate` is writing {self.out_dir}; wait for it or use a new --out")
+            raise DataError(f"another `dflash-train {self.COMMAND}` is writing {self.out_dir}; wait for it or use a "
+                            "new --out")
 
     def _unlock(self) -> None:
         if self._lock_file is not None:
@@ -241,24 +247,25 @@ class RegenStore:
                 os.fsync(self._file.fileno())
             self.write_manifest()
 
+    def manifest(self) -> dict[str, Any]:
+        """What `manifest.json` holds now."""
+        return {
+            "format": FORMAT,
+            "settings": self.settings.to_dict(),
+            "source": self.source,
+            "rows_total": len(self.expected_ids),
+            "rows_done": self.rows_done,
+            "rows_failed": self.rows_failed,
+            "rows_skipped": self.skip_counts,
+            "rows_cut": self.cut_counts,
+            "complete": self.complete,
+            "shards": [{"file": shard_name(i), "rows": n} for i, n in enumerate(self._shard_counts) if n],
+            "failed_log": FAILED,
+            "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
     def write_manifest(self) -> None:
-        _atomic_write_json(
-            self.out_dir / MANIFEST,
-            {
-                "format": FORMAT,
-                "settings": self.settings.to_dict(),
-                "source": self.source,
-                "rows_total": len(self.expected_ids),
-                "rows_done": self.rows_done,
-                "rows_failed": self.rows_failed,
-                "rows_skipped": self.skip_counts,
-                "rows_cut": self.cut_counts,
-                "complete": self.complete,
-                "shards": [{"file": shard_name(i), "rows": n} for i, n in enumerate(self._shard_counts) if n],
-                "failed_log": FAILED,
-                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            },
-        )
+        _atomic_write_json(self.out_dir / MANIFEST, self.manifest())
         self._last_manifest = time.monotonic()
 
     def close(self) -> None:

@@ -33,6 +33,16 @@ class RegenOutcome:
     the turns answered before it."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Continuation:
+    """Text the target wrote after a prompt (`synthesize` asks for user turns this way)."""
+
+    text: str
+    """The new text, cut before the stop token or stop string that ended it, decoded verbatim."""
+    finished: bool
+    """It ended at a stop token or string; False: it hit the token cap first (a truncated turn)."""
+
+
 def row_id(conversation: Conversation) -> str:
     """`<source>:<index>`, and `#k` for the k-th extra sample of the same prompts."""
     base = f"{conversation.source}:{conversation.source_index}"
