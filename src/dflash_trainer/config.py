@@ -37,15 +37,17 @@ class BatchShape:
     token_budget: int
     """Token slots of a packed batch (`pipeline.token_budget`)."""
     max_seqs: int
-    """Most sequences a batch can hold: every kept sequence has >= 2 * block_size tokens."""
+    """Most sequences a batch can hold: every kept sequence has >= 2 * block_size tokens; one under context
+    parallel (a batch is one sequence sharded over the CP group)."""
     num_blocks: int
     """Drafter blocks per batch (`drafter.num_blocks`, default the recipe's 512 per 3072 tokens)."""
 
     @staticmethod
     def of(pipeline: PipelineConfig, drafter: DrafterConfig) -> "BatchShape":
+        packed = max(1, pipeline.token_budget // (2 * drafter.block_size))
         return BatchShape(
             token_budget=pipeline.token_budget,
-            max_seqs=max(1, pipeline.token_budget // (2 * drafter.block_size)),
+            max_seqs=1 if pipeline.context_parallel > 1 else packed,
             num_blocks=drafter.blocks_for_budget(pipeline.token_budget),
         )
 
@@ -99,6 +101,11 @@ class Config:
         if self.target.quantize == "fp8" and self.run.device == "cpu":
             raise ConfigError("target.quantize=fp8 needs a CUDA GPU with FP8 tensor cores (compute capability "
                               "8.9+), and run.device=cpu asks for none: set target.quantize=null on the CPU")
+        if self.pipeline.context_parallel > 1 and self.drafter.kd_weight > 0:
+            raise ConfigError(
+                f"pipeline.context_parallel={self.pipeline.context_parallel} does not support distillation yet (a "
+                "block's teacher rows can lie in the next shard): set drafter.kd_weight=0"
+            )
         if self.pipeline.pool_capacity < self.train.grad_accum:
             raise ConfigError(
                 f"pipeline.pool_capacity ({self.pipeline.pool_capacity}) must be >= train.grad_accum "

@@ -17,6 +17,12 @@ class PipelineConfig:
     """Ranks per target: each target is a group of this many consecutive local ranks holding one tensor-parallel
     copy (for a target larger than one GPU); the group's first rank sends the taps, the others compute only.
     A split run then has `num_targets * target_parallel` target ranks per node, and at least one drafter."""
+    context_parallel: int = 1
+    """Ranks that share one sequence (CP, for sequences longer than one GPU holds): each holds a contiguous shard of
+    its tokens for the target's forward (attention across the shards) and the drafter's step (context keys and
+    values gathered). Groups of this many consecutive ranks of a colocated run; a batch then holds one sequence,
+    padded to `token_budget`, which must split evenly. Not wired into the runtime yet: the building blocks are
+    `target/context_parallel.py` and `train/context_parallel.py`."""
     target_loads_per_node: int = 1
     """Target-group ranks of one node that load the target at once: each reads the whole checkpoint into host
     memory before it keeps its shard, so the host needs this many copies of the model; the others wait, group
@@ -41,8 +47,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.token_budget < 16:
             raise ConfigError(f"pipeline.token_budget must be >= 16, got {self.token_budget}")
-        for key in ("num_targets", "target_parallel", "target_loads_per_node", "min_ready", "pool_capacity",
-                    "target_postprocess_depth"):
+        for key in ("num_targets", "target_parallel", "context_parallel", "target_loads_per_node", "min_ready",
+                    "pool_capacity", "target_postprocess_depth"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"pipeline.{key} must be >= 1, got {getattr(self, key)}")
         if self.colocated and self.num_targets != 1:
@@ -55,6 +61,23 @@ class PipelineConfig:
                 f"pipeline.target_parallel={self.target_parallel} needs a split run (a target group feeds drafter "
                 "ranks); set pipeline.colocated=false and launch num_targets * target_parallel target ranks plus at "
                 "least one drafter rank per node"
+            )
+        if self.context_parallel > 1 and self.token_budget % self.context_parallel:
+            multiple = -(-self.token_budget // self.context_parallel) * self.context_parallel
+            raise ConfigError(
+                f"pipeline.context_parallel={self.context_parallel} splits each batch's pipeline.token_budget="
+                f"{self.token_budget} slots into equal shards: set pipeline.token_budget to a multiple of "
+                f"{self.context_parallel} (e.g. {multiple})"
+            )
+        if self.context_parallel > 1 and not self.colocated:
+            raise ConfigError(
+                f"pipeline.context_parallel={self.context_parallel} needs pipeline.colocated=true: each rank of a CP "
+                "group runs its shard's target forward and drafter step, so the taps never leave its GPU"
+            )
+        if self.context_parallel > 1 and self.target_parallel > 1:
+            raise ConfigError(
+                f"pipeline.context_parallel={self.context_parallel} with pipeline.target_parallel="
+                f"{self.target_parallel} is not supported: set one of them to 1"
             )
         if self.min_ready > self.pool_capacity:
             raise ConfigError(

@@ -38,6 +38,8 @@ class Placement:
     """Role of every global rank."""
     target_parallel: int = 1
     """Ranks per target group (`pipeline.target_parallel`): a leader and the members that follow it."""
+    context_parallel: int = 1
+    """Ranks per context-parallel group (`pipeline.context_parallel`): they share each sequence, shard by shard."""
 
     @property
     def role(self) -> Role:
@@ -57,6 +59,13 @@ class Placement:
     def target_group(self) -> tuple[int, ...]:
         """This rank's target group (empty for a drafter)."""
         return next((g for g in self.target_groups if self.rank in g), ())
+
+    @property
+    def context_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every context-parallel group's ranks, in shard order: consecutive colocated ranks of one node (one rank
+        each without context parallel)."""
+        cp = self.context_parallel
+        return tuple(tuple(range(first, first + cp)) for first in range(0, self.world_size, cp))
 
     @property
     def drafter_ranks(self) -> tuple[int, ...]:
@@ -84,6 +93,7 @@ def plan_placement(
     """Assign roles: one process or `pipeline.colocated` -> every rank colocated; otherwise, on each
     node the first `pipeline.num_targets * pipeline.target_parallel` local ranks are targets (groups of
     `target_parallel` consecutive ranks, the first of each its leader) and the rest drafters.
+    `pipeline.context_parallel` groups consecutive colocated ranks of a node (`Placement.context_groups`).
 
     `num_devices` is the GPU count of this node (None on CPU runs).
     """
@@ -103,6 +113,12 @@ def plan_placement(
             f"pipeline.target_parallel={tp} needs a split run under torchrun: launch num_targets * target_parallel "
             f"target ranks plus at least one drafter rank per node (e.g. torchrun --nproc_per_node {tp + 1})"
         )
+    cp = pipeline.context_parallel
+    if cp > 1 and local_world_size % cp:
+        raise ConfigError(
+            f"pipeline.context_parallel={cp} needs a multiple of {cp} ranks per node (a CP group stays on one node), "
+            f"got {local_world_size}: launch torchrun --nproc_per_node {-(-local_world_size // cp) * cp}"
+        )
     if world_size == 1 or pipeline.colocated:
         roles = tuple(Role.COLOCATED for _ in range(world_size))
     else:
@@ -119,7 +135,7 @@ def plan_placement(
         raise ConfigError("pipeline.deterministic=true needs exactly one target rank (one process or num_targets=1 on one node)")
     return Placement(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size, roles=roles,
-        target_parallel=tp,
+        target_parallel=tp, context_parallel=cp,
     )
 
 

@@ -71,6 +71,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     resume, the drafter's spec, the data and epoch plans (rank 0 prepares, the others read the cache), the
     drafters' process group. `on_run_dir(path)` learns the run dir as soon as it is known; `on_claim(claim)`
     (rank 0) takes the run dir's claim, to release when the run ends."""
+    check_context_parallel(config)
     placement = plan_placement(
         rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, local_world_size=env.local_world_size,
         pipeline=config.pipeline, num_devices=torch.cuda.device_count() if device.type == "cuda" else None,
@@ -146,6 +147,16 @@ def check_target_groups(config: Config) -> None:
         raise ConfigError(
             f"pipeline.target_parallel={config.pipeline.target_parallel}: evaluating tau during a run needs the whole "
             "target on one rank; set eval.interval=0 and eval.at_end=false"
+        )
+
+
+def check_context_parallel(config: Config) -> None:
+    """Context parallel has its building blocks (the target's sharded forward, `target/context_parallel.py`, and the
+    drafter's sharded step, `train/context_parallel.py`) but no roles that run them yet."""
+    if config.pipeline.context_parallel > 1:
+        raise ConfigError(
+            f"pipeline.context_parallel={config.pipeline.context_parallel} is not wired into the runtime yet: use "
+            "pipeline.context_parallel=1, with train.blocks_per_chunk on one GPU up to 128K tokens"
         )
 
 

@@ -20,6 +20,10 @@ layer, or the last decoder layer when the pre-norm last hidden state is captured
 exception then skips just the final norm). Raising from a hook keeps the model's own forward (masks, rotary
 embeddings, layer types) in charge, so any `model.model.layers` architecture works unchanged; the cost is
 that the whole model cannot be one compiled graph: compile the layers instead (`compile_decoder_layers`).
+
+Context parallel. A sequence sharded over a CP group (`context_parallel.py`) runs as one `(1, S)` batch per rank
+(`shard_inputs`), at its positions in the sequence, with an attention that reaches across the shards; the hooks
+capture the shard's real tokens as above.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.target.checks import check_tap_layer_ids
+from dflash_trainer.target.context_parallel import ShardAttention, across_shards
 from dflash_trainer.target.load import find_decoder
 from dflash_trainer.transport.wire import WireBatch
 
@@ -59,6 +64,11 @@ class ForwardInputs:
     num_seqs: int
     padded_tokens: int
     """B * S: tokens the forward computes, padding included."""
+    position_ids: Optional[torch.Tensor] = None
+    """(B, S) int64 RoPE positions; None: 0..S-1 in every row. A context-parallel shard's are its positions in the
+    whole sequence."""
+    shard: Optional[ShardAttention] = None
+    """Set for a context-parallel shard (`shard_inputs`): its attention sees the whole sequence across the group."""
 
 
 def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch, *,
@@ -112,6 +122,23 @@ def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch, *,
     )
 
 
+def shard_inputs(sequence: TokenizedSequence, attention: ShardAttention,
+                 device: torch.device | str) -> ForwardInputs:
+    """The forward of one context-parallel shard of `sequence` (`context_parallel.py`): its S slots as a (1, S)
+    batch at their positions in the sequence, right-padded past the sequence's end. Its taps are the shard's real
+    tokens, in order."""
+    shard = attention.shard
+    if sequence.num_tokens != shard.num_tokens:
+        raise ValueError(f"the shard is of a {shard.num_tokens}-token sequence, got {sequence.num_tokens} tokens")
+    n = shard.real_tokens
+    ids = torch.zeros(shard.length, dtype=torch.int64)  # (S,)
+    ids[:n] = sequence.input_ids[shard.start : shard.start + n]
+    return ForwardInputs(
+        input_ids=ids[None].to(device), real_index=torch.arange(n, device=device), num_tokens=n, num_seqs=1,
+        padded_tokens=shard.length, position_ids=shard.positions(device)[None], shard=attention,
+    )
+
+
 class TapCapture:
     """Captures the taps (and optionally the pre-norm last hidden state) of a target into wire buffers.
 
@@ -159,8 +186,9 @@ class TapCapture:
         # cuDNN's attention builds an execution plan for every new batch shape (bench/RESULTS.md)
         kernels = nullcontext() if self.cudnn_attention else sdpa_kernel(list(SDPA_WITHOUT_CUDNN))
         try:
-            with torch.no_grad(), kernels:
-                self.decoder(input_ids=inputs.input_ids, use_cache=False)
+            with torch.no_grad(), kernels, across_shards(self.decoder, inputs.shard) as shard_kwargs:
+                self.decoder(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
+                             **shard_kwargs)
         except _StopForward:
             pass
         else:
