@@ -23,7 +23,8 @@ The peer runs from its installed package (`nvidia-modelopt`) and its own example
   (`drafter.init_from: target`), exported, and loaded into the peer's draft module before its first step
   (`peer_modelopt_run.py --init-weights`; ModelOpt 0.47 has no warm-start option of its own).
 - Evaluation: its export (the example's `export_hf_checkpoint.py`, DFlash format) through `dflash-train eval`
-  on the held-out prompts, prompt lookup beside it.
+  on the held-out prompts, prompt lookup beside it; `--peer-validate N`: and its own `validate_ar` on the first N
+  (`peer_modelopt_validate.py`; its AR counts accepted draft tokens, tau adds the bonus token).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def recipe_overrides(args, work: Path, out_dir: Path, max_steps: int) -> list[st
         f"training.seed={args.seed}",
         *drafter_overrides(Path(args.target), args.num_layers, args.block_size, args.mask_token_id),
         *(["training.use_cpu=true", "training.bf16=false", "training.tf32=false"] if args.cpu else []),
+        *args.peer_overrides,
     ]
 
 
@@ -192,6 +194,22 @@ def export_and_eval(args, work: Path, trained: dict) -> dict:
     return json.loads((work / "eval" / "eval.json").read_text())
 
 
+def peer_validation(args, work: Path, trained: dict) -> dict | None:
+    """The peer's own acceptance figure for its trained model (`peer_modelopt_validate.py`), or None."""
+    if not args.peer_validate:
+        return None
+    out = work / "peer-validation.json"
+    cmd = [args.peer_python, str(ROOT / "bench" / "peer_modelopt_validate.py"), "--example", str(args.example),
+           "--model", trained["out_dir"], "--prompts", str(Path(args.cache) / "eval.jsonl"), "--out", str(out),
+           "--num-samples", str(args.peer_validate), "--steps", str(args.block_size - 1),
+           "--osl", str(args.max_new_tokens)]
+    done = subprocess.run(cmd, env=peer_env(args), capture_output=True, text=True)
+    if done.returncode != 0 or not out.is_file():
+        print(f"the peer's own validation failed (rc {done.returncode}):\n{done.stderr[-2000:]}", flush=True)
+        return None
+    return json.loads(out.read_text())
+
+
 def modelopt(args) -> dict:
     work = Path(args.work or ROOT / "runs" / "peers" / f"modelopt-{datetime.now():%H%M%S}")
     work.mkdir(parents=True, exist_ok=True)
@@ -211,6 +229,7 @@ def modelopt(args) -> dict:
         print(f"timed run: max_steps={max_steps} for {budget_s:.0f} s", flush=True)
     trained = run_peer(args, work, "timed", max_steps, budget_s * 1.05, init)
     report = export_and_eval(args, work, trained)
+    validation = peer_validation(args, work, trained)
     budget = f"{args.max_steps}steps" if args.max_steps else f"{args.minutes:g}min"
     return {
         "bench": "peers", "trainer": "modelopt", "name": args.name or f"modelopt-{args.init}-{budget}-s{args.seed}",
@@ -223,6 +242,7 @@ def modelopt(args) -> dict:
         "real_tokens_per_s": trained["real_tokens"] / trained["seconds"],
         "padded_tokens_per_s": trained["padded_tokens"] / trained["seconds"],
         "tau": report.get("tau"), "prompt_lookup_tau": report.get("prompt_lookup_tau"),
+        "peer_validation": validation,
         "eval_seconds": report.get("seconds"), "acceptance_histogram": report.get("acceptance_histogram"),
         "overrides": recipe_overrides(args, work, Path(trained["out_dir"]), max_steps),
     }
@@ -282,6 +302,11 @@ def main(argv=None) -> int:
     m.add_argument("--init", choices=("random", "target"), default="random",
                    help="the peer's draft starts random (its own init) or from our target-initialised step 0")
     m.add_argument("--name", default=None, help="the result's name (default: modelopt-INIT-BUDGET-sSEED)")
+    m.add_argument("--peer-overrides", nargs="*", default=[], metavar="k=v",
+                   help="more of the example's own overrides, last (its sweep: training.learning_rate=3e-4 "
+                   "dflash.dflash_num_anchors=80 training.dataloader_num_workers=4 ...)")
+    m.add_argument("--peer-validate", type=int, default=0, metavar="N",
+                   help="also the peer's own acceptance measurement (its validate_ar) on the first N held-out prompts")
     m.add_argument("--eval-overrides", nargs="*", default=[], metavar="k=v",
                    help="extra `dflash-train eval` overrides, as the arms it is compared with (target.dtype=...)")
     m.add_argument("--peer-python", default=sys.executable)
