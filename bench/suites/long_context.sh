@@ -5,7 +5,7 @@
 # chunked alone at LENGTHS (one pass does not fit there).
 #   [E2E=131072] [E2E_FLAGS=--eager-target] [BASELINE=32768] [LENGTHS=131072] [STEPS=2] \
 #     bash bench/suites/long_context.sh
-# (E2E_FLAGS="" compiles the target's layers: faster steps, a longer start.) Carry .whl (omegaconf). Writes the
+# An empty E2E, BASELINE or LENGTHS skips that part. (E2E_FLAGS="" compiles the target's layers: faster steps, a longer start.) Carry .whl (omegaconf). Writes the
 # JSONs and logs under $OUT (results.tar.gz).
 source "$(dirname "$0")/common.sh"
 ARGS=(--warmup 1 --out "$RESULTS")
@@ -14,8 +14,12 @@ if [ -n "${E2E-131072}" ]; then
     --blocks-per-seq $(( ${E2E:-131072} * 512 / 3072 )) --no-baseline ${E2E_FLAGS---eager-target} \
     --steps "${E2E_STEPS:-1}" "${ARGS[@]}"
 fi
-step baseline "${BASELINE_S:-90}" python3 bench/long_context.py --modes chunked,one-pass --lengths "${BASELINE:-32768}" \
-  --steps "${STEPS:-2}" "${ARGS[@]}"
-step chunked "${CHUNKED_S:-80}" python3 bench/long_context.py --modes chunked --lengths "${LENGTHS:-131072}" \
-  --steps "${STEPS:-2}" "${ARGS[@]}"
+if [ -n "${BASELINE-32768}" ]; then
+  step baseline "${BASELINE_S:-90}" python3 bench/long_context.py --modes chunked,one-pass \
+    --lengths "${BASELINE:-32768}" --steps "${STEPS:-2}" "${ARGS[@]}"
+fi
+if [ -n "${LENGTHS-131072}" ]; then
+  step chunked "${CHUNKED_S:-80}" python3 bench/long_context.py --modes chunked --lengths "${LENGTHS:-131072}" \
+    --steps "${STEPS:-2}" "${ARGS[@]}"
+fi
 finish
