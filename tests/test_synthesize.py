@@ -22,6 +22,7 @@ from dflash_trainer.data.tiny_tokenizer import build_tiny_tokenizer
 from dflash_trainer.data.types import Message
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.regen import read_manifest, read_rows
+from dflash_trainer.regen.settings import check_regen_settings
 from dflash_trainer.regen.turns import Continuation
 from dflash_trainer.synth.config import SynthesizeConfig
 from dflash_trainer.synth.filters import Deduplicator, NearDuplicates, TurnFilter, jaccard, shingles
@@ -271,6 +272,9 @@ def test_resume_after_an_interruption_continues_without_duplicates(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_scripted(tmp_path, ScriptedWriter(words_of, stop_at=8), *args)
     assert len(list(read_rows(tmp_path))) == 8
+    # training on the unfinished output is warned about with the command that finishes it
+    partial = check_regen_settings(tmp_path, thinking=False, temperature=0.0)
+    assert any("partial synthesize output" in w and f"dflash-train synthesize --out {tmp_path}" in w for w in partial)
     with open(tmp_path / "shard_00000.jsonl", "a") as f:
         f.write('{"messages": [{"role": "user", "content": "half a ro')  # killed mid-write
     again = ScriptedWriter(lambda k: words_of(0) if k == 8 else words_of(k))  # attempt 8 repeats a kept opening

@@ -123,9 +123,10 @@ def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: floa
             "that match how the target will answer."
         )
     if not manifest.get("complete", False):
+        command = "synthesize" if "synthesize" in manifest else "regenerate"  # the writer's own block says which
         warnings.append(
-            f"{data_dir} is a partial regeneration ({manifest.get('rows_done', '?')} rows done of "
-            f"{manifest.get('rows_total', '?')}); rerun the same `dflash-train regenerate --out {data_dir}` to finish."
+            f"{data_dir} is a partial {command} output ({manifest.get('rows_done', '?')} rows done of "
+            f"{manifest.get('rows_total', '?')}); rerun the same `dflash-train {command} --out {data_dir}` to finish."
         )
     return warnings
 
