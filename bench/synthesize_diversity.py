@@ -8,6 +8,8 @@ Every set is measured on its first N prompts (default: as many as the smallest s
 as a set grows. Per set:
 - distinct-n (n = 1, 2, 3): distinct word n-grams / all word n-grams over the set (Li et al. 2016), words of
   the normalised text (`synth/filters.normalise`);
+- distinct-n at equal words (`d1@W`, `d2@W`, `d3@W`): the same over each set's first W words, W the smallest set's
+  word count (distinct-n falls with the words a set holds, so sets of shorter prompts would look more diverse);
 - exact duplicate rate: prompts whose normalised text came earlier in the set;
 - near-duplicate rate: prompts whose word-bigram Jaccard similarity with an earlier one reaches `--threshold`
   (exact duplicates included), found as `synthesize` finds them (`synth/filters.NearDuplicates`).
@@ -39,6 +41,18 @@ def distinct(prompts: list[str], n: int) -> float:
     grams = [tuple(words[i : i + n]) for words in (normalise(p).split() for p in prompts)
              for i in range(len(words) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def first_words(prompts: list[str], total: int) -> list[str]:
+    """The prompts in order, cut so that they hold `total` words (the last one cut short)."""
+    kept, left = [], total
+    for prompt in prompts:
+        words = normalise(prompt).split()[:left]
+        kept.append(" ".join(words))
+        left -= len(words)
+        if left <= 0:
+            break
+    return kept
 
 
 def duplicate_rates(prompts: list[str], threshold: float) -> tuple[float, float]:
@@ -81,8 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: fewer than --num {num} prompts in {', '.join(short)}: the sets are compared at unequal "
               "sizes, which flatters the smaller one's distinct-n", file=sys.stderr)
     rows = [measure(path, prompts[:num], args.threshold) for path, prompts in found.items()]
-    keys = ("prompts", "mean_words", "distinct_1", "distinct_2", "distinct_3", "exact_dup_rate", "near_dup_rate")
+    words = min(round(r["mean_words"] * r["prompts"]) for r in rows)
+    for row, prompts in zip(rows, found.values()):
+        cut = first_words(prompts[:num], words)
+        row.update({f"d{n}@W": distinct(cut, n) for n in (1, 2, 3)}, words=words)
+    keys = ("prompts", "mean_words", "distinct_1", "distinct_2", "distinct_3", "d1@W", "d2@W", "d3@W",
+            "exact_dup_rate", "near_dup_rate")
     width = max(len(r["set"]) for r in rows)
+    print(f"W = {words:,} words (distinct-n at equal words)")
     print(f"{'set':<{width}}  " + "  ".join(f"{k:>14}" for k in keys))
     for r in rows:
         print(f"{r['set']:<{width}}  " + "  ".join(f"{r[k]:>14.4f}" if isinstance(r[k], float) else f"{r[k]:>14}"

@@ -437,3 +437,6 @@ def test_the_diversity_bench_prints_distinct_n_and_duplicate_rates(tmp_path):
     assert result["prompts_per_set"] == 3 and ours["exact_dup_rate"] == 0 and ours["distinct_1"] > 0
     assert ref["distinct_1"] == pytest.approx(4 / 9) and ref["distinct_2"] == pytest.approx(3 / 6)
     assert ref["exact_dup_rate"] == pytest.approx(1 / 3) and ref["near_dup_rate"] == pytest.approx(1 / 3)
+    # at equal words: each set cut to the smaller word count (here the reference's 9: "a b c a b c a b d")
+    assert ref["words"] == ours["words"] == 9 and ref["d1@W"] == pytest.approx(4 / 9)
+    assert ours["d1@W"] == pytest.approx(len(set(" ".join(words_of(k) for k in range(3)).split()[:9])) / 9)
