@@ -136,7 +136,8 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
     """Per-step losses of a one-drafter run (grad_accum=1) replayed in this process without any transport:
     the target forward runs inline on each job of `job_order` (in that order) and the drafter trains on it.
 
-    Uses the run dir's plan and tokenized data; builds the target and drafter from the same config and seed.
+    Uses the run dir's plan and tokenized data; builds the target and drafter from the same config and seed, and
+    trains on one thread, as the ranks do.
     """
     import torch
 
@@ -180,7 +181,12 @@ def inline_losses(run_dir: Path, extra: tuple[str, ...], job_order: list[int]) -
         batch, _ = forward_job(capture, prepared.train, queue.pop(0), allocate(wire, device))
         return batch, lambda: None
 
-    trainer.run(take)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same reduction order as the single-threaded torchrun ranks
+    try:
+        trainer.run(take)
+    finally:
+        torch.set_num_threads(threads)
     return losses
 
 

@@ -165,8 +165,9 @@ def test_context_parallel_settings_are_checked():
     cp = ["pipeline.context_parallel=2", "pipeline.colocated=true", "target.random_init=tiny"]
     config = load_config(None, cp)
     assert config.batch.max_seqs == 1  # one sequence a batch
-    with pytest.raises(ConfigError, match="not wired into the runtime yet.*train.blocks_per_chunk"):
-        check_context_parallel(config)
+    check_context_parallel(config)  # runs
+    with pytest.raises(ConfigError, match="train.fsdp=true is not supported: set train.fsdp=false"):
+        check_context_parallel(load_config(None, [*cp, "train.fsdp=true"]))
     with pytest.raises(ConfigError, match="pipeline.context_parallel must be >= 1"):
         load_config(None, ["pipeline.context_parallel=0", "target.random_init=tiny"])
     with pytest.raises(ConfigError, match="set pipeline.token_budget to a multiple of 3 .e.g. 16386"):
@@ -178,5 +179,21 @@ def test_context_parallel_settings_are_checked():
     pipeline = PipelineConfig(context_parallel=2, colocated=True)
     placement = plan_placement(rank=0, world_size=4, local_rank=0, local_world_size=4, pipeline=pipeline)
     assert placement.context_groups == ((0, 1), (2, 3))
+    assert placement.context_group == (0, 1) and placement.replicas == 2  # a CP group is one data-parallel replica
     with pytest.raises(ConfigError, match="needs a multiple of 2 ranks per node"):
         plan_placement(rank=0, world_size=3, local_rank=0, local_world_size=3, pipeline=pipeline)
+
+
+def test_tap_noise_of_a_shard_is_its_rows_of_the_whole_batch_noise():
+    """The noise is drawn on the whole batch's shape and sliced, so a CP shard's taps get the noise CP=1 gives them."""
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.drafter.noise import add_tap_noise
+
+    taps = torch.randn(12, 6)
+    for noise in ("gaussian", "uniform"):
+        cfg = DrafterConfig(noise=noise, noise_std=0.5)
+        whole = add_tap_noise(taps, cfg, progress=0.0, seed=1, epoch=0, job_id=3)
+        shard = add_tap_noise(taps[4:8], cfg, progress=0.0, seed=1, epoch=0, job_id=3, batch_rows=12, start=4)
+        assert torch.equal(shard, whole[4:8])
+    with pytest.raises(ValueError, match="do not lie in a batch of 12 rows"):
+        add_tap_noise(taps[4:8], cfg, progress=0.0, seed=1, epoch=0, job_id=3, batch_rows=12, start=10)

@@ -21,8 +21,8 @@ class PipelineConfig:
     """Ranks that share one sequence (CP, for sequences longer than one GPU holds): each holds a contiguous shard of
     its tokens for the target's forward (attention across the shards) and the drafter's step (context keys and
     values gathered). Groups of this many consecutive ranks of a colocated run; a batch then holds one sequence,
-    padded to `token_budget`, which must split evenly. Not wired into the runtime yet: the building blocks are
-    `target/context_parallel.py` and `train/context_parallel.py`."""
+    padded to `token_budget`, which must split evenly. A group pulls one job at a time and counts as one
+    data-parallel replica (`runtime/feed.py`, `train/micro_step.py`). Not with FSDP2 or distillation yet."""
     target_loads_per_node: int = 1
     """Target-group ranks of one node that load the target at once: each reads the whole checkpoint into host
     memory before it keeps its shard, so the host needs this many copies of the model; the others wait, group

@@ -94,10 +94,10 @@ def run_drafter(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Dr
     trainer = DrafterTrainer(
         config, spec=setup.spec, head=head, device=device, group=setup.drafter_group, is_leader=is_leader,
         run_dir=setup.run_dir, data_digest=setup.prepared.summary.content_sha256,
-        total_steps=planned_steps(config, remaining_jobs, len(placement.drafter_ranks), resume.state.step if resume else 0),
+        total_steps=planned_steps(config, remaining_jobs, placement.replicas, resume.state.step if resume else 0),
         resume=resume, target_config=target_model_config(config.target), on_step=evaluations.on_step,
         dummy_batch=from_wire(allocate(run_wire_spec(setup), device), empty),  # zeros: no token, no loss
-        stop_requested=stop.requested, step_metrics=DepthMeter(feed.pool.stats),
+        stop_requested=stop.requested, step_metrics=DepthMeter(feed.pool.stats), shards=setup.shards,
     )
     result = trainer.run(feed.take)
     if is_leader:

@@ -1,7 +1,9 @@
 """A drafter rank's feed: where its training batches come from, behind `take`, `stop` and `close`.
 
 - `ColocatedFeed`: this rank's own target forwards jobs into the pool's free slots just before each take
-  (in-process, no thread, no copy).
+  (in-process, no thread, no copy). Under context parallel a CP group is one puller: its first rank pulls each job
+  and shares it (`GroupJobSource`), every rank forwards its shard of the job's sequence, and the group's pools,
+  filled and taken in the same order with the same seed, hand out the same batch on every rank at each take.
 - `ReceivedFeed`: a receiver thread fills the pool with the batches the target ranks send (claims in the store,
   point-to-point receives), returning a credit to the targets whenever a slot is released.
 
@@ -15,11 +17,11 @@ from typing import Callable, Optional, Protocol
 
 from dflash_trainer.data.types import Job
 from dflash_trainer.runtime.control import ControlPlane
-from dflash_trainer.runtime.jobs import StoreJobSource
+from dflash_trainer.runtime.jobs import GroupJobSource, StoreJobSource
 from dflash_trainer.runtime.setup import RunSetup, run_wire_spec
 from dflash_trainer.runtime.summary import TargetStats
 from dflash_trainer.target.capture import TapCapture
-from dflash_trainer.target.worker import Interval, forward_job
+from dflash_trainer.target.worker import Interval, JobSource, forward_job, forward_shard_job
 from dflash_trainer.transport.links import LocalProducer, Receiver
 from dflash_trainer.transport.pool import BufferedPool
 from dflash_trainer.transport.wire import HiddenStateBatch, allocate
@@ -47,8 +49,9 @@ def _take(pool: BufferedPool) -> Taken:
 
 def _pool(setup: RunSetup, control: ControlPlane, on_release: Callable[[int], None]) -> BufferedPool:
     p = setup.config.pipeline
-    return BufferedPool(p.pool_capacity, min_ready=p.min_ready, fifo=p.deterministic,
-                        seed=setup.config.run.seed * 1009 + setup.env.rank, timeout_s=p.timeout_s,
+    # seeded by the CP group's first rank (this rank without CP): a group's pools must pick the same batches
+    seed = setup.config.run.seed * 1009 + setup.placement.context_group[0]
+    return BufferedPool(p.pool_capacity, min_ready=p.min_ready, fifo=p.deterministic, seed=seed, timeout_s=p.timeout_s,
                         check_abort=control.raise_if_aborted, on_release=on_release)
 
 
@@ -60,12 +63,21 @@ class ColocatedFeed:
         self._pending: list[Interval] = []  # forward timers not read yet: reading one waits for its GPU work
         self._started: Optional[float] = None
         buffers = [allocate(run_wire_spec(setup), setup.device) for _ in range(self.pool.capacity)]
-        jobs = StoreJobSource(control, setup.remaining)
+        jobs: JobSource = StoreJobSource(control, setup.remaining)
+        self._shard = setup.shards
+        if self._shard is not None:  # the group is one puller: its first rank pulls, the others receive
+            leader = setup.placement.context_group[0]
+            jobs = GroupJobSource(jobs if setup.env.rank == leader else None, setup.remaining,
+                                  group=self._shard.group, leader=leader, device=setup.device)
         self._producer = LocalProducer(self.pool, buffers, next_job=jobs.next_job, forward=self._forward)
 
     def _forward(self, job: Job, wire) -> HiddenStateBatch:
         timer = Interval(self._setup.device)
-        batch, inputs = forward_job(self._capture, self._setup.prepared.train, job, wire)
+        dataset = self._setup.prepared.train
+        if self._shard is None:
+            batch, inputs = forward_job(self._capture, dataset, job, wire)
+        else:
+            batch, inputs = forward_shard_job(self._capture, dataset, job, wire, self._shard)
         timer.stop()
         self._pending.append(timer)
         self.stats.tokens += inputs.num_tokens

@@ -68,6 +68,17 @@ class Placement:
         return tuple(tuple(range(first, first + cp)) for first in range(0, self.world_size, cp))
 
     @property
+    def context_group(self) -> tuple[int, ...]:
+        """This rank's context-parallel group, in shard order (itself alone without context parallel)."""
+        return next(g for g in self.context_groups if self.rank in g)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of the drafter: its ranks over `context_parallel` (a CP group trains one batch
+        together, so it counts as one replica, e.g. for the steps an epoch takes)."""
+        return len(self.drafter_ranks) // self.context_parallel
+
+    @property
     def drafter_ranks(self) -> tuple[int, ...]:
         return tuple(r for r, role in enumerate(self.roles) if role.runs_drafter)
 

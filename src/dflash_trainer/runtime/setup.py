@@ -30,6 +30,7 @@ from dflash_trainer.runtime.remote_eval import eval_enabled
 from dflash_trainer.runtime.roles import Placement, plan_placement
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
 from dflash_trainer.target.checks import check_max_length, check_target
+from dflash_trainer.target.context_parallel import ShardGroup
 from dflash_trainer.target.load import load_target, target_model_config
 from dflash_trainer.target.parallel import shard_target
 from dflash_trainer.train.checkpoint import check_fits, read_ledger, read_step, read_time_spent_s, resolve_resume
@@ -59,9 +60,20 @@ class RunSetup:
     drafter_group: Optional[dist.ProcessGroup]
     target_group: Optional[dist.ProcessGroup] = None
     """This rank's target group (`pipeline.target_parallel` > 1 on a target rank): the target is sharded over it."""
+    context_group: Optional[dist.ProcessGroup] = None
+    """This rank's context-parallel group (`pipeline.context_parallel` > 1): its ranks share each sequence, shard by
+    shard, for the target's forward and the drafter's step."""
     finished: bool = False
     """A resumed run that had already ended well with nothing left to train (every planned job committed, or
     `train.max_steps` reached): it is left as it is."""
+
+    @property
+    def shards(self) -> Optional[ShardGroup]:
+        """This rank's place in its context-parallel group (None without context parallel)."""
+        if self.context_group is None:
+            return None
+        ranks = self.placement.context_group
+        return ShardGroup(group=self.context_group, index=ranks.index(self.env.rank), size=len(ranks))
 
 
 def setup_run(config: Config, env: DistEnv, device: torch.device, control: ControlPlane,
@@ -124,18 +136,21 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     ledger = read_ledger(resume_path) if resume_path else {}
     committed = {plan.epoch: set(ledger.get(plan.epoch, [])) for plan in plans}
     remaining = tuple(tuple(j for j in plan.jobs if j.job_id not in committed[plan.epoch]) for plan in plans)
-    group = target_group = None
+    group = target_group = context_group = None
     if env.distributed:  # every rank takes part in creating every group, in the same order
         group = dist.new_group(list(placement.drafter_ranks))
         for ranks in placement.target_groups if placement.target_parallel > 1 else ():
             created = dist.new_group(list(ranks))
             target_group = created if env.rank in ranks else target_group
+        for ranks in placement.context_groups if placement.context_parallel > 1 else ():
+            created = dist.new_group(list(ranks))
+            context_group = created if env.rank in ranks else context_group
     log.info("rank %d: role %s, run dir %s, %d jobs to train", env.rank, placement.role.value, run_dir,
              sum(len(r) for r in remaining))
     return RunSetup(
         config=config, env=env, device=device, placement=placement, run_dir=run_dir, spec=spec, prepared=prepared,
         plans_jobs=tuple(p.jobs for p in plans), remaining=remaining, resume_path=resume_path, drafter_group=group,
-        target_group=target_group,
+        target_group=target_group, context_group=context_group,
         finished=resume_path is not None and _finished(config, run_dir, resume_path, remaining),
     )
 
@@ -151,12 +166,14 @@ def check_target_groups(config: Config) -> None:
 
 
 def check_context_parallel(config: Config) -> None:
-    """Context parallel has its building blocks (the target's sharded forward, `target/context_parallel.py`, and the
-    drafter's sharded step, `train/context_parallel.py`) but no roles that run them yet."""
-    if config.pipeline.context_parallel > 1:
+    """What a context-parallel run cannot do yet (distillation is refused with the config, `config.py`): FSDP2 of
+    the drafter (a CP group's ranks would also shard the weights among themselves, and the dry-rank dummy batches
+    of a partial last step do not know the group's shards)."""
+    cp = config.pipeline.context_parallel
+    if cp > 1 and config.train.fsdp:
         raise ConfigError(
-            f"pipeline.context_parallel={config.pipeline.context_parallel} is not wired into the runtime yet: use "
-            "pipeline.context_parallel=1, with train.blocks_per_chunk on one GPU up to 128K tokens"
+            f"pipeline.context_parallel={cp} with train.fsdp=true is not supported: set train.fsdp=false (the "
+            "drafter's weights are replicated on every rank of a CP group)"
         )
 
 

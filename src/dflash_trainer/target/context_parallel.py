@@ -92,6 +92,26 @@ class ShardAttention:
     shard: SequenceShard
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardGroup:
+    """A rank's place in its CP group, for every sequence it shares (the runtime builds it once, `runtime/feed.py`,
+    `runtime/drafter_role.py`)."""
+
+    group: dist.ProcessGroup
+    """The CP group; its rank i holds shard i of each sequence."""
+    index: int
+    """This rank's position in the group (the shard it holds)."""
+    size: int
+    """Ranks in the group (`pipeline.context_parallel`)."""
+
+    def shard(self, num_tokens: int, padded_tokens: int) -> SequenceShard:
+        """This rank's shard of a sequence of `num_tokens` tokens padded to `padded_tokens` slots."""
+        return SequenceShard.of(num_tokens, size=self.size, index=self.index, padded_tokens=padded_tokens)
+
+    def attention(self, num_tokens: int, padded_tokens: int) -> ShardAttention:
+        return ShardAttention(group=self.group, shard=self.shard(num_tokens, padded_tokens))
+
+
 def sharded_attention(
     module: nn.Module,
     query: torch.Tensor,

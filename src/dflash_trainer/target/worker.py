@@ -11,7 +11,8 @@ import torch
 
 from dflash_trainer.data.types import Job, TokenizedSequence
 from dflash_trainer.faults import inject_nan, maybe_fault
-from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs
+from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs, shard_inputs
+from dflash_trainer.target.context_parallel import ShardGroup
 from dflash_trainer.transport.sender import BatchSender
 from dflash_trainer.transport.wire import HiddenStateBatch, WireBatch, WireHeader, from_wire
 
@@ -107,12 +108,7 @@ class Interval:
 def forward_job(capture: TapCapture, dataset: Dataset, job: Job, buffers: WireBatch) -> tuple[HiddenStateBatch, ForwardInputs]:
     """Run one job's sequences through the target into `buffers`; the batch views them."""
     sequences = [dataset[i] for i in job.sequence_ids]
-    real = sum(s.num_tokens for s in sequences)
-    if real != job.num_tokens:
-        raise ValueError(
-            f"job {job.job_id}: the plan says {job.num_tokens} tokens but its sequences have {real}: "
-            "the epoch plan and the tokenized data disagree (re-run planning)"
-        )
+    _check_tokens(job, sum(s.num_tokens for s in sequences))
     maybe_fault("target_forward")  # test-only hook, inert unless DFLASH_TEST_FAULT is set
     inputs = prepare_inputs(sequences, buffers)
     capture.run(inputs, buffers)
@@ -127,6 +123,38 @@ def forward_job(capture: TapCapture, dataset: Dataset, job: Job, buffers: WireBa
         has_last_hidden=buffers.last_hidden is not None,
         end_of_stream=False,
     )
+    return from_wire(buffers, header), inputs
+
+
+def _check_tokens(job: Job, real: int) -> None:
+    if real != job.num_tokens:
+        raise ValueError(
+            f"job {job.job_id}: the plan says {job.num_tokens} tokens but its sequences have {real}: "
+            "the epoch plan and the tokenized data disagree (re-run planning)"
+        )
+
+
+def forward_shard_job(capture: TapCapture, dataset: Dataset, job: Job, buffers: WireBatch,
+                      group: ShardGroup) -> tuple[HiddenStateBatch, ForwardInputs]:
+    """Context parallel: this rank's shard of one job's sequence through the target, every rank of `group` at once
+    (their attention layers gather each other's keys and values). `buffers` gets the whole sequence's ids, loss
+    mask and cu_seqlens (the drafter samples blocks on the whole sequence) and, in rows [0, real tokens of the
+    shard), the shard's taps; the header counts the whole sequence. Returns the batch and the shard's inputs."""
+    if len(job.sequence_ids) != 1:
+        raise ValueError(f"job {job.job_id} has {len(job.sequence_ids)} sequences: a context-parallel batch holds one "
+                         "(BatchShape.max_seqs); the epoch plan was made for another pipeline.context_parallel")
+    sequence = dataset[job.sequence_ids[0]]
+    _check_tokens(job, sequence.num_tokens)
+    maybe_fault("target_forward")  # test-only hook, inert unless DFLASH_TEST_FAULT is set
+    # the whole sequence's packed fields, as one rank writes them (its padded ids for a forward go unused)
+    prepare_inputs([sequence], buffers)
+    token_budget = buffers.input_ids.numel()
+    inputs = shard_inputs(sequence, group.attention(sequence.num_tokens, token_budget), buffers.taps.device)
+    capture.run(inputs, buffers)
+    if inject_nan(job.job_id):  # test-only hook
+        buffers.taps[: inputs.num_tokens].fill_(float("nan"))
+    header = WireHeader(job_id=job.job_id, bucket_id=job.bucket_id, epoch=job.epoch, num_tokens=sequence.num_tokens,
+                        num_seqs=1, has_last_hidden=buffers.last_hidden is not None, end_of_stream=False)
     return from_wire(buffers, header), inputs
 
 

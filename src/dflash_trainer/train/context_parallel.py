@@ -8,7 +8,7 @@ keys and values, and that rank takes them on through its fc and projections.
 
 Blocks are local to their anchors. Every rank samples the blocks of the whole sequence with the same seed (the set
 one rank would train), keeps those whose anchor lies in its shard, and runs them against the gathered context with
-the masks of the whole sequence, in chunks (`micro_step.blocks_forward_backward`). A block near the end of a shard
+the masks of the whole sequence, in chunks (`blocks_step.blocks_forward_backward`). A block near the end of a shard
 needs no later shard: it sees context strictly before its anchor, and its labels come from the sequence's ids.
 
 Summed over the group, the loss sums and the weights' gradients equal one rank training all the blocks. The
@@ -28,7 +28,7 @@ from dflash_trainer.drafter.anchors import BlockPlan
 from dflash_trainer.drafter.loss import LossOutput
 from dflash_trainer.drafter.model import DFlashDrafter, TrainContext
 from dflash_trainer.target.context_parallel import SequenceShard
-from dflash_trainer.train.micro_step import blocks_forward_backward
+from dflash_trainer.train.blocks_step import blocks_forward_backward
 
 
 def gather_context(context: TrainContext, group: dist.ProcessGroup) -> TrainContext:
@@ -70,7 +70,7 @@ def shard_forward_backward(
     taps (S, K*H): the taps of this rank's shard (noise already added); plan: the blocks of the whole sequence,
     the same on every rank; cu_seqlens (2+,) int32: the whole sequence's (one sequence of shard.num_tokens tokens);
     blocks_per_chunk: chunk size of the shard's blocks (None: one chunk). Returns this rank's sums
-    (`micro_step._sums` order) and leaves its weights' gradients in `.grad`; both add up over the group to the
+    (`blocks_step.step_sums` order) and leaves its weights' gradients in `.grad`; both add up over the group to the
     step of one rank over all blocks."""
     if taps.shape[0] != shard.length:
         raise ValueError(f"taps have {taps.shape[0]} rows, the shard {shard.length} slots")

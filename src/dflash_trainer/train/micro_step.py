@@ -20,11 +20,14 @@ from dflash_trainer.config import Config
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.anchors import BlockPlan, plan_blocks
 from dflash_trainer.drafter.loss import LossOutput, Teacher, drafter_loss
-from dflash_trainer.drafter.model import DFlashDrafter, TrainContext
+from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.noise import add_tap_noise
+from dflash_trainer.target.context_parallel import ShardGroup
 from dflash_trainer.target.head import TargetHead
 from dflash_trainer.target.load import DTYPES
+from dflash_trainer.train.blocks_step import blocks_forward_backward, step_sums
 from dflash_trainer.train.chunking import ChunkPlan, log_plan, plan_chunks
+from dflash_trainer.train.context_parallel import shard_forward_backward
 from dflash_trainer.train.parallel import is_sharded
 from dflash_trainer.train.step_loop import MicroResult
 from dflash_trainer.transport.wire import HiddenStateBatch
@@ -56,16 +59,10 @@ def compile_forward_train(model: DFlashDrafter, mode: Optional[str] = None) -> N
     model.forward_train_blocks = forward_train_blocks
 
 
-def _sums(loss: LossOutput) -> tuple[torch.Tensor, ...]:
-    """What a microbatch reports, in `_result`'s order (detached device tensors)."""
-    return (loss.loss_sum.detach().float(), loss.weight_sum.float(), loss.slot_correct.float(),
-            loss.slot_count.float(), loss.accept_sum.float(), loss.block_count.float())
-
-
-def _result(sums: tuple[torch.Tensor, ...], batch: HiddenStateBatch) -> MicroResult:
+def _result(sums: tuple[torch.Tensor, ...], num_tokens: int, counts_batch: bool = True) -> MicroResult:
     loss_sum, weight_sum, slot_correct, slot_count, tau_sum, num_blocks = sums
     return MicroResult(loss_sum=loss_sum, weight_sum=weight_sum, slot_correct=slot_correct, slot_count=slot_count,
-                       tau_sum=tau_sum, num_blocks=num_blocks, num_tokens=batch.num_tokens)
+                       tau_sum=tau_sum, num_blocks=num_blocks, num_tokens=num_tokens, counts_batch=counts_batch)
 
 
 def step_loss(dcfg: DrafterConfig, lm_head: torch.Tensor,
@@ -79,10 +76,12 @@ def step_loss(dcfg: DrafterConfig, lm_head: torch.Tensor,
 
 
 def make_micro_step(
-    config: Config, model: DFlashDrafter, head: TargetHead, *, device: torch.device, progress: Callable[[], float]
+    config: Config, model: DFlashDrafter, head: TargetHead, *, device: torch.device, progress: Callable[[], float],
+    shards: Optional[ShardGroup] = None,
 ) -> Callable[[HiddenStateBatch], MicroResult]:
     """`progress()` is the fraction of training done (for the noise schedule). The chunk size is planned here,
-    once (`chunking.py`), and logged."""
+    once (`chunking.py`), and logged. `shards`: this rank's CP group (context parallel): each batch's taps are then
+    this rank's shard's, and the step is its share of the group's (`context_parallel.py`)."""
     spec = model.spec
     dcfg = config.drafter
     compute = DTYPES[config.train.dtype]
@@ -101,27 +100,42 @@ def make_micro_step(
     )
     log_plan(chunks)
 
+    # Context parallel: a shard's blocks run in chunks of a fixed size (their count varies by batch, their shapes
+    # must not: the step is compiled for fixed shapes): the planned chunk, else an even split of the batch's blocks.
+    shard_chunk = chunks.blocks_per_chunk if not chunks.one_pass or shards is None else \
+        -(-config.batch.num_blocks // shards.size)
+
     def micro_step(batch: HiddenStateBatch) -> MicroResult:
         plan = plan_blocks(
             input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
             num_blocks=config.batch.num_blocks, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
             seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id,
         )
-        taps = add_tap_noise(batch.taps, dcfg, progress=progress(), seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id)
+        shard = shards.shard(batch.num_tokens, config.batch.token_budget) if shards is not None else None
+        own = batch.taps if shard is None else batch.taps[: shard.length]  # (T or S, K*H)
+        taps = add_tap_noise(own, dcfg, progress=progress(), seed=config.run.seed, epoch=batch.epoch,
+                             job_id=batch.job_id, batch_rows=batch.taps.shape[0], start=shard.start if shard else 0)
         if compute == torch.float32:
             taps = taps.float()
         teacher = None
         if dcfg.kd_weight > 0:
             teacher = Teacher(last_hidden=batch.last_hidden, final_norm=head.final_norm)
         loss_of = step_loss(dcfg, lm_head, teacher)
+        if shard is not None:
+            sums = shard_forward_backward(model, taps=taps, shard=shard, group=shards.group, plan=plan,
+                                          cu_seqlens=batch.cu_seqlens, embed=embed, autocast=autocast, loss_of=loss_of,
+                                          blocks_per_chunk=shard_chunk)
+            # the group's ranks together train the batch once: its tokens split by shard, its count on shard 0
+            return _result(sums, shard.real_tokens, counts_batch=shard.index == 0)
         if not chunks.one_pass:
             return _result(chunked_forward_backward(model, taps=taps, batch=batch, plan=plan, embed=embed,
-                                                    chunks=chunks, autocast=autocast, loss_of=loss_of), batch)
+                                                    chunks=chunks, autocast=autocast, loss_of=loss_of),
+                           batch.num_tokens)
         with autocast():
             hidden = model.forward_train(taps=taps, cu_seqlens=batch.cu_seqlens, plan=plan, embed_weight=embed)  # (N, B, H)
             loss = loss_of(hidden, plan)
         loss.loss_sum.backward()
-        return _result(_sums(loss), batch)
+        return _result(step_sums(loss), batch.num_tokens)
 
     return micro_step
 
@@ -131,44 +145,8 @@ def chunked_forward_backward(
     chunks: ChunkPlan, autocast: Callable, loss_of: Callable[[torch.Tensor, BlockPlan], LossOutput],
 ) -> tuple[torch.Tensor, ...]:
     """Forward + backward of the batch's blocks in `chunks`, the context once (module docstring). Returns the
-    microbatch's sums (`_sums`), each the total over the chunks."""
+    microbatch's sums (`blocks_step.step_sums`), each the total over the chunks."""
     with autocast():
         context = model.train_context(taps, batch.cu_seqlens)  # per layer (T, nkv, hd) keys and values
     return blocks_forward_backward(model, context=context, plan=plan, cu_seqlens=batch.cu_seqlens, embed=embed,
                                    blocks_per_chunk=chunks.blocks_per_chunk, autocast=autocast, loss_of=loss_of)
-
-
-def blocks_forward_backward(
-    model: DFlashDrafter, *, context: TrainContext, plan: BlockPlan, cu_seqlens: torch.Tensor, embed: torch.Tensor,
-    blocks_per_chunk: int, autocast: Callable, loss_of: Callable[[torch.Tensor, BlockPlan], LossOutput],
-) -> tuple[torch.Tensor, ...]:
-    """Forward + backward of `plan`'s blocks against `context` (still attached to the graph that made it), in chunks
-    of `blocks_per_chunk` blocks (the last padded), then the backward of whatever made the context, once. Returns
-    the sums (`_sums`), each the total over the chunks."""
-    leaves = context.detached()
-    # The leaves' gradients add up over the chunks in fp32 (bf16 values would round at every chunk): each chunk's
-    # gradient moves from `.grad` into its sum as soon as it is written.
-    grads = [torch.zeros_like(leaf, dtype=torch.float32) for leaf in leaves.tensors()]  # per leaf (T, nkv, hd)
-    for leaf, grad in zip(leaves.tensors(), grads):
-        leaf.register_post_accumulate_grad_hook(functools.partial(_move_grad, grad))
-    totals = None
-    size = blocks_per_chunk
-    for start in range(0, plan.num_blocks, size):
-        part = plan.select(start, start + size)  # the last chunk padded with invalid blocks: fixed shapes
-        with autocast():
-            hidden = model.forward_train_blocks(context=leaves, plan=part, cu_seqlens=cu_seqlens,
-                                                embed_weight=embed)  # (C, B, H)
-            loss = loss_of(hidden, part)
-        loss.loss_sum.backward()  # frees this chunk's activations; adds to the weights' and the leaves' .grad
-        sums = _sums(loss)
-        totals = sums if totals is None else tuple(a + b for a, b in zip(totals, sums))
-        del hidden, loss  # before the next chunk's forward
-    outputs = context.tensors()
-    # the context's own backward (fc, hidden_norm, each layer's k/v projections), once
-    torch.autograd.backward(outputs, [g.to(t.dtype) for t, g in zip(outputs, grads)])
-    return totals
-
-
-def _move_grad(total: torch.Tensor, leaf: torch.Tensor) -> None:
-    total.add_(leaf.grad)
-    leaf.grad = None

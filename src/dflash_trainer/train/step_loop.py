@@ -55,7 +55,11 @@ class MicroResult:
     num_blocks: torch.Tensor
     """0-d fp32: valid blocks."""
     num_tokens: int
-    """Real tokens in the batch (host value from the batch header)."""
+    """Real tokens this rank trained on (host value from the batch header): the batch's, or under context
+    parallel its shard's (the group's add up to the batch's)."""
+    counts_batch: bool = True
+    """Whether this rank counts the batch in the step's totals: a CP group's ranks train one batch together, and
+    only its first rank counts it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,7 +155,7 @@ class StepLoop(Generic[B]):
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         micro_step: Callable[[B], MicroResult],
-        job_key: Callable[[B], tuple[int, int]],
+        job_key: Callable[[B], Optional[tuple[int, int]]],
         grad_accum: int,
         block_size: int,
         grad_clip: float,
@@ -302,9 +306,11 @@ class StepLoop(Generic[B]):
                 continue
             batch, release = got
             releases.append(release)
-            keys.append(self.job_key(batch))
+            key = self.job_key(batch)  # None: another rank reports it (a context-parallel group's first rank)
+            if key is not None:
+                keys.append(key)
             out = self.micro_step(batch)
-            host["batches"] += 1
+            host["batches"] += out.counts_batch
             host["tokens"] += out.num_tokens
             sums += torch.stack([
                 torch.nan_to_num(out.loss_sum.detach().double(), nan=0.0, posinf=0.0, neginf=0.0),

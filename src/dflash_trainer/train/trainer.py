@@ -27,6 +27,7 @@ from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.faults import maybe_fault
 from dflash_trainer.rundir import RunDir, write_atomic
+from dflash_trainer.target.context_parallel import ShardGroup
 from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
 from dflash_trainer.train.ema import WeightAverage, split_averaged
@@ -101,10 +102,12 @@ class DrafterTrainer:
         dummy_batch: Optional[HiddenStateBatch] = None,
         stop_requested: Callable[[], bool] = lambda: False,
         step_metrics: Callable[[], dict] = dict,
+        shards: Optional[ShardGroup] = None,
     ) -> None:
         """`on_step(trainer, record)`: called after each step (evaluation); `dummy_batch`: a batch with no
         supervised token (needed with `train.fsdp`; see `parallel.py`); `stop_requested()`: True once this rank is
-        asked to stop (a signal); `step_metrics()`: more figures for each step's metrics row (e.g. pool depth)."""
+        asked to stop (a signal); `step_metrics()`: more figures for each step's metrics row (e.g. pool depth);
+        `shards`: this rank's context-parallel group, whose ranks (all in `group`) train each batch together."""
         self.config = config
         self.spec = spec
         self.head = head
@@ -120,7 +123,8 @@ class DrafterTrainer:
         self.fingerprint = data_fingerprint(config, data_digest)
         self.model = build_drafter(config, spec, device)
         world = dist.get_world_size(group) if group is not None else 1
-        self.sharded = want_sharding(config.train.fsdp, self.model, device, world)
+        # context parallel keeps the weights whole on every rank (train.fsdp=true is refused at start)
+        self.sharded = shards is None and want_sharding(config.train.fsdp, self.model, device, world)
         if self.sharded:
             shard_drafter(self.model, group, device)
         if config.train.compile and device.type == "cuda":
@@ -139,8 +143,10 @@ class DrafterTrainer:
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
-            micro_step=make_micro_step(config, self.model, head, device=device, progress=self.progress),
-            job_key=lambda b: (b.epoch, b.job_id),
+            micro_step=make_micro_step(config, self.model, head, device=device, progress=self.progress,
+                                       shards=shards),
+            # a CP group trains each job together: its first rank alone commits it (the ledger counts it once)
+            job_key=lambda b: (b.epoch, b.job_id) if shards is None or shards.index == 0 else None,
             grad_accum=config.train.grad_accum,
             block_size=spec.block_size,
             grad_clip=config.train.grad_clip,
