@@ -175,6 +175,13 @@ def steps_for_budget(stats: dict, budget_s: float, skip: int = 10) -> int:
     return max(1, math.floor(rate * budget_s))
 
 
+def steady_step_s(ends: list[float], skip: int = 5) -> float | None:
+    """Seconds per step after the first `skip` (warm-up) steps, from the end times; None with too few steps."""
+    if len(ends) <= skip + 1:
+        return None
+    return (ends[-1] - ends[skip]) / (len(ends) - 1 - skip)
+
+
 def export_and_eval(args, work: Path, trained: dict) -> dict:
     export = work / "export"
     cmd = [args.peer_python, "scripts/export_hf_checkpoint.py", "--model_path", trained["out_dir"],
@@ -228,8 +235,8 @@ def modelopt(args) -> dict:
         max_steps = steps_for_budget(calibration, budget_s)
         print(f"timed run: max_steps={max_steps} for {budget_s:.0f} s", flush=True)
     trained = run_peer(args, work, "timed", max_steps, budget_s * 1.05, init)
-    report = export_and_eval(args, work, trained)
-    validation = peer_validation(args, work, trained)
+    report = {} if args.no_eval else export_and_eval(args, work, trained)
+    validation = None if args.no_eval else peer_validation(args, work, trained)
     budget = f"{args.max_steps}steps" if args.max_steps else f"{args.minutes:g}min"
     return {
         "bench": "peers", "trainer": "modelopt", "name": args.name or f"modelopt-{args.init}-{budget}-s{args.seed}",
@@ -240,6 +247,7 @@ def modelopt(args) -> dict:
         "steps": trained["steps"], "max_steps": max_steps, "train_s": trained["seconds"],
         "stopped_by_budget": trained["stopped_by_budget"], "real_tokens": trained["real_tokens"],
         "real_tokens_per_s": trained["real_tokens"] / trained["seconds"],
+        "step_s_after_warmup": steady_step_s(trained["step_ends_s"]),
         "padded_tokens_per_s": trained["padded_tokens"] / trained["seconds"],
         "tau": report.get("tau"), "prompt_lookup_tau": report.get("prompt_lookup_tau"),
         "peer_validation": validation,
@@ -305,6 +313,8 @@ def main(argv=None) -> int:
     m.add_argument("--peer-overrides", nargs="*", default=[], metavar="k=v",
                    help="more of the example's own overrides, last (its sweep: training.learning_rate=3e-4 "
                    "dflash.dflash_num_anchors=80 training.dataloader_num_workers=4 ...)")
+    m.add_argument("--no-eval", action="store_true", help="train only (its step times: a random-weight target of a "
+                   "real shape, bench/random_target.py), no export or evaluation")
     m.add_argument("--peer-validate", type=int, default=0, metavar="N",
                    help="also the peer's own acceptance measurement (its validate_ar) on the first N held-out prompts")
     m.add_argument("--eval-overrides", nargs="*", default=[], metavar="k=v",

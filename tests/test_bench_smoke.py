@@ -483,8 +483,13 @@ def test_peer_driver_template_shape_and_step_budget(tmp_path):
 def test_peer_warm_start_loads_every_draft_tensor_or_refuses(tmp_path):
     """peer_modelopt_run.py's warm start: our export's tensors land in the peer's draft module by name (rotary
     buffers and the target's embedding / head left as built); a file missing a tensor or with another shape is
-    refused before training, never half loaded."""
+    refused before training, never half loaded. Also the peer's steady step time (warm-up left out)."""
     from types import SimpleNamespace
+
+    from peers import steady_step_s
+
+    assert steady_step_s([9.0, 9.5] + [10.0 + 0.25 * i for i in range(9)]) == pytest.approx(0.25)
+    assert steady_step_s([1.0] * 6) is None
 
     from drafter_helpers import tiny_drafter
     from peer_modelopt_run import load_draft_weights
