@@ -80,7 +80,8 @@ def test_a_recipe_is_not_applied_on_resume_its_differences_are_named(tmp_path):
 def test_what_may_change_on_resume():
     assert may_change("train.max_minutes") and may_change("pipeline.colocated") and may_change("eval.interval")
     assert may_change("drafter.flex_kernel_options.fwd_BLOCK_M")  # a speed knob, inside a mapping
-    for key in ("pipeline.token_budget", "train.lr", "data.path", "run.seed", "target.dtype", "drafter.dpace",
+    assert may_change("train.blocks_per_chunk")  # memory only: the loss and gradients are one pass's
+    for key in ("pipeline.token_budget", "pipeline.context_parallel", "train.lr", "data.path", "run.seed", "target.dtype", "drafter.dpace",
                 "eval.num_prompts", "eval.temperature"):
         assert not may_change(key), key
     a, b = load_config("demo"), load_config("demo", ["data.path=null", "data.sources=[{path: x}]", "drafter.num_blocks=7"])

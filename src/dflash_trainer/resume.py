@@ -35,8 +35,9 @@ MAY_CHANGE = (
     "logging",
 )
 """Keys (or whole sections) a resume may change: budgets, cadence, evaluation, logging, placement, speed knobs."""
-MUST_STAY = ("pipeline.token_budget",)
-"""Keys inside a MAY_CHANGE section that still may not change (the batch shape: plan and blocks)."""
+MUST_STAY = ("pipeline.token_budget", "pipeline.context_parallel")
+"""Keys inside a MAY_CHANGE section that still may not change (the batch shape: plan and blocks; context parallel
+plans one sequence per job)."""
 NOT_REPORTED = ("run.dir", "run.name", "train.resume", "train.overwrite")
 """Differences that only say how this command was called."""
 
