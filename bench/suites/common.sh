@@ -45,3 +45,15 @@ TRAIN=(python3 -m dflash_trainer train --config demo run.device=cuda target.rand
   drafter.tap_layer_ids=null pipeline.token_budget=12288 data.max_length=3072 data.max_conversations=3000
   train.num_epochs=1 train.max_steps=120 train.log_interval=1 train.checkpoint_interval=100000
   logging.progress=false logging.report=false eval.num_prompts=4 eval.max_new_tokens=64)
+
+# The peer's packages (carry .whl-peer: transformers < 5.15 with its hub and tokenizers, bench/README.md) on its
+# own process path: `peer_env DIR` installs them under DIR/peer-site and writes DIR/peer-python, which runs
+# python3 with them first, then checks that the peer imports.
+peer_env() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$1/peer-site" .whl-peer/*.whl >/dev/null 2>&1 \
+    || { echo "carry .whl-peer (bench/README.md)"; return 1; }
+  printf '#!/bin/bash\nPYTHONPATH=%s:$PYTHONPATH exec python3 "$@"\n' "$1/peer-site" > "$1/peer-python"
+  chmod +x "$1/peer-python"
+  "$1/peer-python" -c "import transformers, modelopt; print('peer: transformers', transformers.__version__, 'modelopt', modelopt.__version__)" \
+    || { echo "the peer's packages do not import (above)"; return 1; }
+}

@@ -26,12 +26,7 @@ if [ "${PHASE:-start}" = start ]; then
   rm -rf "$W" && mkdir -p "$W/cache" "$W/work" "$W/results"
   PROMPTS=${PROMPTS:-.quality/first200}
   cat "$PROMPTS"/quality-cache.tar.gz.part* | tar xzf - -C "$W/cache" || { echo "no data cache in $PROMPTS"; exit 1; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$W/peer-site" .whl-peer/*.whl >/dev/null 2>&1 \
-    || { echo "carry .whl-peer (bench/README.md)"; exit 1; }
-  printf '#!/bin/bash\nPYTHONPATH=%s:$PYTHONPATH exec python3 "$@"\n' "$W/peer-site" > "$W/peer-python"
-  chmod +x "$W/peer-python"
-  "$W/peer-python" -c "import transformers, modelopt; print('peer: transformers', transformers.__version__, 'modelopt', modelopt.__version__)" \
-    || { echo "the peer's packages do not import (above): nothing trained"; finish; exit 1; }
+  peer_env "$W" || { echo "nothing trained"; finish; exit 1; }
   CELLS=$(realpath "${CELLS:?CELLS=bench/cells/... expected}")
   EVAL_N=${EVAL_PROMPTS:-$(wc -l < "$W/cache/eval.jsonl")}
   # shellcheck disable=SC2016  # expanded by the detached shell
@@ -50,7 +45,10 @@ follow
 if ! kill -0 "$(cat "$W/cells.pid" 2>/dev/null)" 2>/dev/null; then
   for log in "$W"/*.log; do echo "== $log"; tail -n 3 "$log"; done
   cp "$W"/*.log "$LOGS/" 2>/dev/null
-  for d in "$W"/work/*/; do cp "$d/timed.log" "$LOGS/$(basename "$d")-timed.log" 2>/dev/null; done
+  for d in "$W"/work/*/; do
+    cp "$d/timed.log" "$LOGS/$(basename "$d")-timed.log" 2>/dev/null
+    cp "$d/eval/eval.json" "$RESULTS/eval-$(basename "$d").json" 2>/dev/null  # per-prompt counts: compare.py
+  done
   cp "$W"/results/*.json "$RESULTS/" 2>/dev/null
   python3 bench/peers.py table "$W"/results/*.json 2>/dev/null
 fi
