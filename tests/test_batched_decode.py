@@ -269,6 +269,12 @@ def test_walk_tau_equals_real_decoding_on_greedy_replies():
     assert report.walk_tau > 1.2  # the fitted drafter drafts beyond the bonus token
     assert report.anchors == sum(max_new + 6 - 1 for _ in prompts)  # every anchor of every reply
     assert len(report.slot_accuracy) == spec.block_size - 1 and report.loss > 0
+    # in the training step's chunks (long sequences: the context once a batch, 5 anchors a forward) it is the same
+    chunked = validator.run(setup.drafter, blocks_per_chunk=5)
+    assert (chunked.walk_steps, chunked.anchors, chunked.replies) == (report.walk_steps, report.anchors, report.replies)
+    for name in ("loss", "accuracy", "sim_tau", "walk_tau"):
+        assert getattr(chunked, name) == pytest.approx(getattr(report, name), rel=1e-5, abs=1e-6), name
+    assert chunked.slot_accuracy == pytest.approx(report.slot_accuracy, abs=1e-6)
 
 
 def test_decoding_runs_every_attention_without_cudnn(monkeypatch):

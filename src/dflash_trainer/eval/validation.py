@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -95,8 +95,14 @@ class HeldOutValidator:
         self.num_blocks, self.gamma, self.max_new_tokens = num_blocks, gamma, max_new_tokens
         self.compute_dtype, self.chunk_rows = compute_dtype, chunk_rows
 
-    def run(self, model: DFlashDrafter) -> ValidationReport:
+    def run(self, model: DFlashDrafter, *, blocks_per_chunk: Optional[int] = None) -> ValidationReport:
+        """`blocks_per_chunk`: the training step's chunk size when it runs a batch's blocks in chunks (long
+        sequences): the context's keys and values are then computed once per batch and the anchors drafted that
+        many at a time, the memory of a training chunk; None: `num_blocks` at a time through the one-pass
+        forward."""
         start = time.perf_counter()
+        size = self.num_blocks if blocks_per_chunk is None else min(blocks_per_chunk, self.num_blocks)
+        chunked = size < self.num_blocks
         device = self.buffers.input_ids.device
         fp32 = self.compute_dtype == torch.float32
         embed = self.head.embed_weight.float() if fp32 else self.head.embed_weight
@@ -116,24 +122,34 @@ class HeldOutValidator:
             seq = token_seq_ids(batch.cu_seqlens, batch.input_ids.shape[0])  # (T,)
             anchors = torch.nonzero(valid_anchor_mask(batch.loss_mask.bool(), seq)).flatten()  # (A,)
             accept = torch.zeros(batch.input_ids.shape[0], dtype=torch.float32, device=device)  # (T,)
-            for lo in range(0, anchors.numel(), self.num_blocks):
-                chunk = anchors[lo : lo + self.num_blocks]
+            context = None
+            if chunked:
+                with autocast:
+                    context = model.train_context(taps, batch.cu_seqlens)  # per layer (T, nkv, hd), once a batch
+            for lo in range(0, anchors.numel(), size):
+                chunk = anchors[lo : lo + size]
                 n = chunk.numel()
-                padded = torch.zeros(self.num_blocks, dtype=torch.int64, device=device)  # (N,)
+                padded = torch.zeros(size, dtype=torch.int64, device=device)  # (C,)
                 padded[:n] = chunk
                 plan = plan_from_anchors(
-                    anchors=padded, block_valid=torch.arange(self.num_blocks, device=device) < n,
+                    anchors=padded, block_valid=torch.arange(size, device=device) < n,
                     input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
                     block_size=spec.block_size, mask_token_id=spec.mask_token_id,
                 )
                 with autocast:
-                    hidden = model.forward_train(taps=taps, cu_seqlens=batch.cu_seqlens, plan=plan,
-                                                 embed_weight=embed)  # (N, B, H)
+                    if context is None:
+                        hidden = model.forward_train(taps=taps, cu_seqlens=batch.cu_seqlens, plan=plan,
+                                                     embed_weight=embed)  # (C, B, H)
+                    else:
+                        hidden = model.forward_train_blocks(context=context, plan=plan, cu_seqlens=batch.cu_seqlens,
+                                                            embed_weight=embed)  # (C, B, H)
                     out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
                                        chunk_rows=self.chunk_rows)
                 sums += torch.stack([out.loss_sum.detach(), out.weight_sum, out.accept_sum, out.block_count]).double()
                 slots += torch.stack([out.slot_correct, out.slot_count]).double()
                 accept[chunk] = out.block_accept[:n].float()
+                del hidden, out  # this chunk's graph (grad mode is training's) goes before the next forward
+            del context
             # host sync: the walk follows each reply's acceptance on the host
             mask = batch.loss_mask[: batch.num_tokens].tolist()
             acceptance = accept[: batch.num_tokens].round().long().tolist()

@@ -24,7 +24,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.rundir import RunDir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.target.head import TargetHead
-from dflash_trainer.train.micro_step import compile_forward_train
+from dflash_trainer.train.micro_step import compile_forward_train, plan_step_chunks
 from dflash_trainer.train.tau_eval import TauSummary, summary_values
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,8 @@ class SplitEvalServer:
         self.device = device
         self.next = 1
         self.ended = False
+        self.blocks_per_chunk: Optional[int] = None
+        """Validation's chunk of blocks on this rank, planned from its free memory at the first request."""
 
     def pausing(self, source):
         """`source` whose `next_job` first serves the evaluation requests that are waiting."""
@@ -159,5 +161,8 @@ class SplitEvalServer:
         drafter = load_drafter(path).to(self.device)
         if self.device.type == "cuda":  # validation runs the training forward (flex attention: compiled)
             compile_forward_train(drafter)
-        summary = self.tracker.evaluate(drafter, request.step, export=lambda out: shutil.copytree(path, out))
+        if self.blocks_per_chunk is None:
+            self.blocks_per_chunk = plan_step_chunks(self.tracker.config, drafter, self.device).blocks_per_chunk
+        summary = self.tracker.evaluate(drafter, request.step, export=lambda out: shutil.copytree(path, out),
+                                        blocks_per_chunk=self.blocks_per_chunk)
         self.control.set_value(f"eval_result/{index}", json.dumps(asdict(summary)))

@@ -75,13 +75,27 @@ def step_loss(dcfg: DrafterConfig, lm_head: torch.Tensor,
     )
 
 
+def plan_step_chunks(config: Config, model: DFlashDrafter, device: torch.device) -> ChunkPlan:
+    """How the run's drafter step splits a batch's blocks (`chunking.py`), planned once from the memory free at
+    start and logged."""
+    chunks = plan_chunks(
+        setting=config.train.blocks_per_chunk, spec=model.spec, num_blocks=config.batch.num_blocks,
+        token_budget=config.batch.token_budget, compute=DTYPES[config.train.dtype],
+        loss_chunk_rows=config.drafter.loss_chunk_rows,
+        num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), device=device,
+        sharded=is_sharded(model),
+    )
+    log_plan(chunks)
+    return chunks
+
+
 def make_micro_step(
     config: Config, model: DFlashDrafter, head: TargetHead, *, device: torch.device, progress: Callable[[], float],
-    shards: Optional[ShardGroup] = None,
+    shards: Optional[ShardGroup] = None, chunks: Optional[ChunkPlan] = None,
 ) -> Callable[[HiddenStateBatch], MicroResult]:
-    """`progress()` is the fraction of training done (for the noise schedule). The chunk size is planned here,
-    once (`chunking.py`), and logged. `shards`: this rank's CP group (context parallel): each batch's taps are then
-    this rank's shard's, and the step is its share of the group's (`context_parallel.py`)."""
+    """`progress()` is the fraction of training done (for the noise schedule). `chunks`: the run's chunk plan
+    (`plan_step_chunks`; None: planned here). `shards`: this rank's CP group (context parallel): each batch's taps
+    are then this rank's shard's, and the step is its share of the group's (`context_parallel.py`)."""
     spec = model.spec
     dcfg = config.drafter
     compute = DTYPES[config.train.dtype]
@@ -92,13 +106,7 @@ def make_micro_step(
     else:
         autocast = lambda: torch.autocast(device_type=device.type, dtype=compute)  # noqa: E731
         embed, lm_head = head.embed_weight, head.lm_head_weight
-    chunks = plan_chunks(
-        setting=config.train.blocks_per_chunk, spec=spec, num_blocks=config.batch.num_blocks,
-        token_budget=config.batch.token_budget, compute=compute, loss_chunk_rows=dcfg.loss_chunk_rows,
-        num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), device=device,
-        sharded=is_sharded(model),
-    )
-    log_plan(chunks)
+    chunks = chunks if chunks is not None else plan_step_chunks(config, model, device)
 
     # Context parallel: a shard's blocks run in chunks of a fixed size (their count varies by batch, their shapes
     # must not: the step is compiled for fixed shapes): the planned chunk, else an even split of the batch's blocks.

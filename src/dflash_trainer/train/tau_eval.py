@@ -85,12 +85,13 @@ class TauTracker:
         """The best so far, over every session of the run: a resumed run starts from the drafter in `best/`."""
         self.last_report: Optional[EvalReport] = None
 
-    def evaluate(self, model, step: int, *, export: Callable[[Path], object], sink=None) -> TauSummary:
+    def evaluate(self, model, step: int, *, export: Callable[[Path], object], sink=None,
+                 blocks_per_chunk: Optional[int] = None) -> TauSummary:
         """Validation and real tau of `model` (a DFlashDrafter) at optimizer step `step`; `export(dir)` writes
         that drafter in the inference format (used when it is the best so far); `sink` logs the result (None:
-        not logged here)."""
+        not logged here); `blocks_per_chunk`: the training step's chunk size (`HeldOutValidator.run`)."""
         if self.validator is not None:  # in the training mode: no recompile of a compiled training forward
-            self.last_val = self.validator.run(model)
+            self.last_val = self.validator.run(model, blocks_per_chunk=blocks_per_chunk)
         was_training = model.training
         model.eval()
         try:
@@ -111,10 +112,11 @@ class TauTracker:
                  f", held-out walk tau {self.last_val.walk_tau:.3f}" if self.last_val is not None else "")
         return summary
 
-    def finish(self, model, step: int, *, export: Callable[[Path], object], sink=None) -> TauSummary:
+    def finish(self, model, step: int, *, export: Callable[[Path], object], sink=None,
+               blocks_per_chunk: Optional[int] = None) -> TauSummary:
         """Evaluate the final drafter (unless just done), write `RUN_DIR/eval.json`, return the summary entry."""
         if not self.history or self.history[-1].step != step:
-            self.evaluate(model, step, export=export, sink=sink)
+            self.evaluate(model, step, export=export, sink=sink, blocks_per_chunk=blocks_per_chunk)
         return self.summary(step)
 
     def summary(self, step: int) -> TauSummary:

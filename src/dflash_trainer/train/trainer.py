@@ -32,7 +32,7 @@ from dflash_trainer.target.head import TargetHead, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
 from dflash_trainer.train.ema import WeightAverage, split_averaged
 from dflash_trainer.train.metrics import build_sinks, read_metrics
-from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step
+from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step, plan_step_chunks
 from dflash_trainer.train.optim import build_optimizer
 from dflash_trainer.train.parallel import (
     full_optimizer_state,
@@ -138,13 +138,15 @@ class DrafterTrainer:
         self.ledger: dict[int, list[int]] = {}
         if resume is not None:
             self._restore(resume)
+        self.chunks = plan_step_chunks(config, self.model, device)
+        """How the step splits a batch's blocks; held-out validation drafts its anchors in the same chunks."""
         self.loop = StepLoop(
             start_step=resume.state.step if resume is not None else 0,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             micro_step=make_micro_step(config, self.model, head, device=device, progress=self.progress,
-                                       shards=shards),
+                                       shards=shards, chunks=self.chunks),
             # a CP group trains each job together: its first rank alone commits it (the ledger counts it once)
             job_key=lambda b: (b.epoch, b.job_id) if shards is None or shards.index == 0 else None,
             grad_accum=config.train.grad_accum,
