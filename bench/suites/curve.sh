@@ -21,6 +21,9 @@
 # /tmp/curve/regen2/train, for arms that train on it (data.path=... or a data.sources mix). It must finish within
 # the start call, or nothing trains. Its output comes back as regen2-cache.tar.gz.part*: put them in PROMPTS and a
 # later call with the same REGEN2 resumes from them (nothing left to answer; other settings are refused).
+# SYNTH="synthesize.k=v ..." has the practice target write its own prompts and answer them (`dflash-train synthesize`,
+# answers with the practice recipe's regenerate settings and any regenerate.* given here) into /tmp/curve/synth/train,
+# within the start call, as REGEN2 (resumed from PROMPTS/synth-cache.tar.gz.part*, brought back as such).
 # Carry .whl (omegaconf, datasets, dill, multiprocess), .practice/model and PROMPTS. DEVICE=cpu (with a small
 # pipeline.token_budget) checks the flow on a machine without a GPU.
 T0=$SECONDS
@@ -58,13 +61,15 @@ if [ "${PHASE:-start}" = start ]; then
     ls "$DATA2"/quality-cache.tar.gz.part* >/dev/null || { echo "DATA2=$DATA2 holds no quality-cache parts"; exit 1; }
     mkdir -p "$W/data2" && cat "$DATA2"/quality-cache.tar.gz.part* | tar xzf - -C "$W/data2"
   fi
-  if [ -n "${REGEN2:-}" ]; then  # for a second regeneration below, which resumes from an earlier call's output
-    mkdir -p "$W/regen2" && train_prompts "$W/regen2"
-    if ls "$PROMPTS"/regen2-cache.tar.gz.part* >/dev/null 2>&1; then
-      cat "$PROMPTS"/regen2-cache.tar.gz.part* | tar xzf - -C "$W/regen2" \
-        || { echo "$PROMPTS/regen2-cache.tar.gz.part* do not unpack (a part missing?)"; finish; exit 1; }
+  unpack_extra() {  # unpack_extra NAME: an earlier call's output of a second source (PROMPTS/NAME-cache parts)
+    mkdir -p "$W/$1"
+    if ls "$PROMPTS/$1"-cache.tar.gz.part* >/dev/null 2>&1; then
+      cat "$PROMPTS/$1"-cache.tar.gz.part* | tar xzf - -C "$W/$1" \
+        || { echo "$PROMPTS/$1-cache.tar.gz.part* do not unpack (a part missing?)"; finish; exit 1; }
     fi
-  fi
+  }
+  if [ -n "${REGEN2:-}" ]; then unpack_extra regen2 && train_prompts "$W/regen2"; fi
+  if [ -n "${SYNTH:-}" ]; then unpack_extra synth; fi
   EVAL_ARGS=()
   if [ -n "${EVAL:-}" ]; then
     rm -rf "$W/cache/eval" "$W/cache/eval.jsonl"; cp "$EVAL/eval_prompts.jsonl" "$W/cache/"
@@ -78,18 +83,28 @@ if [ "${PHASE:-start}" = start ]; then
   python3 bench/quality.py "${COMMON[@]}" --data-only --no-regen --pack "$OUT" > "$LOGS/pack.log" 2>&1
   grep -E "^data:|packed" "$LOGS/pack.log" | cut -c1-400
   if [ -n "${DATA_ONLY:-}" ]; then finish; exit 0; fi
-  if [ -n "${REGEN2:-}" ]; then  # within this call: the training must start before it ends
-    left=$(( ${DEADLINE_S:-570} - (SECONDS - T0) - 30 ))
-    (( left > 0 )) || { echo "no time left in this call for REGEN2 (DEADLINE_S=${DEADLINE_S:-570})"; finish; exit 1; }
-    # shellcheck disable=SC2086  # REGEN2: the second regeneration's regenerate.* overrides
-    step regen2 "$left" python3 -m dflash_trainer regenerate --config practice \
-      --out "$W/regen2/train" data.path="$W/regen2/train_prompts.jsonl" target.path="$W/target" \
-      data.max_conversations=null logging.progress=false "run.device=${DEVICE:-cuda}" regenerate.batch_size=4096 $REGEN2
-    regen2_rc=$?  # non-zero also when an earlier call's output (from PROMPTS) has other settings
-    if (( regen2_rc != 0 )) || ! grep -q '"complete": true' "$W/regen2/train/manifest.json" 2>/dev/null; then
-      echo "REGEN2 failed or did not finish (see regen2.log): not training on it"; finish; exit 1
+  # A second source written within this call into $W/NAME/train (the training must start before the call ends),
+  # resumed from an earlier call's parts, and packed into $OUT as NAME-cache parts for later calls.
+  extra_source() {  # extra_source NAME COMMAND OVERRIDE...: `dflash-train COMMAND` with the practice recipe
+    local name=$1; shift
+    local left=$(( ${DEADLINE_S:-570} - (SECONDS - T0) - 30 ))
+    (( left > 0 )) || { echo "no time left in this call for $name (DEADLINE_S=${DEADLINE_S:-570})"; finish; exit 1; }
+    step "$name" "$left" python3 -m dflash_trainer "$1" --config practice --out "$W/$name/train" "${@:2}" \
+      target.path="$W/target" logging.progress=false "run.device=${DEVICE:-cuda}"
+    local rc=$?  # non-zero also when an earlier call's output (from PROMPTS) has other settings
+    if (( rc != 0 )) || ! grep -q '"complete": true' "$W/$name/train/manifest.json" 2>/dev/null; then
+      echo "$name failed or did not finish (see $name.log): not training on it"; finish; exit 1
     fi
-    tar czf - --exclude=.lock -C "$W/regen2" train | split -b 15m -d - "$OUT/regen2-cache.tar.gz.part"  # for later
+    tar czf - --exclude=.lock -C "$W/$name" train | split -b 15m -d - "$OUT/$name-cache.tar.gz.part"
+  }
+  # shellcheck disable=SC2086  # REGEN2, SYNTH: their regenerate.* / synthesize.* overrides
+  if [ -n "${REGEN2:-}" ]; then
+    extra_source regen2 regenerate \
+      data.path="$W/regen2/train_prompts.jsonl" data.max_conversations=null regenerate.batch_size=4096 $REGEN2
+  fi
+  # shellcheck disable=SC2086
+  if [ -n "${SYNTH:-}" ]; then
+    extra_source synth synthesize synthesize.batch_size=4096 regenerate.batch_size=4096 $SYNTH
   fi
   # its own session (it outlives this call); it writes its pid, which is also its process group's id
   if [ -n "${ARMS:-}" ]; then
