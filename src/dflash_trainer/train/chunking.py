@@ -5,8 +5,9 @@ proportion to N, which grows with the sequence (the recipe's 512 blocks per 3,07
 batch does not fit. The chunked step (`micro_step.py`) runs the blocks in chunks, each chunk's forward and backward
 before the next, so only one chunk's activations are alive at a time; what stays is in proportion to the context
 (T tokens), not to the blocks. This module picks the chunk size: explicit, or the most blocks the free GPU memory
-holds by the estimates below (conservative: they count the tensors an eager step saves for its backward; a
-compiled step saves fewer).
+holds by the estimates below. They count the tensors an eager step saves for its backward; a compiled step
+(`train.compile` on a GPU) saves fewer, about half per block (`COMPILED_BLOCK_SHARE`, fitted to the measured
+peak memory of the 8B shape's step at 32K in one pass and in two chunks: bench/RESULTS.md, "Long context").
 
 Per block of B tokens, with H hidden, q = heads*hd, kv = kv_heads*hd, I the MLP width, L layers, e the compute
 dtype's bytes (fp32 parts: the residual stream and every norm's input, as the norms compute in fp32):
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 RESERVED_FRACTION = 0.15
 """Share of the device's memory the planner leaves alone."""
+COMPILED_BLOCK_SHARE = 0.55
+"""Share of `block_bytes` a compiled step keeps per block (measured about 0.5; the rest is margin)."""
 TRAINING_STATE_BYTES = 12
 """Bytes per drafter parameter allocated after planning: fp32 gradient and two fp32 Adam moments."""
 
@@ -89,12 +92,13 @@ def even_chunks(num_blocks: int, most: int) -> int:
 
 
 def auto_blocks_per_chunk(spec: DrafterSpec, *, num_blocks: int, token_budget: int, elem: int, loss_chunk_rows: int,
-                          num_params: int, free_bytes: int, total_bytes: int) -> int:
+                          num_params: int, free_bytes: int, total_bytes: int, compiled: bool = False) -> int:
     """The most blocks a chunk may hold within `free_bytes` (less the reserve and the fixed part), within
-    [1, num_blocks], evened out over the chunks (`even_chunks`)."""
+    [1, num_blocks], evened out over the chunks (`even_chunks`); `compiled`: the step's forward is compiled."""
     budget = free_bytes - RESERVED_FRACTION * total_bytes - fixed_bytes(
         spec, elem, token_budget=token_budget, loss_chunk_rows=loss_chunk_rows, num_params=num_params)
-    return even_chunks(num_blocks, int(budget // block_bytes(spec, elem)))
+    per_block = block_bytes(spec, elem) * (COMPILED_BLOCK_SHARE if compiled else 1.0)
+    return even_chunks(num_blocks, int(budget // per_block))
 
 
 def free_device_bytes(device: torch.device) -> tuple[int, int]:
@@ -105,7 +109,8 @@ def free_device_bytes(device: torch.device) -> tuple[int, int]:
 
 
 def plan_chunks(*, setting: int, spec: DrafterSpec, num_blocks: int, token_budget: int, compute: torch.dtype,
-                loss_chunk_rows: int, num_params: int, device: torch.device, sharded: bool = False) -> ChunkPlan:
+                loss_chunk_rows: int, num_params: int, device: torch.device, sharded: bool = False,
+                compiled: bool = False) -> ChunkPlan:
     """`train.blocks_per_chunk` (`setting`; 0: auto) resolved for a run: explicit sizes are evened out; auto is one
     pass on the CPU, else the most blocks the free memory holds. A sharded (FSDP2) drafter runs one pass: its
     units gather their weights per forward, and several backward passes per batch are not supported yet."""
@@ -123,9 +128,10 @@ def plan_chunks(*, setting: int, spec: DrafterSpec, num_blocks: int, token_budge
     free, total = free_device_bytes(device)
     size = auto_blocks_per_chunk(spec, num_blocks=num_blocks, token_budget=token_budget, elem=elem,
                                  loss_chunk_rows=loss_chunk_rows, num_params=num_params, free_bytes=free,
-                                 total_bytes=total)
+                                 total_bytes=total, compiled=compiled)
+    share = COMPILED_BLOCK_SHARE if compiled else 1.0
     reason = (f"auto: {free / 2**30:.1f} GiB free of {total / 2**30:.1f}, about "
-              f"{block_bytes(spec, elem) / 2**20:.1f} MiB per block")
+              f"{share * block_bytes(spec, elem) / 2**20:.1f} MiB per block{' compiled' if compiled else ''}")
     if size == 1 and num_blocks > 1:
         log.warning("the drafter step's memory estimate leaves room for one block per chunk at most (%s): the step "
                     "may run out of memory; lower pipeline.token_budget (and data.max_length)", reason)

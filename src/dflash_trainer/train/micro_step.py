@@ -83,7 +83,7 @@ def plan_step_chunks(config: Config, model: DFlashDrafter, device: torch.device)
         token_budget=config.batch.token_budget, compute=DTYPES[config.train.dtype],
         loss_chunk_rows=config.drafter.loss_chunk_rows,
         num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), device=device,
-        sharded=is_sharded(model),
+        sharded=is_sharded(model), compiled=config.train.compile and device.type == "cuda",
     )
     log_plan(chunks)
     return chunks
