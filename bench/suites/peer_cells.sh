@@ -4,7 +4,7 @@
 # the GPU (step-bound: sharing changes no result, only the wall time), each export evaluated by `dflash-train eval`
 # on PROMPTS's held-out prompts with EVAL_OVERRIDES (default target.dtype=float32, as the arms it is compared with).
 # The cells run in their own process session, so they outlive the call that starts them:
-#   PHASE=start CELLS=bench/cells/modelopt.txt [STEPS=1875] [PROMPTS=.quality/first200] bash bench/suites/peer_cells.sh
+#   PHASE=start CELLS="bench/cells/modelopt.txt [more files]" [STEPS=1875] [PROMPTS=.quality/first200] bash bench/suites/peer_cells.sh
 #   PHASE=wait bash bench/suites/peer_cells.sh      # follows them to the end and brings back results.tar.gz
 # Carry .whl (ours and the peer's wheels, bench/README.md), .whl-peer (transformers < 5.15 with its hub and
 # tokenizers: the peer's supported versions, on the peer's process path alone), .practice, .peer and PROMPTS
@@ -27,7 +27,9 @@ if [ "${PHASE:-start}" = start ]; then
   PROMPTS=${PROMPTS:-.quality/first200}
   cat "$PROMPTS"/quality-cache.tar.gz.part* | tar xzf - -C "$W/cache" || { echo "no data cache in $PROMPTS"; exit 1; }
   peer_env "$W" || { echo "nothing trained"; finish; exit 1; }
-  CELLS=$(realpath "${CELLS:?CELLS=bench/cells/... expected}")
+  # CELLS: one cells file or several (space-separated), run as one list
+  for f in ${CELLS:?CELLS=bench/cells/... expected}; do cat "$f" || exit 1; echo; done > "$W/cells.txt"
+  CELLS=$W/cells.txt
   EVAL_N=${EVAL_PROMPTS:-$(wc -l < "$W/cache/eval.jsonl")}
   # shellcheck disable=SC2016  # expanded by the detached shell
   setsid bash -c 'echo $$ > "$0/cells.pid"; while read -r name opts; do
