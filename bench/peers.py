@@ -285,9 +285,12 @@ def table(paths: list[Path], record: bool) -> None:
     rows = []
     for path in paths:
         r = json.loads(path.read_text())
-        rows.append(table_row(from_quality(r) if r.get("bench") == "quality" else
-                              r | {"recipe": f"ModelOpt {r['peer_version']} example recipe, {r.get('init', 'random')} "
-                                             f"init, seed {r.get('seed', 0)}, batch {r['batch']} x {r['seq_len']} padded"}))
+        if r.get("bench") == "quality":
+            r = from_quality(r)
+        elif r.get("trainer") == "modelopt":
+            r = r | {"recipe": f"ModelOpt {r['peer_version']} example recipe, {r.get('init', 'random')} init, seed "
+                               f"{r.get('seed', 0)}, batch {r['batch']} x {r['seq_len']} padded"}
+        rows.append(table_row(r))  # another peer's result names its recipe itself
     print(TABLE_HEADER)
     print("|" + "---|" * TABLE_HEADER.count(" | ") + "---|")
     print("\n".join(rows))

@@ -647,3 +647,47 @@ def test_held_out_prompts_leave_out_those_the_training_records_also_hold():
     assert two_turns == []  # record 4's second turn is record 0's second turn; no other has two
     _, first = split_conversations(records, first_held=2, num_eval=2)
     assert [c.source_index for c in first] == [3, 4]
+
+
+def test_specforge_loader_gives_exactly_n_batches_over_passes_and_records_them(tmp_path):
+    """peer_specforge_run.py's step cap: the peer's training loader walked as exactly N batches, a new shuffle
+    each pass over the data, the real/padded/loss tokens of what it yielded recorded, and no second walk."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from peer_specforge_run import StepCappedLoader
+
+    rows = [{"index": torch.tensor(i), "attention_mask": torch.tensor([1] * (2 + i % 3) + [0] * (3 - i % 3)),
+             "loss_mask": torch.tensor([0, 1, 1, 0, 0])} for i in range(5)]
+    sampler = DistributedSampler(rows, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = DataLoader(rows, batch_size=2, sampler=sampler)  # 3 batches a pass
+    stats = tmp_path / "stats.json"
+    capped = StepCappedLoader(loader, 7, stats)
+    assert len(capped) == 7
+    batches = list(capped)
+    assert len(batches) == 7  # 3 + 3 + 1: three passes
+    order = [int(i) for b in batches for i in b["index"]]
+    assert sorted(order[:5]) == sorted(order[5:10]) == list(range(5)) and order[:5] != order[5:10]
+    recorded = json.loads(stats.read_text())
+    assert recorded["steps"] == 7 and recorded["data_passes"] == 3 and len(recorded["step_ends_s"]) == 7
+    assert recorded["real_tokens"] == sum(int(b["attention_mask"].sum()) for b in batches)
+    assert recorded["padded_tokens"] == 5 * sum(b["index"].numel() for b in batches)
+    assert recorded["loss_tokens"] == 2 * sum(b["index"].numel() for b in batches)
+    with pytest.raises(SystemExit, match="walked twice"):
+        list(capped)
+
+
+def test_specforge_draft_config_is_the_targets_with_our_drafter_shape(tmp_path):
+    """peer_specforge.py's draft config: the target's sizes, our depth, taps and block, a mask id it checks."""
+    from peer_specforge import draft_config
+
+    from dflash_trainer.target.checks import choose_tap_layer_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "vocab_size": 8192, "num_hidden_layers": 6, "hidden_size": 256, "head_dim": 32,
+        "layer_types": ["full_attention"] * 6, "transformers_version": "5.0"}))
+    config = draft_config(tmp_path, num_layers=5, block_size=16, mask_token_id=5)
+    assert config["num_hidden_layers"] == 5 and len(config["layer_types"]) == 5 and config["hidden_size"] == 256
+    assert config["dflash_config"] == {"mask_token_id": 5, "target_layer_ids": choose_tap_layer_ids(6, 5)}
+    assert config["block_size"] == 16 and config["num_target_layers"] == 6 and "transformers_version" not in config
+    with pytest.raises(SystemExit, match="not below the target's vocabulary"):
+        draft_config(tmp_path, num_layers=5, block_size=16, mask_token_id=8192)
