@@ -109,12 +109,15 @@ def test_resume_with_the_run_dir_alone_continues_the_same_run(tmp_path, capsys):
 
     assert main(["train", "--resume", f"run.dir={run}", "train.max_steps=6"]) == 0  # no recipe at all
     assert summary(run)["steps"] == 6 and [r["step"] for r in metrics(run) if "jobs" in r] == list(range(1, 7))
+    # a checkpoint path names its run: no run.dir needed
+    assert main(["train", f"train.resume={run}/checkpoints/step_6", "train.max_steps=8"]) == 0
+    assert summary(run)["steps"] == 8
 
     capsys.readouterr()
-    assert main(["train", "--resume", f"run.dir={run}", "train.max_steps=8", "data.max_length=200"]) == 2
+    assert main(["train", "--resume", f"run.dir={run}", "train.max_steps=10", "data.max_length=200"]) == 2
     err = capsys.readouterr().err
     assert "data.max_length: 256 -> 200 (given)" in err, err
-    assert json.loads((run / "summary.json").read_text())["steps"] == 6  # nothing ran
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8  # nothing ran
 
 
 def test_resume_of_a_directory_without_a_run_says_so(tmp_path, capsys):

@@ -111,10 +111,15 @@ def _resumed_run(args: argparse.Namespace, overrides: list[str]) -> Path | None:
     if args.command != "train" or resume in (None, "", "null", "None"):
         return None
     run_dir = _given(overrides, "run.dir")
+    if run_dir is None and resume != "latest":  # a checkpoint of a run: RUN_DIR/checkpoints/step_N
+        checkpoint = Path(resume).expanduser()
+        if checkpoint.parent.name == "checkpoints" and RunDir(checkpoint.parent.parent).config.is_file():
+            run_dir = str(checkpoint.parent.parent)
     if run_dir is None and args.config is not None:  # a recipe that names its run dir
         run_dir = load_config(args.config, [o for o in overrides if not o.startswith("train.resume=")]).run.dir
     if run_dir in (None, "", "null", "None"):
-        raise ConfigError("--resume (train.resume) needs the run to continue: add run.dir=RUN_DIR")
+        raise ConfigError("--resume (train.resume) needs the run to continue: add run.dir=RUN_DIR (or give "
+                          "train.resume=RUN_DIR/checkpoints/step_N)")
     found = RunDir(Path(run_dir).expanduser())
     if found.config.is_file():
         return found.root

@@ -91,8 +91,7 @@ def save_config(config: Config, run_dir: str | os.PathLike) -> Path:
     """`RUN_DIR/config.yaml`: the resolved config, which resume and the other commands read back."""
     path = RunDir(run_dir).config
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_yaml(config))
-    return path
+    return write_atomic(path, to_yaml(config))  # a kill mid-write leaves the old config, never half of one
 
 @dataclass(frozen=True, slots=True)
 class RunDir:
