@@ -109,9 +109,11 @@ def test_resume_with_the_run_dir_alone_continues_the_same_run(tmp_path, capsys):
 
     assert main(["train", "--resume", f"run.dir={run}", "train.max_steps=6"]) == 0  # no recipe at all
     assert summary(run)["steps"] == 6 and [r["step"] for r in metrics(run) if "jobs" in r] == list(range(1, 7))
-    # a checkpoint path names its run: no run.dir needed
-    assert main(["train", f"train.resume={run}/checkpoints/step_6", "train.max_steps=8"]) == 0
+    # a checkpoint path names its run: no run.dir needed; an older checkpoint than the latest trains on from there
+    assert (run / "checkpoints" / "step_4").is_dir()
+    assert main(["train", f"train.resume={run}/checkpoints/step_4", "train.max_steps=8"]) == 0
     assert summary(run)["steps"] == 8
+    assert [r["step"] for r in metrics(run) if "jobs" in r][-4:] == [5, 6, 7, 8]  # steps 5 and 6 trained again
 
     capsys.readouterr()
     assert main(["train", "--resume", f"run.dir={run}", "train.max_steps=10", "data.max_length=200"]) == 2
