@@ -86,3 +86,21 @@ def test_a_speculators_verifier_the_hub_cannot_serve_falls_back_at_once(no_hub, 
     with pytest.raises(ConfigError, match="cannot be reached"):
         _verifier_config("dflash-test/verifier", None, is_target=False)
     assert json.dumps(config)  # a plain dict, as the export writes it
+
+
+def test_a_name_lookup_that_hangs_is_bounded(monkeypatch):
+    """A DNS server that does not answer: the probe gives up after its timeout, naming the lookup."""
+    def hanging_lookup(*args, **kwargs):
+        time.sleep(5)
+        raise AssertionError("not reached in time")
+
+    monkeypatch.setattr(hub.socket, "getaddrinfo", hanging_lookup)
+    monkeypatch.setattr(hub, "CONNECT_TIMEOUT_S", 0.3)
+    hub.hub_unreachable.cache_clear()
+    start = time.monotonic()
+    try:
+        reason = hub.hub_unreachable("https://hub.example.invalid")
+    finally:
+        hub.hub_unreachable.cache_clear()
+    assert time.monotonic() - start < 2
+    assert reason == "no name lookup of hub.example.invalid within 0.3 s"

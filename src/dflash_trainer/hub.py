@@ -4,7 +4,8 @@ transformers retries an unreachable hub for most of a minute before it gives up,
 cache. So a hub id is checked once per process: the hub's host is tried with a short connect timeout; when it does not answer,
 a model in the cache is read from its cached folder (no network), and one that is not is a one-line error naming
 the setting, the hub and the fix. With `HF_HUB_OFFLINE=1` nothing is probed (the library reads the cache alone), nor
-behind a proxy (a direct connection says nothing of it). The name lookup is the system resolver's, not bounded here.
+behind a proxy (a direct connection says nothing of it). The name lookup (the system resolver, which may wait
+long for a DNS server that does not answer) runs in a thread and is given the same bound.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
@@ -22,17 +24,37 @@ from dflash_trainer.errors import ConfigError
 CONNECT_TIMEOUT_S = 3.0
 
 
+def _lookup(host: str, port: int) -> tuple[str, int] | str:
+    """The first address of `host` (a TCP endpoint), or why there is none; a lookup still running after
+    CONNECT_TIMEOUT_S is abandoned to its daemon thread."""
+    found: list = []
+
+    def resolve() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][:2])
+        except OSError as e:
+            found.append(f"{type(e).__name__}: {e.strerror or e}")
+
+    thread = threading.Thread(target=resolve, name="hub-lookup", daemon=True)
+    thread.start()
+    thread.join(CONNECT_TIMEOUT_S)
+    return found[0] if found else f"no name lookup of {host} within {CONNECT_TIMEOUT_S:g} s"
+
+
 @functools.lru_cache(maxsize=None)
 def hub_unreachable(endpoint: str) -> Optional[str]:
     """Why the hub at `endpoint` cannot be reached (None when a TCP connection to it opens)."""
     url = urlparse(endpoint)
     host, port = url.hostname or endpoint, url.port or (80 if url.scheme == "http" else 443)
+    address = _lookup(host, port)
+    if isinstance(address, str):
+        return address
     try:
-        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+        with socket.create_connection(address, timeout=CONNECT_TIMEOUT_S):
             return None
     except OSError as e:
         return f"{type(e).__name__}: {e.strerror or e}" if not isinstance(e, TimeoutError) else \
-            f"no answer within {CONNECT_TIMEOUT_S:.0f} s"
+            f"no answer within {CONNECT_TIMEOUT_S:g} s"
 
 
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
