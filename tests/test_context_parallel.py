@@ -190,10 +190,19 @@ def test_tap_noise_of_a_shard_is_its_rows_of_the_whole_batch_noise():
     from dflash_trainer.drafter.noise import add_tap_noise
 
     taps = torch.randn(12, 6)
-    for noise in ("gaussian", "uniform"):
-        cfg = DrafterConfig(noise=noise, noise_std=0.5)
-        whole = add_tap_noise(taps, cfg, progress=0.0, seed=1, epoch=0, job_id=3)
-        shard = add_tap_noise(taps[4:8], cfg, progress=0.0, seed=1, epoch=0, job_id=3, batch_rows=12, start=4)
-        assert torch.equal(shard, whole[4:8])
+    for block_rows in (4096, 5):  # the shards in one noise block; across blocks (rows 4..8 span two of 5)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("dflash_trainer.drafter.noise.NOISE_BLOCK_ROWS", block_rows)
+            for noise in ("gaussian", "uniform"):
+                cfg = DrafterConfig(noise=noise, noise_std=0.5)
+                whole = add_tap_noise(taps, cfg, progress=0.0, seed=1, epoch=0, job_id=3)
+                assert not torch.equal(whole, taps)
+                for lo, hi in ((4, 8), (0, 12), (10, 12), (5, 10)):
+                    shard = add_tap_noise(taps[lo:hi], cfg, progress=0.0, seed=1, epoch=0, job_id=3, batch_rows=12,
+                                          start=lo)
+                    assert torch.equal(shard, whole[lo:hi]), (block_rows, noise, lo, hi)
+            # blocks draw their own values: not one block's values repeated
+            if block_rows == 5:
+                assert not torch.allclose(whole[:5] - taps[:5], whole[5:10] - taps[5:10])
     with pytest.raises(ValueError, match="do not lie in a batch of 12 rows"):
         add_tap_noise(taps[4:8], cfg, progress=0.0, seed=1, epoch=0, job_id=3, batch_rows=12, start=10)

@@ -24,6 +24,11 @@ def noise_std_at(config: DrafterConfig, progress: float) -> float:
     return config.noise_std + (config.noise_std_final - config.noise_std) * progress
 
 
+NOISE_BLOCK_ROWS = 4096
+"""Rows per noise draw: each block of a batch's rows has its own generator, so a draw never holds more than one
+block's fp32 values and a context-parallel shard draws only the blocks its rows lie in."""
+
+
 def add_tap_noise(
     taps: torch.Tensor, config: DrafterConfig, *, progress: float, seed: int, epoch: int, job_id: int,
     batch_rows: Optional[int] = None, start: int = 0,
@@ -31,20 +36,25 @@ def add_tap_noise(
     """taps (T, K*H) plus the configured noise (the same noise for the same job); taps if noise is off.
 
     A context-parallel shard's taps are rows [start, start + T) of a batch of `batch_rows` rows (None: the taps are
-    the whole batch): the noise is drawn on the whole batch's shape and sliced, so each row gets the noise it gets
-    at CP=1. NOTE: that draws batch_rows x K*H fp32 values on every rank of the group (21 GB at 256K tokens and
-    K*H = 5 x 4096, the 8B shape); a draw keyed by row block would bound it, and change the noise of CP=1 runs."""
+    the whole batch): the noise is keyed by the batch's row blocks (`NOISE_BLOCK_ROWS`), so each row gets the noise
+    it gets at CP=1."""
     std = noise_std_at(config, progress)
     if config.noise == "none" or std == 0.0:
         return taps
     rows = taps.shape[0] if batch_rows is None else batch_rows
-    if not 0 <= start <= rows - taps.shape[0]:
+    end = start + taps.shape[0]
+    if not 0 <= start <= end <= rows:
         raise ValueError(f"taps of {taps.shape[0]} rows at row {start} do not lie in a batch of {rows} rows")
-    shape = (rows, taps.shape[1])
-    generator = job_generator(seed, epoch, job_id, "noise", taps.device)
-    if config.noise == "gaussian":
-        noise = torch.randn(shape, generator=generator, device=taps.device, dtype=torch.float32) * std
-    else:
-        half_width = std * math.sqrt(3.0)
-        noise = (torch.rand(shape, generator=generator, device=taps.device) * 2.0 - 1.0) * half_width
-    return taps + noise[start : start + taps.shape[0]].to(taps.dtype)  # (T, K*H)
+    noisy = taps.clone()
+    for block in range(start // NOISE_BLOCK_ROWS, -(-end // NOISE_BLOCK_ROWS)):
+        first = block * NOISE_BLOCK_ROWS
+        shape = (min(NOISE_BLOCK_ROWS, rows - first), taps.shape[1])  # the block's rows of the whole batch
+        generator = job_generator(seed, epoch, job_id, f"noise/{block}", taps.device)
+        if config.noise == "gaussian":
+            noise = torch.randn(shape, generator=generator, device=taps.device, dtype=torch.float32) * std
+        else:
+            half_width = std * math.sqrt(3.0)
+            noise = (torch.rand(shape, generator=generator, device=taps.device) * 2.0 - 1.0) * half_width
+        lo, hi = max(first, start), min(first + shape[0], end)  # this shard's rows in the block
+        noisy[lo - start : hi - start] += noise[lo - first : hi - first].to(taps.dtype)  # (rows, K*H)
+    return noisy
