@@ -162,7 +162,6 @@ def test_plan_chunks_on_the_cpu_is_one_pass_unless_set():
     assert plan_chunks(setting=0, **common).one_pass
     plan = plan_chunks(setting=3, **common)
     assert (plan.blocks_per_chunk, plan.num_chunks) == (3, 4)
-    assert plan_chunks(setting=3, sharded=True, **common).one_pass  # FSDP2: one pass
 
 
 def test_the_cpu_memory_check_counts_one_chunk_of_blocks(monkeypatch):
@@ -189,3 +188,54 @@ def _qwen3_8b():
     from dflash_trainer.target.presets import preset_config
 
     return preset_config("qwen3-8b"), DrafterConfig(tap_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669)
+
+
+def _sharded_worker(rank, port, out_dir):
+    import os
+
+    import torch.distributed as dist
+
+    from dflash_trainer.train.parallel import shard_drafter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    drafter, _ = tiny_drafter(block_size=4, num_layers=2)
+    spec = drafter.spec
+    gen = torch.Generator().manual_seed(11)
+    head = TargetHead(embed_weight=torch.randn(spec.vocab_size, spec.hidden_size, generator=gen),
+                      lm_head_weight=torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.1,
+                      final_norm=torch.nn.RMSNorm(spec.hidden_size))
+    shard_drafter(drafter, dist.group.WORLD, torch.device("cpu"))
+    batch = _batch(drafter, ((15, 18, 9), (20, 22))[rank], kd=False)  # each rank its own batch
+    results = {}
+    for size in (NUM_BLOCKS, 3):
+        drafter.zero_grad(set_to_none=True)
+        out = make_micro_step(_config(size, block_size=4, gamma=2.0), drafter, head, device=torch.device("cpu"),
+                              progress=lambda: 0.0)(batch)
+        results[size] = {"loss_sum": out.loss_sum.clone(),
+                         "grads": {n: p.grad.full_tensor().clone() for n, p in drafter.named_parameters()}}
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "sharded.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_sharded_drafter_steps_in_chunks_as_in_one_pass(tmp_path):
+    """FSDP2 (train.fsdp, gloo on the CPU): the chunked step's several backward passes (each chunk's, then the
+    context's) give a sharded drafter the gradients one pass gives it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_sharded_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    results = torch.load(tmp_path / "sharded.pt", weights_only=True)
+    one, chunked = results[NUM_BLOCKS], results[3]
+    torch.testing.assert_close(chunked["loss_sum"], one["loss_sum"])
+    assert chunked["grads"].keys() == one["grads"].keys() and len(one["grads"]) > 0
+    for name, grad in chunked["grads"].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, one["grads"][name], atol=1e-5, rtol=1e-4, msg=name)

@@ -109,16 +109,10 @@ def free_device_bytes(device: torch.device) -> tuple[int, int]:
 
 
 def plan_chunks(*, setting: int, spec: DrafterSpec, num_blocks: int, token_budget: int, compute: torch.dtype,
-                loss_chunk_rows: int, num_params: int, device: torch.device, sharded: bool = False,
-                compiled: bool = False) -> ChunkPlan:
+                loss_chunk_rows: int, num_params: int, device: torch.device, compiled: bool = False) -> ChunkPlan:
     """`train.blocks_per_chunk` (`setting`; 0: auto) resolved for a run: explicit sizes are evened out; auto is one
-    pass on the CPU, else the most blocks the free memory holds. A sharded (FSDP2) drafter runs one pass: its
-    units gather their weights per forward, and several backward passes per batch are not supported yet."""
-    if sharded:
-        if setting:
-            log.warning("train.blocks_per_chunk=%d is ignored with FSDP2 sharding (train.fsdp): the step runs one "
-                        "pass over its %d blocks", setting, num_blocks)
-        return ChunkPlan(num_blocks=num_blocks, blocks_per_chunk=num_blocks, reason="FSDP2: one pass")
+    pass on the CPU, else the most blocks the free memory holds. (A sharded drafter's state is counted whole: its
+    chunks are planned as an unsharded one's, conservatively.)"""
     if setting:
         return ChunkPlan(num_blocks=num_blocks, blocks_per_chunk=even_chunks(num_blocks, setting),
                          reason=f"train.blocks_per_chunk={setting}")

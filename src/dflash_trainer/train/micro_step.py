@@ -28,7 +28,6 @@ from dflash_trainer.target.load import DTYPES
 from dflash_trainer.train.blocks_step import blocks_forward_backward, step_sums
 from dflash_trainer.train.chunking import ChunkPlan, log_plan, plan_chunks
 from dflash_trainer.train.context_parallel import shard_forward_backward
-from dflash_trainer.train.parallel import is_sharded
 from dflash_trainer.train.step_loop import MicroResult
 from dflash_trainer.transport.wire import HiddenStateBatch
 
@@ -83,7 +82,7 @@ def plan_step_chunks(config: Config, model: DFlashDrafter, device: torch.device)
         token_budget=config.batch.token_budget, compute=DTYPES[config.train.dtype],
         loss_chunk_rows=config.drafter.loss_chunk_rows,
         num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), device=device,
-        sharded=is_sharded(model), compiled=config.train.compile and device.type == "cuda",
+        compiled=config.train.compile and device.type == "cuda",
     )
     log_plan(chunks)
     return chunks

@@ -62,7 +62,9 @@ def shard_drafter(model: nn.Module, group: dist.ProcessGroup, device: torch.devi
         register_fsdp_forward_method(layer.self_attn, "kv")
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for method in ("forward_train", "forward_block"):  # the drafter is not called through forward()
+    # the drafter is not called through forward(): its training forwards (one pass; the chunked step's context and
+    # blocks) and decoding's block forward gather the root's weights as a forward does
+    for method in ("forward_train", "train_context", "forward_train_blocks", "forward_block"):
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
 
