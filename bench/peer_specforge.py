@@ -24,6 +24,9 @@ flex attention: CUDA only). This file and `peer_specforge_run.py` only drive it.
 - Steps: the script has no step cap (it trains whole epochs); `peer_specforge_run.py` hands it a loader of exactly
   N batches (passes over the data, each with its next epoch's shuffle), so its schedule ends at step N and it
   saves its checkpoint there; it also times every step and counts the real tokens. Counted from the first step.
+- Init: random (its own), or `--init target`: our step-0 drafter made from the target's layers (as bench/peers.py's
+  `--init target`), written as its checkpoint `epoch_0_step_0` (the same DFlash layout) and taken up by its own
+  `--resume`, which loads a checkpoint's weights and, with no optimizer state there, starts at step 0.
 - Evaluation: that checkpoint (config.json + model.safetensors, the z-lab DFlash layout our loader reads) through
   `dflash-train eval` on the held-out prompts, prompt lookup beside it.
 """
@@ -41,7 +44,7 @@ from datetime import datetime
 from pathlib import Path
 
 from common import ROOT, git_commit, write_result
-from peers import TABLE_HEADER, steady_step_s, table_row
+from peers import TABLE_HEADER, steady_step_s, table_row, write_target_init
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,7 +101,8 @@ def script_args(args, work: Path, out_dir: Path) -> list[str]:
         "--mask-token-id", str(args.mask_token_id), "--train-data-path", str(work / "train.jsonl"),
         "--output-dir", str(out_dir), "--cache-dir", str(work / "cache"), "--num-epochs", "1",
         "--batch-size", str(args.batch), "--max-length", str(args.max_length), "--seed", str(args.seed),
-        "--log-interval", "50", "--save-interval", str(10**9), "--report-to", "none", *RECIPE, *args.peer_args,
+        "--log-interval", "50", "--save-interval", str(10**9), "--report-to", "none", *RECIPE,
+        *(["--resume"] if args.init == "target" else []), *args.peer_args,
     ]
 
 
@@ -119,6 +123,8 @@ def run_peer(args, work: Path) -> dict:
     out_dir, stats = work / "out", work / "stats.json"
     if out_dir.exists():
         raise SystemExit(f"{out_dir} exists: give a new --work")
+    if args.init == "target":  # its --resume finds this as its last checkpoint: weights only, step 0
+        write_target_init(args, out_dir / "epoch_0_step_0")
     cmd = [args.peer_python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
            str(ROOT / "bench" / "peer_specforge_run.py"), "--script", str(args.source / "scripts" / "train_dflash.py"),
            "--max-steps", str(args.max_steps), "--stats", str(stats), "--", *script_args(args, work, out_dir)]
@@ -185,9 +191,11 @@ def specforge(args) -> dict:
     report = {} if args.no_eval else evaluate(args, work, trained["checkpoint"])
     version = peer_version(args, work)
     return {
-        "bench": "peers", "trainer": "specforge", "name": args.name or f"specforge-{args.max_steps}steps-s{args.seed}",
+        "bench": "peers", "trainer": "specforge",
+        "name": args.name or f"specforge-{args.init}-{args.max_steps}steps-s{args.seed}",
         "seed": args.seed, "date": datetime.now().strftime("%Y-%m-%d"), "commit": git_commit()[:7],
-        "peer_version": version, "recipe": f"{version.split(' with ')[0]} DFlash recipe, random init, seed "
+        "peer_version": version, "init": args.init,
+        "recipe": f"{version.split(' with ')[0]} DFlash recipe, {args.init} init, seed "
         f"{args.seed}, batch {args.batch} (padded to the longest)", "budget_minutes": None, "rows": rows,
         "batch": args.batch, "max_length": args.max_length, "steps": trained["steps"], "max_steps": args.max_steps,
         "train_s": trained["seconds"], "wall_s": trained["wall_s"], "stopped_by_budget": False,
@@ -222,6 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, default=5, help="a spare token id below the vocabulary")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", choices=("random", "target"), default="random",
+                   help="target: start from our step-0 drafter made from the target's layers")
     p.add_argument("--eval-prompts", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results")

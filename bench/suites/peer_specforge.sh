@@ -8,6 +8,8 @@
 #   PHASE=start [STEPS=1875] [PEER_CELLS="specforge-s0 --seed 0"] [PROMPTS=.quality/first200] \
 #     bash bench/suites/peer_specforge.sh
 #   PHASE=wait bash bench/suites/peer_specforge.sh      # follows them to the end and brings back results.tar.gz
+# The init-matched 2x2 with 2 seeds: PEER_CELLS="specforge-random-s0 --seed 0;specforge-random-s1 --seed 1;
+#   specforge-target-s0 --init target --seed 0;specforge-target-s1 --init target --seed 1"
 # PRESET=qwen3-8b: the peer's step time at that shape instead: a random-weight target of the preset with the practice
 # tokenizer (bench/random_target.py), STEPS (default 30) steps per cell, one cell at a time, no evaluation
 # (`step_s_after_warmup` in each JSON); default cells "specforge-8b-default;specforge-8b-anchors80 -- --num-anchors 80";
