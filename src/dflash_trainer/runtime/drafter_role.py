@@ -54,7 +54,8 @@ class Evaluations:
         model = trainer.full_model() if due else None  # a collective with FSDP2; the leader gets the model
         if self.tracker is not None and model is not None:
             trainer.show_eval(self.tracker.evaluate(model, record.step, export=lambda out: trainer.export(out, model),
-                                                    sink=trainer.sink, blocks_per_chunk=trainer.chunks.blocks_per_chunk))
+                                                    sink=trainer.sink,
+                                                    blocks_per_chunk=trainer.chunks.blocks_per_chunk))
         if self.client is not None:
             if model is not None:
                 self.client.request(trainer, record.step, model)
