@@ -691,3 +691,35 @@ def test_specforge_draft_config_is_the_targets_with_our_drafter_shape(tmp_path):
     assert config["block_size"] == 16 and config["num_target_layers"] == 6 and "transformers_version" not in config
     with pytest.raises(SystemExit, match="not below the target's vocabulary"):
         draft_config(tmp_path, num_layers=5, block_size=16, mask_token_id=8192)
+
+
+def test_long_context_figure_tables_each_series_by_length(tmp_path):
+    """bench/long_context_figure.py: drafter-alone points of each mode and whole-step points of one long sequence
+    (not batches of several, nor short ones) in one table, sorted by series and length, and a figure."""
+    from long_context_figure import main as figure_main
+    from long_context_figure import points
+
+    alone = {"bench": "long_context", "model": "qwen3-8b", "commit": "abc1234", "results": [
+        {"length": 131072, "mode": "chunked", "peak_gpu_mem_gb": 90.0, "step_ms": 9000.0, "tokens_per_s": 14563.0,
+         "mfu": 0.5, "plan": "4 chunks"},
+        {"length": 32768, "mode": "chunked", "peak_gpu_mem_gb": 60.0, "step_ms": 2500.0, "tokens_per_s": 13107.0,
+         "mfu": 0.56, "plan": "2 chunks"},
+        {"length": 131072, "mode": "one-pass", "peak_gpu_mem_gb": None, "step_ms": None, "status": "OOM"}]}
+
+    def run(length, seqs):
+        return {"bench": "run", "model": "qwen3-8b", "status": "ok", "commit": "abc1234", "tokens_per_step": length,
+                "workload_note": f"{seqs} sequences of exactly {length // seqs} tokens per batch",
+                "compile_target": False, "peak_gpu_mem_gb": 83.6, "step_ms": 37674.0, "tokens_per_s": 3479.0,
+                "mfu": 0.525, "target_mfu": 0.663, "drafter_step_mfu": 0.457}
+
+    files = []
+    for name, result in (("a.json", alone), ("b.json", run(131072, 1)), ("c.json", run(16384, 4)),
+                         ("d.json", run(4096, 1)), ("e.json", alone | {"model": "qwen3-1.7b"})):
+        (tmp_path / name).write_text(json.dumps(result))
+        files.append(tmp_path / name)
+    rows = points(files, "qwen3-8b", min_length=16384)
+    assert [(r["series"], r["length"]) for r in rows] == [
+        ("drafter step, chunked", 32768), ("drafter step, chunked", 131072), ("whole step (target eager)", 131072)]
+    out = tmp_path / "fig.png"
+    assert figure_main([*map(str, files), "--out", str(out)]) == 0
+    assert out.stat().st_size > 0

@@ -23,4 +23,7 @@ if [ -n "${LENGTHS-131072}" ]; then
   step chunked "${CHUNKED_S:-200}" python3 bench/long_context.py --modes chunked --lengths "${LENGTHS:-131072}" \
     --steps "${STEPS:-2}" "${ARGS[@]}"
 fi
+# the table and figure of every long-context point measured in this call (bench/long_context_figure.py)
+python3 bench/long_context_figure.py "$RESULTS"/*.json --out "$RESULTS/long-context-memory.png" > "$LOGS/figure.log" 2>&1
+cat "$LOGS/figure.log"
 finish
