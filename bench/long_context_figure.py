@@ -24,8 +24,8 @@ import matplotlib
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
-DEVICE_GB = 150.1
-"""An H200's memory in GB (139.8 GiB), drawn as the ceiling."""
+DEVICE_GIB = 139.8
+"""An H200's memory in GiB, drawn as the ceiling (the benches' `peak_gpu_mem_gb` are GiB too)."""
 
 
 def points(paths: list[Path], model: str, min_length: int) -> list[dict]:
@@ -57,7 +57,8 @@ def points(paths: list[Path], model: str, min_length: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| length | what | peak GB | step ms | tokens/s | MFU | notes | commit |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| length | what | peak GiB | step ms | tokens/s | MFU | notes | commit |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['length']:,} | {r['series']} | {r['peak_gb']:.1f} | {r['step_ms']:,.0f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['plan']} | {r['commit']} |")
@@ -70,9 +71,9 @@ def draw(rows: list[dict], out: Path, model: str) -> None:
     for series in sorted({r["series"] for r in rows}):
         mine = [r for r in rows if r["series"] == series]
         ax.plot([r["length"] / 1024 for r in mine], [r["peak_gb"] for r in mine], marker="o", label=series)
-    ax.axhline(DEVICE_GB, color="grey", linestyle="--", linewidth=1, label="H200 memory")
+    ax.axhline(DEVICE_GIB, color="grey", linestyle="--", linewidth=1, label="H200 memory")
     ax.set_xlabel("sequence length (K tokens)")
-    ax.set_ylabel("peak GPU memory (GB)")
+    ax.set_ylabel("peak GPU memory (GiB)")
     ax.set_title(f"Long context at the {model} shape, one sequence a step")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

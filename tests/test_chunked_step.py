@@ -146,9 +146,9 @@ def test_auto_chunk_size_shrinks_with_the_budget_and_covers_all_blocks_when_ampl
     assert 1 <= small < large < shape["num_blocks"]
     assert size(10_000) == shape["num_blocks"]  # ample memory: one pass
     assert size(1) == 1  # nothing left: one block at a time
-    # a compiled step keeps about half per block: about twice the blocks fit in the same budget
+    # a compiled step keeps about half per block (counted as 0.6): 1/0.6 the blocks fit in the same budget
     compiled = auto_blocks_per_chunk(spec, **shape, free_bytes=60 * gib, total_bytes=141 * gib, compiled=True)
-    assert 1.6 * small < compiled < 2.0 * small
+    assert 1.5 * small < compiled < 1.8 * small
     # the 8B drafter: about 20 MiB of activations per block (16 tokens x 5 layers), a few GiB fixed at 32K
     assert 15 * 2**20 < block_bytes(spec, 2) < 30 * 2**20
     fixed = fixed_bytes(spec, 2, token_budget=32768, loss_chunk_rows=4096, num_params=0)

@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 RESERVED_FRACTION = 0.15
 """Share of the device's memory the planner leaves alone."""
-COMPILED_BLOCK_SHARE = 0.55
-"""Share of `block_bytes` a compiled step keeps per block (measured about 0.5; the rest is margin)."""
+COMPILED_BLOCK_SHARE = 0.6
+"""Share of `block_bytes` a compiled step keeps per block (measured 0.53; the rest is margin)."""
 TRAINING_STATE_BYTES = 12
 """Bytes per drafter parameter allocated after planning: fp32 gradient and two fp32 Adam moments."""
 
