@@ -185,7 +185,7 @@ def specforge(args) -> dict:
     print(f"{rows} rows; drafter taps {config['dflash_config']['target_layer_ids']} of "
           f"{config['num_target_layers']} layers", flush=True)
     trained = run_peer(args, work)
-    if args.no_eval:  # its save holds fp32 masters and AdamW moments too: 15 GB at the 8B shape, not needed here
+    if args.no_eval:  # its save holds fp32 masters and AdamW moments too (large at 8B), not needed here
         shutil.rmtree(work / "out")
         trained["checkpoint"] = None
     report = {} if args.no_eval else evaluate(args, work, trained["checkpoint"])

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 RESERVED_FRACTION = 0.15
 """Share of the device's memory the planner leaves alone."""
 COMPILED_BLOCK_SHARE = 0.6
-"""Share of `block_bytes` a compiled step keeps per block (measured 0.53; the rest is margin)."""
+"""Share of `block_bytes` a compiled step keeps per block, with a margin (the fit: bench/RESULTS.md, "Long
+context")."""
 TRAINING_STATE_BYTES = 12
 """Bytes per drafter parameter allocated after planning: fp32 gradient and two fp32 Adam moments."""
 
