@@ -89,11 +89,12 @@ if [ "${PHASE:-start}" = start ]; then
     local name=$1; shift
     local left=$(( ${DEADLINE_S:-570} - (SECONDS - T0) - 30 ))
     (( left > 0 )) || { echo "no time left in this call for $name (DEADLINE_S=${DEADLINE_S:-570})"; finish; exit 1; }
-    step "$name" "$left" python3 -m dflash_trainer "$1" --config practice --out "$W/$name/train" "${@:2}" \
+    # its log is NAME-source.log: an arm may be named NAME too (bench/arms/synth.txt)
+    step "$name-source" "$left" python3 -m dflash_trainer "$1" --config practice --out "$W/$name/train" "${@:2}" \
       target.path="$W/target" logging.progress=false "run.device=${DEVICE:-cuda}"
     local rc=$?  # non-zero also when an earlier call's output (from PROMPTS) has other settings
     if (( rc != 0 )) || ! grep -q '"complete": true' "$W/$name/train/manifest.json" 2>/dev/null; then
-      echo "$name failed or did not finish (see $name.log): not training on it"; finish; exit 1
+      echo "$name failed or did not finish (see $name-source.log): not training on it"; finish; exit 1
     fi
     tar czf - --exclude=.lock -C "$W/$name" train | split -b 15m -d - "$OUT/$name-cache.tar.gz.part"
   }
