@@ -44,7 +44,7 @@ from datetime import datetime
 from pathlib import Path
 
 from common import ROOT, git_commit, write_result
-from peers import TABLE_HEADER, steady_step_s, table_row, write_target_init
+from peers import TABLE_HEADER, steady_step_s, step_time_summary, table_row, write_target_init
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -202,7 +202,7 @@ def specforge(args) -> dict:
         "data_passes": trained["data_passes"], "real_tokens": trained["real_tokens"],
         "loss_tokens": trained["loss_tokens"], "real_tokens_per_s": trained["real_tokens"] / trained["seconds"],
         "padded_tokens_per_s": trained["padded_tokens"] / trained["seconds"],
-        "step_s_after_warmup": steady_step_s(trained["step_ends_s"]),
+        "step_s_after_warmup": steady_step_s(trained["step_ends_s"]), **step_time_summary(trained["step_ends_s"]),
         "tau": report.get("tau"), "prompt_lookup_tau": report.get("prompt_lookup_tau"),
         "eval_seconds": report.get("seconds"), "acceptance_histogram": report.get("acceptance_histogram"),
         "eval_prompts": None if args.no_eval else args.eval_prompts, "eval_overrides": args.eval_overrides,
@@ -250,7 +250,8 @@ def main(argv=None) -> int:
     print(TABLE_HEADER)
     print(table_row(result))
     print(json.dumps({k: result[k] for k in ("name", "tau", "prompt_lookup_tau", "steps", "real_tokens_per_s",
-                                             "step_s_after_warmup")}))
+                                             "step_s_after_warmup", "step_s_median", "step_s_without_slow",
+                                             "slow_steps") if k in result}))
     return 0
 
 

@@ -182,6 +182,20 @@ def steady_step_s(ends: list[float], skip: int = 5) -> float | None:
     return (ends[-1] - ends[skip]) / (len(ends) - 1 - skip)
 
 
+def step_time_summary(ends: list[float], skip: int = 2, slow: float = 3.0) -> dict:
+    """The steps after the first `skip` (warm-up) from their end times: mean, median, and the mean without the
+    steps over `slow` x the median (a recompile when a new padded shape arrives: a short measurement would
+    overweight what a long run pays a few times), with their count. Empty with too few steps."""
+    times = sorted(b - a for a, b in zip(ends[skip:], ends[skip + 1:]))
+    if not times:
+        return {}
+    n = len(times)
+    median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+    usual = [t for t in times if t <= slow * median]
+    return {"step_s_mean": sum(times) / n, "step_s_median": median, "step_s_without_slow": sum(usual) / len(usual),
+            "slow_steps": n - len(usual), "timed_steps": n}
+
+
 def export_and_eval(args, work: Path, trained: dict) -> dict:
     export = work / "export"
     cmd = [args.peer_python, "scripts/export_hf_checkpoint.py", "--model_path", trained["out_dir"],
@@ -247,7 +261,7 @@ def modelopt(args) -> dict:
         "steps": trained["steps"], "max_steps": max_steps, "train_s": trained["seconds"],
         "stopped_by_budget": trained["stopped_by_budget"], "real_tokens": trained["real_tokens"],
         "real_tokens_per_s": trained["real_tokens"] / trained["seconds"],
-        "step_s_after_warmup": steady_step_s(trained["step_ends_s"]),
+        "step_s_after_warmup": steady_step_s(trained["step_ends_s"]), **step_time_summary(trained["step_ends_s"]),
         "padded_tokens_per_s": trained["padded_tokens"] / trained["seconds"],
         "tau": report.get("tau"), "prompt_lookup_tau": report.get("prompt_lookup_tau"),
         "peer_validation": validation,

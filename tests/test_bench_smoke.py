@@ -486,10 +486,18 @@ def test_peer_warm_start_loads_every_draft_tensor_or_refuses(tmp_path):
     refused before training, never half loaded. Also the peer's steady step time (warm-up left out)."""
     from types import SimpleNamespace
 
-    from peers import steady_step_s
+    from peers import steady_step_s, step_time_summary
 
     assert steady_step_s([9.0, 9.5] + [10.0 + 0.25 * i for i in range(9)]) == pytest.approx(0.25)
     assert steady_step_s([1.0] * 6) is None
+    # a recompile (a new padded shape) stands apart from the usual steps: 2 warm-up steps left out, then
+    # 0.2 s steps with one of 10 s
+    ends = [0.0, 12.0, 20.0] + [20.0 + 0.2 * i for i in range(1, 5)] + [30.8] + [30.8 + 0.2 * i for i in range(1, 4)]
+    summary = step_time_summary(ends)
+    assert summary["timed_steps"] == 8 and summary["slow_steps"] == 1
+    assert summary["step_s_median"] == pytest.approx(0.2) and summary["step_s_without_slow"] == pytest.approx(0.2)
+    assert summary["step_s_mean"] == pytest.approx((7 * 0.2 + 10.0) / 8)
+    assert step_time_summary([1.0, 2.0, 3.0]) == {}
 
     from drafter_helpers import tiny_drafter
     from peer_modelopt_run import load_draft_weights
