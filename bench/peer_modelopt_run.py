@@ -7,11 +7,12 @@ a wall-clock budget, and record what it trained. Called by `bench/peers.py`; run
 What is added around the unchanged script, through the `transformers.Trainer` it builds:
 - a callback that stops training once `--budget-s` seconds have passed since the first step began (the
   step-count schedule is set by the caller from a calibration run, so the budget is only a guard);
-- a count of the real (non-padding) tokens of every training batch, summed on the device (no host sync).
+- a count of the real (non-padding) and supervised tokens of every training batch, summed on the device (no host
+  sync).
 - with `--init-weights`, the draft module's weights from a DFlash-layout safetensors file, loaded once the
   trainer holds the converted model (before the first step); every draft tensor must be there with its shape,
   except the rotary buffers and the embedding / LM head it takes from the target.
-`--stats` gets: steps, seconds from the first step to the last, real tokens, padded tokens, step times.
+`--stats` gets: steps, seconds from the first step to the last, real, padded and supervised tokens, step times.
 """
 
 from __future__ import annotations
@@ -43,11 +44,27 @@ def load_draft_weights(model, path: Path) -> int:
     return len(given)
 
 
+def count_batch(counts: dict, inputs: dict) -> None:
+    """Adds a batch's real tokens (its attention mask), padded tokens and supervised tokens (its `loss_mask`, else
+    its labels other than -100: the reply positions the loss can use) to `counts`; device sums stay on the device."""
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        real = mask.detach().sum()
+        counts["real"] = real if counts["real"] is None else counts["real"] + real
+        counts["padded"] += mask.numel()
+    supervised = inputs.get("loss_mask")
+    if supervised is None and inputs.get("labels") is not None:
+        supervised = inputs["labels"] != -100
+    if supervised is not None:
+        n = supervised.detach().sum()
+        counts["loss"] = n if counts["loss"] is None else counts["loss"] + n
+
+
 def install_hooks(budget_s: float, stats_path: Path, init_weights: Path | None = None) -> None:
     import torch
     from transformers import Trainer, TrainerCallback
 
-    counts: dict = {"real": None, "padded": 0}
+    counts: dict = {"real": None, "padded": 0, "loss": None}
 
     class Budget(TrainerCallback):
         def __init__(self) -> None:
@@ -64,9 +81,12 @@ def install_hooks(budget_s: float, stats_path: Path, init_weights: Path | None =
                 control.should_training_stop = True
 
         def on_train_end(self, args, state, control, **kwargs):
-            real = int(counts["real"].item()) if counts["real"] is not None else 0  # host sync: once, at the end
+            # host syncs: once, at the end
+            real = int(counts["real"].item()) if counts["real"] is not None else 0
+            loss = int(counts["loss"].item()) if counts["loss"] is not None else None
             stats = {"steps": state.global_step, "seconds": self.step_ends[-1] if self.step_ends else 0.0,
-                     "real_tokens": real, "padded_tokens": counts["padded"], "step_ends_s": self.step_ends,
+                     "real_tokens": real, "padded_tokens": counts["padded"], "loss_tokens": loss,
+                     "step_ends_s": self.step_ends,
                      "budget_s": budget_s, "stopped_by_budget": bool(self.step_ends) and self.step_ends[-1] >= budget_s}
             stats_path.write_text(json.dumps(stats))
 
@@ -80,11 +100,7 @@ def install_hooks(budget_s: float, stats_path: Path, init_weights: Path | None =
             print(f"peer_modelopt_run: draft module initialised from {init_weights} ({n} tensors)", flush=True)
 
     def training_step(self, model, inputs, *args, **kwargs):
-        mask = inputs.get("attention_mask")
-        if mask is not None:
-            real = mask.detach().sum()  # stays on the device
-            counts["real"] = real if counts["real"] is None else counts["real"] + real
-            counts["padded"] += mask.numel()
+        count_batch(counts, inputs)
         return original_step(self, model, inputs, *args, **kwargs)
 
     Trainer.__init__, Trainer.training_step = init, training_step

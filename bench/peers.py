@@ -263,6 +263,9 @@ def modelopt(args) -> dict:
         "real_tokens_per_s": trained["real_tokens"] / trained["seconds"],
         "step_s_after_warmup": steady_step_s(trained["step_ends_s"]), **step_time_summary(trained["step_ends_s"]),
         "padded_tokens_per_s": trained["padded_tokens"] / trained["seconds"],
+        # reply positions its loss can use, as ours' "supervised" count (None from a stats file without them)
+        "loss_tokens": trained.get("loss_tokens"),
+        "loss_tokens_per_s": trained["loss_tokens"] / trained["seconds"] if trained.get("loss_tokens") else None,
         "tau": report.get("tau"), "prompt_lookup_tau": report.get("prompt_lookup_tau"),
         "peer_validation": validation,
         "eval_seconds": report.get("seconds"), "acceptance_histogram": report.get("acceptance_histogram"),

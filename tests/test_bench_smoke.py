@@ -499,6 +499,15 @@ def test_peer_warm_start_loads_every_draft_tensor_or_refuses(tmp_path):
     assert summary["step_s_mean"] == pytest.approx((7 * 0.2 + 10.0) / 8)
     assert step_time_summary([1.0, 2.0, 3.0]) == {}
 
+    # its batches counted: real tokens from the attention mask, supervised ones from loss_mask, else labels
+    from peer_modelopt_run import count_batch
+
+    counts = {"real": None, "padded": 0, "loss": None}
+    attention = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    count_batch(counts, {"attention_mask": attention, "loss_mask": torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0]])})
+    count_batch(counts, {"attention_mask": attention, "labels": torch.tensor([[-100, 5, 6, -100], [-100, -100, 7, -100]])})
+    assert (int(counts["real"]), counts["padded"], int(counts["loss"])) == (10, 16, 6)
+
     from drafter_helpers import tiny_drafter
     from peer_modelopt_run import load_draft_weights
     from safetensors.torch import load_file, save_file
