@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig
@@ -20,25 +21,63 @@ from dflash_trainer.target.load import DTYPES, find_decoder, load_target, target
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TargetHead:
     embed_weight: torch.Tensor
-    """(V, H) target dtype, frozen: embeds the drafter's block inputs."""
+    """(V, H) target dtype, frozen: embeds the drafter's block inputs. Row i is what the target's input-embedding
+    module returns for token i, as DFlash inference embeds a block with that module: the table itself, or the
+    table times the module's scale where it has one (Gemma's sqrt(H); then a copy, not the tied LM head)."""
     lm_head_weight: torch.Tensor
     """(V, H) target dtype, frozen: projects drafter outputs to the vocabulary."""
     final_norm: nn.Module
-    """The target's final RMSNorm (frozen), for distillation from its pre-norm last hidden state."""
+    """The target's final norm (frozen, its own class: Gemma's scales by 1 + weight), for distillation from its
+    pre-norm last hidden state."""
+
+
+def embedding_scale(module: nn.Module) -> float | None:
+    """The scalar a target's input-embedding module multiplies its table by: 1.0 for a plain `nn.Embedding`,
+    transformers' `scalar_embed_scale` for its scaled embeddings (Gemma 1-4, MiniCPM3), None when unknown (another
+    class: the caller measures it on real weights, or loads them)."""
+    if type(module) is nn.Embedding:
+        return 1.0
+    scale = getattr(module, "scalar_embed_scale", None)
+    return float(scale) if isinstance(scale, (int, float)) else None
+
+
+def _measured_embedding_scale(module: nn.Module) -> float:
+    """The scale of a materialised embedding module, from its output for a few tokens against its table; a module
+    whose output is not the table times one scalar is refused (the drafter's block embeddings could not follow)."""
+    weight = module.weight
+    ids = torch.arange(min(8, weight.shape[0]), device=weight.device)
+    with torch.no_grad():
+        out, rows = module(ids).float(), weight[ids].float()  # (8, H)
+    scale = float((out * rows).sum() / (rows * rows).sum().clamp_min(1e-30))
+    if not torch.allclose(out, rows * scale, rtol=1e-2, atol=1e-6):
+        raise ConfigError(
+            f"the target's input embedding ({type(module).__name__}) is not its table times a scalar, so the "
+            "drafter's block embeddings cannot be taken from it: this architecture is not supported as a target yet"
+        )
+    return scale
+
+
+def _scaled(table: torch.Tensor, scale: float) -> torch.Tensor:
+    """The block-embedding table: `table` itself at scale 1, else a scaled copy (rounded as the module rounds)."""
+    if scale == 1.0:
+        return table
+    return table * torch.tensor(scale, dtype=torch.float32, device=table.device).to(table.dtype)  # as transformers'
 
 
 def head_from_model(model: nn.Module) -> TargetHead:
-    out = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    scale = embedding_scale(embed)
+    scale = _measured_embedding_scale(embed) if scale is None else scale
     return TargetHead(
-        embed_weight=model.get_input_embeddings().weight.detach(),
-        lm_head_weight=out.weight.detach(),
+        embed_weight=_scaled(embed.weight.detach(), scale),
+        lm_head_weight=model.get_output_embeddings().weight.detach(),
         final_norm=find_decoder(model).norm,
     )
 
 
 _EMBED_KEYS = ("model.embed_tokens.weight",)
 _HEAD_KEYS = ("lm_head.weight",)
-_NORM_KEYS = ("model.norm.weight",)
+_NORM_PREFIX = "model.norm."
 
 
 def _safetensors_files(path: Path) -> dict[str, Path]:
@@ -53,18 +92,28 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
     return {}
 
 
-def _read_head(files, embed_key, head_key, norm_key, config, device, dtype) -> TargetHead:
+def _read_head(files, embed_key, head_key, norm_prefix, skeleton, device, dtype) -> TargetHead:
+    """The head read tensor by tensor; `skeleton` (the target built on the meta device) gives the embedding's scale
+    and the final norm's class, so both are the target's own."""
     def read(key: str) -> torch.Tensor:
         with safe_open(str(files[key]), framework="pt", device="cpu") as f:
             return f.get_tensor(key).to(device=device, dtype=dtype)
 
     embed = read(embed_key)
     head = embed if head_key == embed_key else read(head_key)
-    norm = nn.RMSNorm(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6), device=device, dtype=dtype)
+    norm = find_decoder(skeleton).norm.to_empty(device=device).to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(read(norm_key))
+        for name, tensor in norm.state_dict().items():  # every tensor of the norm is in the checkpoint (checked)
+            tensor.copy_(read(norm_prefix + name))
     norm.requires_grad_(False)
-    return TargetHead(embed_weight=embed, lm_head_weight=head, final_norm=norm)
+    return TargetHead(embed_weight=_scaled(embed, embedding_scale(skeleton.get_input_embeddings())),
+                      lm_head_weight=head, final_norm=norm)
+
+
+def _meta_skeleton(cfg: TargetConfig) -> nn.Module:
+    """The target's modules on the meta device (no memory, no weights): their classes and constants."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(target_model_config(cfg), trust_remote_code=cfg.trust_remote_code)
 
 
 def read_target_tensors(cfg: TargetConfig, names: Sequence[str], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -99,11 +148,15 @@ def load_target_head(cfg: TargetConfig, device: torch.device, seed: int = 0) -> 
     if cfg.path is not None and Path(cfg.path).is_dir():
         files = _safetensors_files(Path(cfg.path))
         embed_key = next((k for k in _EMBED_KEYS if k in files), None)
-        norm_key = next((k for k in _NORM_KEYS if k in files), None)
         head_key = next((k for k in _HEAD_KEYS if k in files), None)
         tied = bool(getattr(target_model_config(cfg), "tie_word_embeddings", False)) if files else False
-        if embed_key and norm_key and (head_key or tied):
-            return _read_head(files, embed_key, head_key or embed_key, norm_key, target_model_config(cfg), device, dtype)
+        if embed_key and (head_key or tied):
+            skeleton = _meta_skeleton(cfg)
+            decoder = getattr(skeleton, "model", None)
+            norm = getattr(decoder, "norm", None)
+            if (isinstance(norm, nn.Module) and all(_NORM_PREFIX + n in files for n in norm.state_dict())
+                    and embedding_scale(skeleton.get_input_embeddings()) is not None):
+                return _read_head(files, embed_key, head_key or embed_key, _NORM_PREFIX, skeleton, device, dtype)
     model = load_target(cfg, device, seed=seed)
     head = head_from_model(model)
     for layer in find_decoder(model).layers:  # free the decoder layers: only the head is kept

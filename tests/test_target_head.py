@@ -1,0 +1,67 @@
+"""The target's head as the drafter uses it: block embeddings equal to what the target's own input-embedding module
+returns (Gemma scales its table by sqrt(H) there), the final norm of the target's own class (Gemma's scales by
+1 + weight), and the LM head unscaled; read tensor by tensor from a checkpoint or taken from the loaded model alike."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3Config
+
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target.head import embedding_scale, head_from_model, load_target_head
+
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def saved_target(tmp_path, config) -> tuple[nn.Module, TargetConfig]:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.model.norm.weight.normal_()  # Gemma's norm starts at 0 (1 + w = 1): give it weights that tell
+    model.save_pretrained(tmp_path)
+    return model, TargetConfig(path=str(tmp_path), dtype="float32")
+
+
+@pytest.mark.parametrize("config", [Gemma3TextConfig(**SHAPE, sliding_window=32, tie_word_embeddings=True),
+                                    Qwen3Config(**SHAPE, tie_word_embeddings=False)], ids=["gemma3", "qwen3"])
+def test_block_embeddings_and_final_norm_are_the_targets_own(tmp_path, config):
+    model, cfg = saved_target(tmp_path, config)
+    ids = torch.arange(config.vocab_size)
+    x = torch.randn(5, config.hidden_size)
+    with torch.no_grad():
+        want_embeds, want_norm = model.get_input_embeddings()(ids), model.model.norm(x)
+    for head in (head_from_model(model), load_target_head(cfg, torch.device("cpu"))):  # loaded, then read
+        torch.testing.assert_close(nn.functional.embedding(ids, head.embed_weight), want_embeds, rtol=0, atol=0)
+        torch.testing.assert_close(head.lm_head_weight, model.lm_head.weight, rtol=0, atol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(head.final_norm(x), want_norm)
+    gemma = config.model_type == "gemma3_text"
+    assert embedding_scale(model.get_input_embeddings()) == pytest.approx(64 ** 0.5 if gemma else 1.0)
+    # the scale is the target's, not a property of the file: Gemma's embeddings differ from its table
+    assert gemma == (not torch.equal(want_embeds, model.get_input_embeddings().weight))
+
+
+class _Shifted(nn.Embedding):
+    """An embedding whose output is not its table times a scalar."""
+
+    def forward(self, ids):
+        return super().forward(ids) + 1.0
+
+
+class _Doubled(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+def test_an_unknown_embedding_class_is_measured_or_refused():
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**SHAPE))
+    table = model.model.embed_tokens.weight.detach().clone()
+    model.model.embed_tokens = _Doubled(SHAPE["vocab_size"], SHAPE["hidden_size"])
+    model.model.embed_tokens.weight.data.copy_(table)
+    assert embedding_scale(model.model.embed_tokens) is None  # not a known class: measured on its weights
+    torch.testing.assert_close(head_from_model(model).embed_weight, table * 2.0)
+    model.model.embed_tokens = _Shifted(SHAPE["vocab_size"], SHAPE["hidden_size"])
+    with pytest.raises(ConfigError, match="not its table times a scalar"):
+        head_from_model(model)
