@@ -199,7 +199,10 @@ def test_choose_tap_layer_ids():
     assert choose_tap_layer_ids(28, 5) == [1, 7, 13, 19, 25]
     assert choose_tap_layer_ids(6, 5) == [0, 1, 2, 3, 4]  # too shallow for [1, L-3]: widened, never the last
     assert choose_tap_layer_ids(36, 1) == [18]
-    for layers in range(3, 80):
+    assert choose_tap_layer_ids(2, 1) == [0]  # the middle of two layers is the last: the first instead
+    with pytest.raises(ConfigError, match="cannot choose 1 taps"):
+        choose_tap_layer_ids(1, 1)
+    for layers in range(2, 80):
         for k in range(1, 8):
             if k <= layers - 1:
                 ids = choose_tap_layer_ids(layers, k)

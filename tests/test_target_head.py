@@ -65,3 +65,20 @@ def test_an_unknown_embedding_class_is_measured_or_refused():
     model.model.embed_tokens = _Shifted(SHAPE["vocab_size"], SHAPE["hidden_size"])
     with pytest.raises(ConfigError, match="not its table times a scalar"):
         head_from_model(model)
+
+
+def test_a_drafter_of_a_target_with_rope_per_layer_type_takes_the_full_attention_set():
+    """Gemma 3 keeps one RoPE set per layer type (sliding 10K, full 1M): the drafter, whose layers attend to the
+    whole context, takes the full-attention one, and a nested set without it is refused."""
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.drafter.spec import drafter_spec
+
+    config = Gemma3TextConfig(**SHAPE, sliding_window=32)
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] != config.rope_parameters["full_attention"]["rope_theta"]
+    spec = drafter_spec(config, DrafterConfig(num_layers=1, mask_token_id=5))
+    assert spec.rope_parameters == dict(config.rope_parameters["full_attention"])
+    flat = drafter_spec(Qwen3Config(**SHAPE, rope_theta=5e5), DrafterConfig(num_layers=1, mask_token_id=5))
+    assert flat.rope_parameters["rope_theta"] == 5e5
+    config.rope_parameters = {"sliding_attention": config.rope_parameters["sliding_attention"]}
+    with pytest.raises(ConfigError, match="full_attention"):
+        drafter_spec(config, DrafterConfig(num_layers=1, mask_token_id=5))

@@ -124,6 +124,13 @@ def drafter_spec(
                                                          min(drafter.num_layers, max(1, num_target_layers - 1)))
     heads = target_config.num_attention_heads
     rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        # one set per layer type (Gemma 3: sliding and full attention): the drafter's layers attend to the whole
+        # context, so they take the full-attention layers' set
+        if "full_attention" not in rope:
+            raise ConfigError(f"the target's rope_parameters are per layer type {sorted(rope)} with no "
+                              "'full_attention' entry for the drafter's layers: this target is not supported yet")
+        rope = dict(rope["full_attention"])
     if "rope_theta" not in rope:
         rope["rope_theta"] = getattr(target_config, "rope_theta", 10000.0)
     rope.setdefault("rope_type", "default")

@@ -33,8 +33,8 @@ def choose_tap_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     """
     if num_taps < 1:
         raise ConfigError(f"need at least one tap layer, got num_taps={num_taps}")
-    if num_taps == 1:
-        return [num_target_layers // 2]
+    if num_taps == 1 and num_target_layers >= 2:
+        return [min(num_target_layers // 2, num_target_layers - 2)]
     start, end = 1, num_target_layers - 3
     if end - start + 1 < num_taps:
         start, end = 0, num_target_layers - 2
