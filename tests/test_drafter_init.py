@@ -34,3 +34,22 @@ def test_init_from_target_copies_layers_norms_and_passes_the_last_tap(num_layers
     h = drafter.spec.hidden_size
     taps = torch.randn(5, 2 * h)
     torch.testing.assert_close(drafter.fc(taps), taps[:, h:])  # the last tap (layer 2), unchanged
+
+
+def test_a_target_whose_layers_are_not_qwen3_style_is_refused(tmp_path):
+    """Gemma 3's layers have two more norms (and scale by 1 + weight): copying the Qwen3-style part would start the
+    drafter from something the target never computes, so the initialisation is refused with the fix."""
+    from transformers import Gemma3TextConfig
+
+    from dflash_trainer.drafter.init import check_target_layers
+    from dflash_trainer.errors import ConfigError
+    from dflash_trainer.target.head import target_layer_parameter_names
+
+    drafter, _ = tiny_drafter(num_layers=2, tap_layer_ids=[0, 2])  # the tiny target's shape: 6 layers
+    check_target_layers(drafter, target_layer_parameter_names(TargetConfig(random_init="tiny", dtype="float32")))
+    Gemma3TextConfig(vocab_size=drafter.spec.vocab_size, hidden_size=drafter.spec.hidden_size, num_hidden_layers=6,
+                     intermediate_size=drafter.spec.intermediate_size, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, sliding_window=32).save_pretrained(tmp_path)
+    gemma = target_layer_parameter_names(TargetConfig(random_init=str(tmp_path), dtype="float32"))
+    with pytest.raises(ConfigError, match="pre_feedforward_layernorm.*init_from=null"):
+        check_target_layers(drafter, gemma)

@@ -9,6 +9,8 @@ must match (the drafter's MLP width is the target's by default).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -36,6 +38,22 @@ def target_tensor_names(model: DFlashDrafter) -> dict[str, str]:
     after_tap = max(spec.tap_layer_ids) + 1  # < num_target_layers: the last layer is never tapped
     names["hidden_norm.weight"] = f"{LAYER_PREFIX}.{after_tap}.input_layernorm.weight"
     return names
+
+
+def check_target_layers(model: DFlashDrafter, target_layer_names: Sequence[set[str]]) -> None:
+    """Refuse, with the fix, a target whose source layers are not Qwen3-style layers of the drafter's parameters:
+    a copy would leave parts out (Gemma's extra feed-forward norms, which also scale by 1 + weight) or miss some
+    (Llama has no q/k norms). `target_layer_names[t]`: the parameter names within target layer t."""
+    spec = model.spec
+    for j, t in enumerate(source_layers(spec.num_layers, spec.num_target_layers)):
+        mine = {name for name, _ in model.layers[j].named_parameters()}
+        theirs = target_layer_names[t]
+        if mine != theirs:
+            raise ConfigError(
+                f"drafter.init_from=target copies whole Qwen3-style layers, but target layer {t} has "
+                f"{sorted(theirs - mine)[:4] or 'nothing'} beyond them and lacks {sorted(mine - theirs)[:4] or 'nothing'}: "
+                "set drafter.init_from=null (random weights)"
+            )
 
 
 @torch.no_grad()

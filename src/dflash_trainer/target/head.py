@@ -116,6 +116,12 @@ def _meta_skeleton(cfg: TargetConfig) -> nn.Module:
         return AutoModelForCausalLM.from_config(target_model_config(cfg), trust_remote_code=cfg.trust_remote_code)
 
 
+def target_layer_parameter_names(cfg: TargetConfig) -> list[set[str]]:
+    """Per decoder layer of the target, the parameter names within it (`self_attn.q_proj.weight`, ...), from its
+    modules on the meta device (no weights read)."""
+    return [{name for name, _ in layer.named_parameters()} for layer in find_decoder(_meta_skeleton(cfg)).layers]
+
+
 def read_target_tensors(cfg: TargetConfig, names: Sequence[str], seed: int = 0) -> dict[str, torch.Tensor]:
     """Named tensors of the target's state dict (e.g. `model.layers.5.mlp.up_proj.weight`) on the CPU in
     `cfg.dtype`: read one by one from a local safetensors checkpoint, else from the whole model."""

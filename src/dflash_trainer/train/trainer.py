@@ -21,14 +21,14 @@ import torch.distributed as dist
 
 from dflash_trainer.config import Config
 from dflash_trainer.drafter.export import export_drafter, init_from_export
-from dflash_trainer.drafter.init import init_from_target, target_tensor_names
+from dflash_trainer.drafter.init import check_target_layers, init_from_target, target_tensor_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.faults import maybe_fault
 from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.target.context_parallel import ShardGroup
-from dflash_trainer.target.head import TargetHead, read_target_tensors
+from dflash_trainer.target.head import TargetHead, read_target_tensors, target_layer_parameter_names
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
 from dflash_trainer.train.ema import WeightAverage, split_averaged
 from dflash_trainer.train.metrics import build_sinks, read_metrics
@@ -341,6 +341,7 @@ def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DF
     with torch.no_grad():
         model.init_weights()
     if config.drafter.init_from == "target":
+        check_target_layers(model, target_layer_parameter_names(config.target))
         names = target_tensor_names(model)
         init_from_target(model, read_target_tensors(config.target, sorted(set(names.values())), seed=config.run.seed))
     elif config.drafter.init_from:
