@@ -43,13 +43,15 @@ def test_a_target_whose_layers_are_not_qwen3_style_is_refused(tmp_path):
 
     from dflash_trainer.drafter.init import check_target_layers
     from dflash_trainer.errors import ConfigError
-    from dflash_trainer.target.head import target_layer_parameter_names
+    from dflash_trainer.target.head import decoder_layout
 
     drafter, _ = tiny_drafter(num_layers=2, tap_layer_ids=[0, 2])  # the tiny target's shape: 6 layers
-    check_target_layers(drafter, target_layer_parameter_names(TargetConfig(random_init="tiny", dtype="float32")))
+    layout = decoder_layout(TargetConfig(random_init="tiny", dtype="float32"))
+    assert layout.prefix == "model"
+    check_target_layers(drafter, layout.layer_parameter_names)
     Gemma3TextConfig(vocab_size=drafter.spec.vocab_size, hidden_size=drafter.spec.hidden_size, num_hidden_layers=6,
                      intermediate_size=drafter.spec.intermediate_size, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, sliding_window=32).save_pretrained(tmp_path)
-    gemma = target_layer_parameter_names(TargetConfig(random_init=str(tmp_path), dtype="float32"))
+    gemma = decoder_layout(TargetConfig(random_init=str(tmp_path), dtype="float32"))
     with pytest.raises(ConfigError, match="pre_feedforward_layernorm.*init_from=null"):
-        check_target_layers(drafter, gemma)
+        check_target_layers(drafter, gemma.layer_parameter_names)

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3Config
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.target.head import embedding_scale, head_from_model, load_target_head
+from dflash_trainer.target.load import find_decoder
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -19,7 +20,7 @@ def saved_target(tmp_path, config) -> tuple[nn.Module, TargetConfig]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        model.model.norm.weight.normal_()  # Gemma's norm starts at 0 (1 + w = 1): give it weights that tell
+        find_decoder(model).norm.weight.normal_()  # Gemma's norm starts at 0 (1 + w = 1): give it weights that tell
     model.save_pretrained(tmp_path)
     return model, TargetConfig(path=str(tmp_path), dtype="float32")
 
@@ -31,7 +32,7 @@ def test_block_embeddings_and_final_norm_are_the_targets_own(tmp_path, config):
     ids = torch.arange(config.vocab_size)
     x = torch.randn(5, config.hidden_size)
     with torch.no_grad():
-        want_embeds, want_norm = model.get_input_embeddings()(ids), model.model.norm(x)
+        want_embeds, want_norm = model.get_input_embeddings()(ids), find_decoder(model).norm(x)
     for head in (head_from_model(model), load_target_head(cfg, torch.device("cpu"))):  # loaded, then read
         torch.testing.assert_close(nn.functional.embedding(ids, head.embed_weight), want_embeds, rtol=0, atol=0)
         torch.testing.assert_close(head.lm_head_weight, model.lm_head.weight, rtol=0, atol=0)
@@ -82,3 +83,43 @@ def test_a_drafter_of_a_target_with_rope_per_layer_type_takes_the_full_attention
     config.rope_parameters = {"sliding_attention": config.rope_parameters["sliding_attention"]}
     with pytest.raises(ConfigError, match="full_attention"):
         drafter_spec(config, DrafterConfig(num_layers=1, mask_token_id=5))
+
+
+def test_an_image_text_to_text_target_trains_on_its_language_model(tmp_path):
+    """Gemma 3 4B+ ships as Gemma3ForConditionalGeneration, its language model in `model.model.language_model`: the
+    taps are that model's hidden states on text, the drafter takes its text config, and the head is the language
+    model's (block embeddings scaled as its module scales them)."""
+    from transformers import Gemma3Config
+
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.target.capture import TapCapture, prepare_inputs
+    from dflash_trainer.target.head import decoder_layout
+    from dflash_trainer.target.load import load_target
+    from dflash_trainer.data.types import TokenizedSequence
+    from dflash_trainer.transport.wire import WireSpec, allocate
+
+    config = Gemma3Config(text_config=dict(**SHAPE, sliding_window=32),
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14))
+    model, cfg = saved_target(tmp_path, config)
+    assert find_decoder(model) is model.model.language_model
+    assert decoder_layout(cfg).prefix == "model.language_model"
+    spec = drafter_spec(config, DrafterConfig(num_layers=1, mask_token_id=5))
+    assert (spec.hidden_size, spec.vocab_size, spec.num_target_layers) == (64, 96, 2)
+
+    target = load_target(cfg, "cpu")
+    ids = torch.randint(0, 90, (11,), generator=torch.Generator().manual_seed(0))
+    out = allocate(WireSpec(token_budget=16, max_seqs=2, num_taps=1, hidden=64, dtype=torch.float32,
+                            has_last_hidden=False), "cpu")
+    inputs = prepare_inputs([TokenizedSequence(input_ids=ids, loss_mask=torch.ones(11, dtype=torch.bool))], out)
+    TapCapture(target, [0]).run(inputs, out)
+    with torch.no_grad():
+        want = target(ids[None], output_hidden_states=True).hidden_states[1][0]  # (11, H): layer 0's output
+    torch.testing.assert_close(out.taps[:11], want, atol=1e-5, rtol=1e-5)
+
+    for head in (head_from_model(target), load_target_head(cfg, torch.device("cpu"))):
+        with torch.no_grad():
+            torch.testing.assert_close(nn.functional.embedding(ids, head.embed_weight),
+                                       target.get_input_embeddings()(ids), rtol=0, atol=0)
+        torch.testing.assert_close(head.lm_head_weight, target.lm_head.weight, rtol=0, atol=0)

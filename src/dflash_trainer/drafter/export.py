@@ -21,6 +21,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.checks import choose_tap_layer_ids
+from dflash_trainer.target.load import text_config
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
         dtype=str(dtype).removeprefix("torch."),
     )
     if target_config is not None:
+        target_config = text_config(target_config)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(target_config, key, None) is not None:
                 config[key] = getattr(target_config, key)
@@ -91,9 +93,9 @@ def export_state(model: DFlashDrafter, *, target_config: Optional[Any] = None,
     """The drafter's weights on the host in `dtype` (default: as they are), key set checked. The same
     tensors serve both export formats: neither stores the embedding or the LM head (the target's)."""
     spec = model.spec
-    if target_config is not None and target_config.hidden_size != spec.hidden_size:
+    if target_config is not None and text_config(target_config).hidden_size != spec.hidden_size:
         raise ConfigError(
-            f"export: drafter hidden size {spec.hidden_size} != target's {target_config.hidden_size}"
+            f"export: drafter hidden size {spec.hidden_size} != target's {text_config(target_config).hidden_size}"
         )
     state = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}  # host copy
     check_keys(set(state), spec.num_layers, "export")

@@ -16,7 +16,6 @@ import torch
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.errors import ConfigError
 
-LAYER_PREFIX = "model.layers"
 
 
 def source_layers(num_layers: int, num_target_layers: int) -> list[int]:
@@ -27,16 +26,17 @@ def source_layers(num_layers: int, num_target_layers: int) -> list[int]:
     return [int(j * step + 0.5) for j in range(num_layers)]
 
 
-def target_tensor_names(model: DFlashDrafter) -> dict[str, str]:
-    """Drafter parameter name -> target tensor name, for every parameter the initialisation copies."""
+def target_tensor_names(model: DFlashDrafter, decoder: str = "model") -> dict[str, str]:
+    """Drafter parameter name -> target tensor name, for every parameter the initialisation copies; `decoder`: the
+    target's decoder stack's state-dict name (`DecoderLayout.prefix`)."""
     spec = model.spec
     names = {}
     for j, t in enumerate(source_layers(spec.num_layers, spec.num_target_layers)):
         for name, _ in model.layers[j].named_parameters():
-            names[f"layers.{j}.{name}"] = f"{LAYER_PREFIX}.{t}.{name}"
-    names["norm.weight"] = "model.norm.weight"
+            names[f"layers.{j}.{name}"] = f"{decoder}.layers.{t}.{name}"
+    names["norm.weight"] = f"{decoder}.norm.weight"
     after_tap = max(spec.tap_layer_ids) + 1  # < num_target_layers: the last layer is never tapped
-    names["hidden_norm.weight"] = f"{LAYER_PREFIX}.{after_tap}.input_layernorm.weight"
+    names["hidden_norm.weight"] = f"{decoder}.layers.{after_tap}.input_layernorm.weight"
     return names
 
 

@@ -10,6 +10,7 @@ from transformers import Qwen3Config
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.checks import choose_tap_layer_ids
+from dflash_trainer.target.load import text_config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +115,7 @@ def drafter_spec(
 ) -> DrafterSpec:
     """The drafter's architecture for `target_config` (an HF config). `mask_token_id` overrides
     `drafter.mask_token_id` (the caller passes the first spare row past the tokenizer when that is None)."""
+    target_config = text_config(target_config)  # an image-text-to-text target: its language model's
     mask = drafter.mask_token_id if drafter.mask_token_id is not None else mask_token_id
     if mask is None:
         raise ConfigError("set drafter.mask_token_id (a spare row of the target embedding)")

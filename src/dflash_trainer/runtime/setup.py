@@ -111,7 +111,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     target_config = target_model_config(config.target)
     spec = drafter_spec(target_config, config.drafter, mask_token_id=first_spare_row(tokenizer))
     # before the memory check: a max_length past the target's positions is the cause, not the token budget it needs
-    check_max_length(config.data.max_length, getattr(target_config, "max_position_embeddings", None))
+    check_max_length(config.data.max_length, spec.max_position_embeddings)
     check_cpu_step_memory(config, spec, device)
     token = ordinary_token(tokenizer, spec.mask_token_id)
     if token is not None and env.rank == 0:

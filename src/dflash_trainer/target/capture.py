@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.target.checks import check_tap_layer_ids
 from dflash_trainer.target.context_parallel import ShardAttention, across_shards
-from dflash_trainer.target.load import find_decoder
+from dflash_trainer.target.load import find_decoder, text_config
 from dflash_trainer.transport.wire import WireBatch
 
 
@@ -157,7 +157,7 @@ class TapCapture:
         check_tap_layer_ids(tap_layer_ids, num_layers)
         self.tap_layer_ids = tuple(tap_layer_ids)
         self.capture_last_hidden = capture_last_hidden
-        self.hidden = int(model.config.hidden_size)
+        self.hidden = int(text_config(model.config).hidden_size)
         self.stop_layer = num_layers - 1 if capture_last_hidden else max(self.tap_layer_ids)
         """Index of the last decoder layer that runs."""
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.load import find_decoder_layers
+from dflash_trainer.target.load import find_decoder_layers, text_config
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def check_target(
 ) -> TargetFacts:
     """Run every start-time check; choose taps when `tap_layer_ids` is None. Logs slow-path warnings."""
     num_layers = len(find_decoder_layers(model))
-    hidden_size = int(model.config.hidden_size)
+    hidden_size = int(text_config(model.config).hidden_size)
     taps = list(tap_layer_ids) if tap_layer_ids is not None else choose_tap_layer_ids(num_layers, num_taps)
     check_tap_layer_ids(taps, num_layers)
     if drafter_hidden_size is not None:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig
-from dflash_trainer.target.load import DTYPES, find_decoder, load_target, target_model_config
+from dflash_trainer.target.load import DTYPES, find_decoder, load_target, module_name, target_model_config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,11 +75,6 @@ def head_from_model(model: nn.Module) -> TargetHead:
     )
 
 
-_EMBED_KEYS = ("model.embed_tokens.weight",)
-_HEAD_KEYS = ("lm_head.weight",)
-_NORM_PREFIX = "model.norm."
-
-
 def _safetensors_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file, from a sharded index or a single model.safetensors."""
     index = path / "model.safetensors.index.json"
@@ -92,34 +87,55 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
     return {}
 
 
-def _read_head(files, embed_key, head_key, norm_prefix, skeleton, device, dtype) -> TargetHead:
-    """The head read tensor by tensor; `skeleton` (the target built on the meta device) gives the embedding's scale
-    and the final norm's class, so both are the target's own."""
+def _meta_skeleton(cfg: TargetConfig) -> nn.Module:
+    """The target's modules on the meta device (no memory, no weights): their classes, constants and names."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(target_model_config(cfg), trust_remote_code=cfg.trust_remote_code)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecoderLayout:
+    """Where the target keeps its decoder, from its modules on the meta device (no weights read)."""
+
+    prefix: str
+    """State-dict name of the decoder stack: `model`, or `model.language_model` in image-text-to-text targets."""
+    layer_parameter_names: list[set[str]]
+    """Per decoder layer, the parameter names within it (`self_attn.q_proj.weight`, ...)."""
+
+
+def decoder_layout(cfg: TargetConfig) -> DecoderLayout:
+    skeleton = _meta_skeleton(cfg)
+    decoder = find_decoder(skeleton)
+    return DecoderLayout(prefix=module_name(skeleton, decoder),
+                         layer_parameter_names=[{n for n, _ in layer.named_parameters()} for layer in decoder.layers])
+
+
+def _read_head(files: dict[str, Path], skeleton: nn.Module, device, dtype) -> TargetHead | None:
+    """The head read tensor by tensor from a checkpoint whose names are the modules' (`skeleton`: the target on
+    the meta device, which also gives the embedding's scale and the final norm's class); None when the checkpoint
+    lacks one of them or the embedding's scale is unknown without its weights."""
+    embed_module, norm = skeleton.get_input_embeddings(), find_decoder(skeleton).norm
+    embed_key = module_name(skeleton, embed_module) + ".weight"
+    head_key = module_name(skeleton, skeleton.get_output_embeddings()) + ".weight"
+    norm_prefix = module_name(skeleton, norm) + "."
+    if head_key not in files and skeleton.get_output_embeddings().weight is embed_module.weight:  # tied
+        head_key = embed_key
+    scale = embedding_scale(embed_module)
+    if scale is None or not all(k in files for k in [embed_key, head_key] + [norm_prefix + n for n in norm.state_dict()]):
+        return None
+
     def read(key: str) -> torch.Tensor:
         with safe_open(str(files[key]), framework="pt", device="cpu") as f:
             return f.get_tensor(key).to(device=device, dtype=dtype)
 
     embed = read(embed_key)
     head = embed if head_key == embed_key else read(head_key)
-    norm = find_decoder(skeleton).norm.to_empty(device=device).to(dtype)
+    norm = norm.to_empty(device=device).to(dtype)
     with torch.no_grad():
-        for name, tensor in norm.state_dict().items():  # every tensor of the norm is in the checkpoint (checked)
+        for name, tensor in norm.state_dict().items():
             tensor.copy_(read(norm_prefix + name))
     norm.requires_grad_(False)
-    return TargetHead(embed_weight=_scaled(embed, embedding_scale(skeleton.get_input_embeddings())),
-                      lm_head_weight=head, final_norm=norm)
-
-
-def _meta_skeleton(cfg: TargetConfig) -> nn.Module:
-    """The target's modules on the meta device (no memory, no weights): their classes and constants."""
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(target_model_config(cfg), trust_remote_code=cfg.trust_remote_code)
-
-
-def target_layer_parameter_names(cfg: TargetConfig) -> list[set[str]]:
-    """Per decoder layer of the target, the parameter names within it (`self_attn.q_proj.weight`, ...), from its
-    modules on the meta device (no weights read)."""
-    return [{name for name, _ in layer.named_parameters()} for layer in find_decoder(_meta_skeleton(cfg)).layers]
+    return TargetHead(embed_weight=_scaled(embed, scale), lm_head_weight=head, final_norm=norm)
 
 
 def read_target_tensors(cfg: TargetConfig, names: Sequence[str], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -153,16 +169,9 @@ def load_target_head(cfg: TargetConfig, device: torch.device, seed: int = 0) -> 
     dtype = DTYPES[cfg.dtype]
     if cfg.path is not None and Path(cfg.path).is_dir():
         files = _safetensors_files(Path(cfg.path))
-        embed_key = next((k for k in _EMBED_KEYS if k in files), None)
-        head_key = next((k for k in _HEAD_KEYS if k in files), None)
-        tied = bool(getattr(target_model_config(cfg), "tie_word_embeddings", False)) if files else False
-        if embed_key and (head_key or tied):
-            skeleton = _meta_skeleton(cfg)
-            decoder = getattr(skeleton, "model", None)
-            norm = getattr(decoder, "norm", None)
-            if (isinstance(norm, nn.Module) and all(_NORM_PREFIX + n in files for n in norm.state_dict())
-                    and embedding_scale(skeleton.get_input_embeddings()) is not None):
-                return _read_head(files, embed_key, head_key or embed_key, _NORM_PREFIX, skeleton, device, dtype)
+        head = _read_head(files, _meta_skeleton(cfg), device, dtype) if files else None
+        if head is not None:
+            return head
     model = load_target(cfg, device, seed=seed)
     head = head_from_model(model)
     for layer in find_decoder(model).layers:  # free the decoder layers: only the head is kept

@@ -117,22 +117,35 @@ def _random_fp8_target(cfg: TargetConfig, model_config: PretrainedConfig, device
     return model
 
 
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: an image-text-to-text config nests it (`text_config`); a causal LM's is itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def find_decoder(model: nn.Module) -> nn.Module:
     """The decoder stack of a causal LM (embeddings + layers + final norm, no LM head).
 
-    Llama/Qwen/Mistral-like models keep it in `model.model` with its layers in `.layers`. Calling the
-    decoder instead of the causal LM never computes logits.
+    Llama/Qwen/Mistral-like models keep it in `model.model` with its layers in `.layers`; image-text-to-text
+    models (Gemma 3 4B+) in `model.model.language_model`, run on text alone. Calling the decoder instead of the
+    causal LM never computes logits.
     """
     decoder = getattr(model, "model", None)
-    if isinstance(decoder, nn.Module) and isinstance(getattr(decoder, "layers", None), nn.ModuleList):
-        return decoder
+    for candidate in (decoder, getattr(decoder, "language_model", None)):
+        if isinstance(candidate, nn.Module) and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            return candidate
     arch = type(model).__name__
     archs = getattr(getattr(model, "config", None), "architectures", None)
     raise ConfigError(
         f"cannot find the decoder layers of target {arch} (architectures={archs}): expected "
-        "`model.model.layers` (an nn.ModuleList) as in Llama/Qwen/Mistral-like causal LMs; "
+        "`model.model.layers` (an nn.ModuleList) as in Llama/Qwen/Mistral-like causal LMs, or "
+        "`model.model.language_model.layers` as in image-text-to-text ones; "
         "this architecture is not supported as a target yet"
     )
+
+
+def module_name(root: nn.Module, module: nn.Module) -> str:
+    """`module`'s qualified name within `root` (`model.language_model`), its tensors' state-dict prefix."""
+    return next(name for name, candidate in root.named_modules() if candidate is module)
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -23,11 +23,12 @@ from transformers.distributed.configuration_utils import DistributedConfig
 from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.load import text_config
 
 
 def check_shardable(model_config, size: int) -> None:
     """The attention heads (query and key/value) must split evenly over `size` ranks."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    text = text_config(model_config)
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):

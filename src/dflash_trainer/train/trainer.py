@@ -28,7 +28,7 @@ from dflash_trainer.errors import ConfigError
 from dflash_trainer.faults import maybe_fault
 from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.target.context_parallel import ShardGroup
-from dflash_trainer.target.head import TargetHead, read_target_tensors, target_layer_parameter_names
+from dflash_trainer.target.head import TargetHead, decoder_layout, read_target_tensors
 from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
 from dflash_trainer.train.ema import WeightAverage, split_averaged
 from dflash_trainer.train.metrics import build_sinks, read_metrics
@@ -341,8 +341,9 @@ def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DF
     with torch.no_grad():
         model.init_weights()
     if config.drafter.init_from == "target":
-        check_target_layers(model, target_layer_parameter_names(config.target))
-        names = target_tensor_names(model)
+        layout = decoder_layout(config.target)
+        check_target_layers(model, layout.layer_parameter_names)
+        names = target_tensor_names(model, layout.prefix)
         init_from_target(model, read_target_tensors(config.target, sorted(set(names.values())), seed=config.run.seed))
     elif config.drafter.init_from:
         init_from_export(model, config.drafter.init_from)
