@@ -123,11 +123,26 @@ def test_prompt_lookup_is_lossless_and_copies_repeats():
         assert max(echo_lengths) == 8
 
 
-def test_speculative_decoding_is_lossless_on_a_sliding_window_target():
-    """gpt-oss layers alternate sliding (window 4) and full attention. Rejected drafts stay in the batch's cache
-    as masked slots, so a window that counted slots (HF's masks and sliding caches) would lose committed tokens
-    and change the output."""
-    target = load_target(TargetConfig(random_init="tiny-gpt-oss", attn_implementation="eager", dtype="float32",
+def gemma3_image_text_target(folder) -> str:
+    """A tiny Gemma 3 image-text-to-text config (sliding window 4 and full attention), saved: its window sits in its
+    text config."""
+    from transformers import Gemma3Config
+
+    Gemma3Config(text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                  layer_types=["sliding_attention", "full_attention"]),
+                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "gemma3-image-text"])
+def test_speculative_decoding_is_lossless_on_a_sliding_window_target(arch, tmp_path):
+    """gpt-oss layers alternate sliding (window 4) and full attention, and so do these Gemma 3 ones (an
+    image-text-to-text target, run on text). Rejected drafts stay in the batch's cache as masked slots, so a window
+    that counted slots (HF's masks and sliding caches) would lose committed tokens and change the output."""
+    random_init = "tiny-gpt-oss" if arch == "gpt-oss" else gemma3_image_text_target(tmp_path)
+    target = load_target(TargetConfig(random_init=random_init, attn_implementation="eager", dtype="float32",
                                       compile=False), torch.device("cpu"), seed=0)
     assert sliding_window_of(target.config) == 4
     generator = torch.Generator().manual_seed(1)

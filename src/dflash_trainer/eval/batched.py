@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.speculative import DecodeResult, _forward, decoding_kernels
+from dflash_trainer.target.load import text_config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,8 +156,10 @@ MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def sliding_window_of(config) -> Optional[int]:
-    """The attention window of a target with sliding-window layers (gpt-oss; Mistral-style configs), else None
-    (also when some layers are of a kind other than `MASKED_LAYER_TYPES`)."""
+    """The attention window of a target with sliding-window layers (gpt-oss, Gemma 3; Mistral-style configs), else
+    None (also when some layers are of a kind other than `MASKED_LAYER_TYPES`). An image-text-to-text config:
+    its language model's."""
+    config = text_config(config)
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
@@ -193,7 +196,7 @@ class _TargetCache:
     def __init__(self, target, *, speculative: bool) -> None:
         self.target = target
         self.window = sliding_window_of(target.config) if speculative else None
-        self.by_layer_type = getattr(target.config, "layer_types", None) is not None
+        self.by_layer_type = getattr(text_config(target.config), "layer_types", None) is not None
         self.cache = DynamicCache() if self.window else DynamicCache(config=target.config)
         self.valid: Optional[torch.Tensor] = None  # (R, S) bool
         self.positions: Optional[torch.Tensor] = None  # (R, S) int64, kept for the position masks only
