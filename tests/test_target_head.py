@@ -94,6 +94,7 @@ def test_an_image_text_to_text_target_trains_on_its_language_model(tmp_path):
     from dflash_trainer.drafter.config import DrafterConfig
     from dflash_trainer.drafter.spec import drafter_spec
     from dflash_trainer.target.capture import TapCapture, prepare_inputs
+    from dflash_trainer.target.checks import check_target
     from dflash_trainer.target.head import decoder_layout
     from dflash_trainer.target.load import load_target
     from dflash_trainer.data.types import TokenizedSequence
@@ -117,6 +118,10 @@ def test_an_image_text_to_text_target_trains_on_its_language_model(tmp_path):
     with torch.no_grad():
         want = target(ids[None], output_hidden_states=True).hidden_states[1][0]  # (11, H): layer 0's output
     torch.testing.assert_close(out.taps[:11], want, atol=1e-5, rtol=1e-5)
+    # the start checks read the language model's config too: its hidden size, and its positions (256)
+    assert check_target(target, tap_layer_ids=[0], drafter_hidden_size=64, max_length=256).hidden_size == 64
+    with pytest.raises(ConfigError, match="max_position_embeddings 256"):
+        check_target(target, tap_layer_ids=[0], max_length=257)
 
     for head in (head_from_model(target), load_target_head(cfg, torch.device("cpu"))):
         with torch.no_grad():

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash_trainer.data.types import Conversation, Message
 from dflash_trainer.eval.batched import decode_batch
+from dflash_trainer.target.load import text_config
 from dflash_trainer.target.stop_tokens import stop_token_ids
 
 from dflash_trainer.regen.turns import Continuation, RegenOutcome, TurnState, as_dicts, skipped, start
@@ -55,7 +56,7 @@ class LocalBackend:
         self.max_new_tokens = max_new_tokens
         self.stop_ids = sorted(set(stop_token_ids(tokenizer, model)) | set(extra_stop_ids))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
         self.seed = seed
         self.temperature = temperature
         self.top_p = top_p

@@ -142,8 +142,8 @@ def check_target(
     if mask_token_id is not None:
         check_mask_token_id(mask_token_id, num_embeddings)
     if max_length is not None:
-        check_max_length(max_length, getattr(model.config, "max_position_embeddings", None))
-    for warning in slow_path_warnings(model.config):
+        check_max_length(max_length, getattr(text_config(model.config), "max_position_embeddings", None))
+    for warning in slow_path_warnings(text_config(model.config)):
         log.warning(warning)
     return TargetFacts(
         num_layers=num_layers, hidden_size=hidden_size, num_embeddings=num_embeddings, tap_layer_ids=tuple(taps)
