@@ -5,12 +5,18 @@ returns (Gemma scales its table by sqrt(H) there), the final norm of the target'
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig, Qwen3Config
 
+from dflash_trainer.data.types import TokenizedSequence
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.spec import drafter_spec
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.capture import TapCapture, prepare_inputs
+from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.config import TargetConfig
-from dflash_trainer.target.head import embedding_scale, head_from_model, load_target_head
-from dflash_trainer.target.load import find_decoder
+from dflash_trainer.target.head import decoder_layout, embedding_scale, head_from_model, load_target_head
+from dflash_trainer.target.load import find_decoder, load_target
+from dflash_trainer.transport.wire import WireSpec, allocate
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -71,9 +77,6 @@ def test_an_unknown_embedding_class_is_measured_or_refused():
 def test_a_drafter_of_a_target_with_rope_per_layer_type_takes_the_full_attention_set():
     """Gemma 3 keeps one RoPE set per layer type (sliding 10K, full 1M): the drafter, whose layers attend to the
     whole context, takes the full-attention one, and a nested set without it is refused."""
-    from dflash_trainer.drafter.config import DrafterConfig
-    from dflash_trainer.drafter.spec import drafter_spec
-
     config = Gemma3TextConfig(**SHAPE, sliding_window=32)
     assert config.rope_parameters["sliding_attention"]["rope_theta"] != config.rope_parameters["full_attention"]["rope_theta"]
     spec = drafter_spec(config, DrafterConfig(num_layers=1, mask_token_id=5))
@@ -89,17 +92,6 @@ def test_an_image_text_to_text_target_trains_on_its_language_model(tmp_path):
     """Gemma 3 4B+ ships as Gemma3ForConditionalGeneration, its language model in `model.model.language_model`: the
     taps are that model's hidden states on text, the drafter takes its text config, and the head is the language
     model's (block embeddings scaled as its module scales them)."""
-    from transformers import Gemma3Config
-
-    from dflash_trainer.drafter.config import DrafterConfig
-    from dflash_trainer.drafter.spec import drafter_spec
-    from dflash_trainer.target.capture import TapCapture, prepare_inputs
-    from dflash_trainer.target.checks import check_target
-    from dflash_trainer.target.head import decoder_layout
-    from dflash_trainer.target.load import load_target
-    from dflash_trainer.data.types import TokenizedSequence
-    from dflash_trainer.transport.wire import WireSpec, allocate
-
     config = Gemma3Config(text_config=dict(**SHAPE, sliding_window=32),
                           vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=28, patch_size=14))
