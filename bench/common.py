@@ -194,6 +194,7 @@ def reset_memory(device: torch.device) -> None:
 
 
 def peak_gb(device: torch.device) -> Optional[float]:
+    """Peak GiB held by tensors since the last reset (CUDA; None elsewhere): the `*_gb` fields of the JSONs."""
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     ref = next((r for r in results if "error" not in r), None)
     print(f"\ndrafter step ({args.model}, {args.seqs} x {args.seq_len} tokens, {args.seqs * args.blocks_per_seq} "
           f"blocks of {args.block_size}, {args.drafter_layers} layers) on {device}; MFU against {PEAK_TFLOPS} TFLOP/s")
-    print(f"{'variant':<14}{'step ms':>10}{'GPU ms':>10}{'TFLOP':>8}{'MFU':>8}{'peak GB':>10}{'warmup s':>10}"
+    print(f"{'variant':<14}{'step ms':>10}{'GPU ms':>10}{'TFLOP':>8}{'MFU':>8}{'peak GiB':>10}{'warmup s':>10}"
           f"{'vs first':>10}  loss")
     for r in results:
         if "error" in r:

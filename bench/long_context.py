@@ -109,11 +109,11 @@ def main(argv=None) -> int:
             rows.append(run_one(args, length, mode, device, plans))
             r = rows[-1]  # each row as it ends: a call that runs out of time still shows the rows done
             log(f"{length} tokens, {mode}: " + (r.get("error") or f"{r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} "
-                f"tokens/s, MFU {r['mfu']:.1%}, peak {r['peak_gpu_mem_gb'] or 0:.1f} GB") + f"; {r['plan']}")
+                f"tokens/s, MFU {r['mfu']:.1%}, peak {r['peak_gpu_mem_gb'] or 0:.1f} GiB") + f"; {r['plan']}")
     print(f"\nlong-context drafter step ({args.model}, {args.drafter_layers} layers, B={args.block_size}, "
           f"{BLOCKS_PER_TOKEN[0]} blocks per {BLOCKS_PER_TOKEN[1]} tokens) on {device}; "
           f"MFU against {PEAK_TFLOPS} TFLOP/s")
-    print(f"{'tokens':>8}  {'mode':<9}{'step ms':>10}{'tokens/s':>11}{'TFLOP':>8}{'MFU':>8}{'peak GB':>9}  plan")
+    print(f"{'tokens':>8}  {'mode':<9}{'step ms':>10}{'tokens/s':>11}{'TFLOP':>8}{'MFU':>8}{'peak GiB':>9}  plan")
     for r in rows:
         if "error" in r:
             print(f"{r['length']:>8}  {r['mode']:<9}{r['error']:>10}  {r['plan']}")

@@ -387,7 +387,7 @@ def print_table(summary: dict) -> None:
             ("target ms", "target_ms", "{:.1f}"), ("drafter ms", "drafter_ms", "{:.1f}"), ("MFU", "mfu", "{:.1%}"),
             ("tgt MFU", "target_mfu", "{:.1%}"), ("dft MFU", "drafter_step_mfu", "{:.1%}"),
             ("dft wait", "drafter_wait_frac", "{:.1%}"), ("tgt idle", "target_idle_frac", "{:.1%}"),
-            ("peak GB", "peak_gpu_mem_gb", "{:.1f}"), ("warmup s", "warmup_s", "{:.1f}")]
+            ("peak GiB", "peak_gpu_mem_gb", "{:.1f}"), ("warmup s", "warmup_s", "{:.1f}")]
     print(f"{'variant':<10}" + "".join(f"{name:>12}" for name, _, _ in cols))
     for label, r in rows:
         if r["status"] != "ok":
