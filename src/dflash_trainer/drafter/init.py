@@ -17,7 +17,6 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.errors import ConfigError
 
 
-
 def source_layers(num_layers: int, num_target_layers: int) -> list[int]:
     """The target layer each drafter layer starts from."""
     if num_layers == 1:
