@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -186,14 +187,14 @@ def step_time_summary(ends: list[float], skip: int = 2, slow: float = 3.0) -> di
     """The steps after the first `skip` (warm-up) from their end times: mean, median, and the mean without the
     steps over `slow` x the median (a recompile when a new padded shape arrives: a short measurement would
     overweight what a long run pays a few times), with their count. Empty with too few steps."""
-    times = sorted(b - a for a, b in zip(ends[skip:], ends[skip + 1:]))
+    times = [b - a for a, b in zip(ends[skip:], ends[skip + 1:])]
     if not times:
         return {}
-    n = len(times)
-    median = times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+    median = statistics.median(times)
     usual = [t for t in times if t <= slow * median]
-    return {"step_s_mean": sum(times) / n, "step_s_median": median, "step_s_without_slow": sum(usual) / len(usual),
-            "slow_steps": n - len(usual), "timed_steps": n}
+    return {"step_s_mean": statistics.fmean(times), "step_s_median": median,
+            "step_s_without_slow": statistics.fmean(usual), "slow_steps": len(times) - len(usual),
+            "timed_steps": len(times)}
 
 
 def export_and_eval(args, work: Path, trained: dict) -> dict:

@@ -93,10 +93,9 @@ def export_state(model: DFlashDrafter, *, target_config: Optional[Any] = None,
     """The drafter's weights on the host in `dtype` (default: as they are), key set checked. The same
     tensors serve both export formats: neither stores the embedding or the LM head (the target's)."""
     spec = model.spec
-    if target_config is not None and text_config(target_config).hidden_size != spec.hidden_size:
-        raise ConfigError(
-            f"export: drafter hidden size {spec.hidden_size} != target's {text_config(target_config).hidden_size}"
-        )
+    target_hidden = None if target_config is None else text_config(target_config).hidden_size
+    if target_hidden is not None and target_hidden != spec.hidden_size:
+        raise ConfigError(f"export: drafter hidden size {spec.hidden_size} != target's {target_hidden}")
     state = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}  # host copy
     check_keys(set(state), spec.num_layers, "export")
     return state
