@@ -4,6 +4,7 @@ returns (Gemma scales its table by sqrt(H) there), the final norm of the target'
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig, Qwen3Config
 
@@ -14,12 +15,20 @@ from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.capture import TapCapture, prepare_inputs
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.config import TargetConfig
-from dflash_trainer.target.head import decoder_layout, embedding_scale, head_from_model, load_target_head
+from dflash_trainer.target import head as head_module
+from dflash_trainer.target.head import (decoder_layout, embedding_scale, head_from_model, load_target_head,
+                                        read_target_tensors)
 from dflash_trainer.target.load import find_decoder, load_target
 from dflash_trainer.transport.wire import WireSpec, allocate
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def image_text_config() -> Gemma3Config:
+    return Gemma3Config(text_config=dict(**SHAPE, sliding_window=32),
+                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14))
 
 
 def saved_target(tmp_path, config) -> tuple[nn.Module, TargetConfig]:
@@ -92,9 +101,7 @@ def test_an_image_text_to_text_target_trains_on_its_language_model(tmp_path):
     """Gemma 3 4B+ ships as Gemma3ForConditionalGeneration, its language model in `model.model.language_model`: the
     taps are that model's hidden states on text, the drafter takes its text config, and the head is the language
     model's (block embeddings scaled as its module scales them)."""
-    config = Gemma3Config(text_config=dict(**SHAPE, sliding_window=32),
-                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=2, image_size=28, patch_size=14))
+    config = image_text_config()
     model, cfg = saved_target(tmp_path, config)
     assert find_decoder(model) is model.model.language_model
     assert decoder_layout(cfg).prefix == "model.language_model"
@@ -120,3 +127,23 @@ def test_an_image_text_to_text_target_trains_on_its_language_model(tmp_path):
             torch.testing.assert_close(nn.functional.embedding(ids, head.embed_weight),
                                        target.get_input_embeddings()(ids), rtol=0, atol=0)
         torch.testing.assert_close(head.lm_head_weight, target.lm_head.weight, rtol=0, atol=0)
+
+
+def test_an_image_text_to_text_checkpoint_is_read_tensor_by_tensor(tmp_path, monkeypatch):
+    """Such a checkpoint names its language model `language_model.model.*` on disk (the layout transformers renames
+    to `model.language_model.*` when it loads): a drafter rank still reads the head and the init's layer tensors one
+    by one, without loading the whole target."""
+    model, cfg = saved_target(tmp_path, image_text_config())
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert "language_model.model.norm.weight" in set(f.keys())  # the older layout, not the modules' names
+    monkeypatch.setattr(head_module, "load_target", lambda *a, **k: pytest.fail("the whole target was loaded"))
+
+    head = load_target_head(cfg, torch.device("cpu"))
+    ids, x = torch.arange(SHAPE["vocab_size"]), torch.randn(5, SHAPE["hidden_size"])
+    with torch.no_grad():
+        torch.testing.assert_close(nn.functional.embedding(ids, head.embed_weight), model.get_input_embeddings()(ids),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(head.final_norm(x), find_decoder(model).norm(x))
+    torch.testing.assert_close(head.lm_head_weight, model.lm_head.weight, rtol=0, atol=0)
+    name = "model.language_model.layers.1.mlp.up_proj.weight"
+    torch.testing.assert_close(read_target_tensors(cfg, [name])[name], model.state_dict()[name], rtol=0, atol=0)

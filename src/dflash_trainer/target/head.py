@@ -75,8 +75,23 @@ def head_from_model(model: nn.Module) -> TargetHead:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """Where one of the target's tensors sits in its safetensors checkpoint."""
+
+    file: Path
+    key: str
+    """Its name in the file: the module's name, or an older layout's that transformers renames when it loads
+    (Gemma 3 image-text checkpoints: `language_model.model.norm.weight` is `model.language_model.norm.weight`)."""
+
+    def read(self) -> torch.Tensor:
+        """The tensor on the CPU, as stored."""
+        with safe_open(str(self.file), framework="pt", device="cpu") as f:
+            return f.get_tensor(self.key)
+
+
 def _safetensors_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> file, from a sharded index or a single model.safetensors."""
+    """Tensor name in the files -> file, from a sharded index or a single model.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
@@ -85,6 +100,39 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
         with safe_open(str(single), framework="pt") as f:
             return {k: single for k in f.keys()}
     return {}
+
+
+def _module_names(keys: Sequence[str], skeleton: nn.Module) -> dict[str, str | None]:
+    """A checkpoint's tensor names -> the module's state-dict names, as transformers renames them when it loads;
+    None for a tensor that a converter rewrites on load (merged or split: not the module's tensor as stored).
+    Where this transformers has no such renaming (its loading internals moved), the names on disk are taken as
+    the modules': a checkpoint in another layout then takes the whole load."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(skeleton)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        meta_state = skeleton.state_dict()
+        names = {}
+        for key in keys:
+            renamed, converted_by = rename_source_key(key, renamings, converters, skeleton.base_model_prefix,
+                                                      meta_state)
+            names[key] = None if converted_by is not None else renamed
+        return names
+    except (ImportError, AttributeError, TypeError):
+        return {key: key for key in keys}
+
+
+def stored_tensors(path: Path, skeleton: nn.Module) -> dict[str, StoredTensor]:
+    """The module's state-dict name -> where the checkpoint at `path` stores that tensor; empty without
+    safetensors files. `skeleton`: the target on the meta device (its class decides the renaming)."""
+    files = _safetensors_files(path)
+    if not files:
+        return {}
+    names = _module_names(list(files), skeleton)
+    return {names[key]: StoredTensor(file, key) for key, file in files.items() if names[key] is not None}
 
 
 def _meta_skeleton(cfg: TargetConfig) -> nn.Module:
@@ -110,23 +158,22 @@ def decoder_layout(cfg: TargetConfig) -> DecoderLayout:
                          layer_parameter_names=[{n for n, _ in layer.named_parameters()} for layer in decoder.layers])
 
 
-def _read_head(files: dict[str, Path], skeleton: nn.Module, device, dtype) -> TargetHead | None:
-    """The head read tensor by tensor from a checkpoint whose names are the modules' (`skeleton`: the target on
-    the meta device, which also gives the embedding's scale and the final norm's class); None when the checkpoint
-    lacks one of them or the embedding's scale is unknown without its weights."""
+def _read_head(stored: dict[str, StoredTensor], skeleton: nn.Module, device, dtype) -> TargetHead | None:
+    """The head read tensor by tensor from a checkpoint (`skeleton`: the target on the meta device, which also gives
+    the embedding's scale and the final norm's class); None when the checkpoint lacks one of them or the
+    embedding's scale is unknown without its weights."""
     embed_module, norm = skeleton.get_input_embeddings(), find_decoder(skeleton).norm
     embed_key = module_name(skeleton, embed_module) + ".weight"
     head_key = module_name(skeleton, skeleton.get_output_embeddings()) + ".weight"
     norm_prefix = module_name(skeleton, norm) + "."
-    if head_key not in files and skeleton.get_output_embeddings().weight is embed_module.weight:  # tied
+    if head_key not in stored and skeleton.get_output_embeddings().weight is embed_module.weight:  # tied
         head_key = embed_key
     scale = embedding_scale(embed_module)
-    if scale is None or not all(k in files for k in [embed_key, head_key] + [norm_prefix + n for n in norm.state_dict()]):
+    if scale is None or not all(k in stored for k in [embed_key, head_key] + [norm_prefix + n for n in norm.state_dict()]):
         return None
 
     def read(key: str) -> torch.Tensor:
-        with safe_open(str(files[key]), framework="pt", device="cpu") as f:
-            return f.get_tensor(key).to(device=device, dtype=dtype)
+        return stored[key].read().to(device=device, dtype=dtype)
 
     embed = read(embed_key)
     head = embed if head_key == embed_key else read(head_key)
@@ -143,12 +190,9 @@ def read_target_tensors(cfg: TargetConfig, names: Sequence[str], seed: int = 0) 
     `cfg.dtype`: read one by one from a local safetensors checkpoint, else from the whole model."""
     dtype = DTYPES[cfg.dtype]
     if cfg.path is not None and Path(cfg.path).is_dir():
-        files = _safetensors_files(Path(cfg.path))
-        if all(n in files for n in names):
-            out = {}
-            for name in names:
-                with safe_open(str(files[name]), framework="pt", device="cpu") as f:
-                    out[name] = f.get_tensor(name)
+        stored = stored_tensors(Path(cfg.path), _meta_skeleton(cfg))
+        if all(n in stored for n in names):
+            out = {name: stored[name].read() for name in names}
             # FP8 weights mean nothing without their scales: the whole load below dequantizes them
             if not any(t.is_floating_point() and t.element_size() == 1 for t in out.values()):
                 return {name: t.to(dtype) for name, t in out.items()}
@@ -168,8 +212,9 @@ def load_target_head(cfg: TargetConfig, device: torch.device, seed: int = 0) -> 
     """
     dtype = DTYPES[cfg.dtype]
     if cfg.path is not None and Path(cfg.path).is_dir():
-        files = _safetensors_files(Path(cfg.path))
-        head = _read_head(files, _meta_skeleton(cfg), device, dtype) if files else None
+        skeleton = _meta_skeleton(cfg)
+        stored = stored_tensors(Path(cfg.path), skeleton)
+        head = _read_head(stored, skeleton, device, dtype) if stored else None
         if head is not None:
             return head
     model = load_target(cfg, device, seed=seed)
