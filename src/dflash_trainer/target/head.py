@@ -125,7 +125,7 @@ def _module_names(keys: Sequence[str], skeleton: nn.Module) -> dict[str, str | N
         return {key: key for key in keys}
 
 
-def stored_tensors(path: Path, skeleton: nn.Module) -> dict[str, StoredTensor]:
+def _stored_tensors(path: Path, skeleton: nn.Module) -> dict[str, StoredTensor]:
     """The module's state-dict name -> where the checkpoint at `path` stores that tensor; empty without
     safetensors files. `skeleton`: the target on the meta device (its class decides the renaming)."""
     files = _safetensors_files(path)
@@ -190,7 +190,7 @@ def read_target_tensors(cfg: TargetConfig, names: Sequence[str], seed: int = 0) 
     `cfg.dtype`: read one by one from a local safetensors checkpoint, else from the whole model."""
     dtype = DTYPES[cfg.dtype]
     if cfg.path is not None and Path(cfg.path).is_dir():
-        stored = stored_tensors(Path(cfg.path), _meta_skeleton(cfg))
+        stored = _stored_tensors(Path(cfg.path), _meta_skeleton(cfg))
         if all(n in stored for n in names):
             out = {name: stored[name].read() for name in names}
             # FP8 weights mean nothing without their scales: the whole load below dequantizes them
@@ -213,7 +213,7 @@ def load_target_head(cfg: TargetConfig, device: torch.device, seed: int = 0) -> 
     dtype = DTYPES[cfg.dtype]
     if cfg.path is not None and Path(cfg.path).is_dir():
         skeleton = _meta_skeleton(cfg)
-        stored = stored_tensors(Path(cfg.path), skeleton)
+        stored = _stored_tensors(Path(cfg.path), skeleton)
         head = _read_head(stored, skeleton, device, dtype) if stored else None
         if head is not None:
             return head
