@@ -5,7 +5,8 @@
 # `--no-eval`: its JSON's `step_s_after_warmup`), then, unless OURS is empty, ours at the same shape (bench/run.py,
 # ShareGPT lengths). A batch-size point of the peer: "anchors80-b8 --batch 8 --peer-overrides dflash.dflash_num_anchors=80".
 #   [STEPS=30] [PEER_CELLS="default;anchors80 --peer-overrides dflash.dflash_num_anchors=80"] [OURS=1] bash bench/suites/peer_step_8b.sh
-# Carry .whl, .whl-peer, .practice, .peer and .quality/first200 (its data cache).
+# Carry .whl, .whl-peer, .practice, .peer/modelopt and .quality/first200 (its data cache; with .whl-peer, all of .peer
+# is over the 64 MiB carry).
 source "$(dirname "$0")/common.sh"
 W=/tmp/peer8b; rm -rf "$W"; mkdir -p "$W/cache"
 cat .quality/first200/quality-cache.tar.gz.part* | tar xzf - -C "$W/cache" || { echo "carry .quality/first200"; exit 1; }
