@@ -51,13 +51,13 @@ def pooled_tau(committed: list[int], steps: list[int]) -> float:
 
 def same_lookup(run: dict, base: dict) -> bool:
     """Whether prompt lookup's per-prompt counts of both runs agree on every prompt: the same prompts, decoding and
-    target replies, where the digests differ only by what they cannot see through (the target's folder path, which
-    it includes). Printed when it is what lets two runs be compared."""
+    target replies, where the digests differ only by what they cannot see through (an older dflash-train's digest
+    included the target's folder path). Printed when it is what lets two runs be compared."""
     if not all(k in run and k in base for k in LOOKUP_FIELDS):
         return False
     same = all(run[k] == base[k] for k in LOOKUP_FIELDS)
     if same:
-        print(f"note: {run['name']} and {base['name']} have other setting digests (a target in another folder?) but "
+        print(f"note: {run['name']} and {base['name']} have other setting digests (an older evaluation of a target in another folder?) but "
               f"prompt lookup's counts agree on all {len(base['per_prompt_steps'])} prompts: compared", file=sys.stderr)
     return same
 

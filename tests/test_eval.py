@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -109,10 +110,14 @@ def test_evaluate_tau_histogram_and_formula():
               evaluate_tau(setup.target, make, setup.prompts, block_size=4, tap_layer_ids=taps, max_new_tokens=20,
                            stop_token_ids=[], temperature=0.5, with_baseline=False, with_prompt_lookup=False)]
     assert len({report.setting_digest, *(o.setting_digest for o in others)}) == 4
-    # the target's weights: the same layer in another dtype (an FP8 target's weights are another tensor type)
+    # the target's weights: the same layer in another dtype (an FP8 target's weights are another tensor type),
+    # other values of the same shapes; not where it was read from (a copy of the same weights)
     layer = torch.nn.Linear(2, 2)
-    bf16 = setting_digest(torch.nn.Linear(2, 2).to(torch.bfloat16), setup.prompts)
-    assert setting_digest(layer, setup.prompts) != bf16 == setting_digest(layer.to(torch.bfloat16), setup.prompts)
+    fp32 = setting_digest(layer, setup.prompts)
+    assert setting_digest(copy.deepcopy(layer), setup.prompts) == fp32
+    assert setting_digest(torch.nn.Linear(2, 2), setup.prompts) != fp32  # other random weights
+    bf16 = setting_digest(copy.deepcopy(layer).to(torch.bfloat16), setup.prompts)
+    assert bf16 != fp32 and bf16 == setting_digest(layer.to(torch.bfloat16), setup.prompts)
     assert f"± {report.tau_stderr:.3f} (standard error over prompts)" in format_report(report)
 
 

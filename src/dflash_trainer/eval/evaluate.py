@@ -126,13 +126,28 @@ def _per_prompt(results: Sequence[DecodeResult]) -> tuple[list[int], list[int]]:
     return [sum(r.acceptance_lengths) for r in results], [len(r.acceptance_lengths) for r in results]
 
 
+def _weight_sample(target) -> list[float]:
+    """A few values of the target's first and last plain floating-point weights: the same checkpoint gives the
+    same values read from any folder, another checkpoint of the same architecture others."""
+    plain = [p for p in target.parameters()
+             if type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point() and p.element_size() > 1]
+    if not plain:
+        return []
+    # the first row's first values (an index, not a flatten: no copy of a large or strided weight)
+    picks = [p.detach().reshape(1) if p.dim() == 0 else p.detach()[(0,) * (p.dim() - 1)][:16]
+             for p in (plain[0], plain[-1])]
+    return torch.cat([t.float() for t in picks]).cpu().tolist()  # host sync: once per evaluation, <= 32 values
+
+
 def setting_digest(target, prompts: Sequence[torch.Tensor], **setting) -> str:
     """sha256 over what an evaluation ran on: the prompts' token ids in order, the decoding `setting` (new
-    tokens, temperature, block size, stop tokens) and the target (its class, checkpoint name and the kinds of
-    its weights, so an FP8 target differs from the same one in bf16)."""
+    tokens, temperature, block size, stop tokens) and the target (its class, its parameters' names and shapes,
+    the kinds of its weights, so an FP8 target differs from the same one in bf16, and a sample of their values;
+    not the folder it was read from)."""
     weights = sorted({f"{type(p).__name__}:{p.dtype}" for p in target.parameters()})
-    name = getattr(getattr(target, "config", None), "_name_or_path", "")
-    digest = hashlib.sha256(repr((type(target).__name__, name, weights, sorted(setting.items()))).encode())
+    shapes = [(name, tuple(p.shape)) for name, p in target.named_parameters()]
+    digest = hashlib.sha256(repr((type(target).__name__, weights, shapes, _weight_sample(target),
+                                  sorted(setting.items()))).encode())
     for p in prompts:
         digest.update(repr(p.tolist()).encode())
     return digest.hexdigest()
