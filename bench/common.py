@@ -32,7 +32,7 @@ from dflash_trainer.drafter.spec import DrafterSpec  # noqa: E402
 from dflash_trainer.target.head import TargetHead  # noqa: E402
 from dflash_trainer.target.load import has_attention_backend  # noqa: E402
 from dflash_trainer.target.presets import preset_config  # noqa: E402
-from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step  # noqa: E402
+from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step, plan_step_chunks  # noqa: E402
 from dflash_trainer.train.optim import build_optimizer  # noqa: E402
 from dflash_trainer.train.schedule import build_scheduler  # noqa: E402
 from dflash_trainer.train.step_loop import StepLoop  # noqa: E402
@@ -158,7 +158,10 @@ def drafter_loop(config: Config, spec: DrafterSpec, head: TargetHead, device: to
     optimizer = build_optimizer(model, config.train)
     scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_ratio=config.train.warmup_ratio,
                                 min_lr_ratio=config.train.min_lr_ratio)
-    micro_step = make_micro_step(config, model, head, device=device, progress=lambda: 0.0)
+    chunks = plan_step_chunks(config, model, device)
+    log(f"drafter step: {chunks.num_blocks} blocks in {chunks.num_chunks} chunk(s) of {chunks.blocks_per_chunk} "
+        f"({chunks.reason})")
+    micro_step = make_micro_step(config, model, head, device=device, progress=lambda: 0.0, chunks=chunks)
     return StepLoop(model=model, optimizer=optimizer, scheduler=scheduler, micro_step=micro_step,
                     job_key=lambda b: (b.epoch, b.job_id), grad_accum=1, block_size=spec.block_size,
                     grad_clip=config.train.grad_clip, group=None, device=device)

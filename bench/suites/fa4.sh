@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 38: flex attention's flash-attention backend (FlashAttention-4, `drafter.flex_kernel_options.BACKEND=FLASH`)
+# against its Triton kernels, on the drafter step alone at long context (bench/suites/flex_options.sh). The image
+# lacks FA4, and its wheels (bench/fa4_wheels.sh) need two calls' carry, so two calls back to back on one warm
+# machine (it is released 30 s after a call, and its /tmp with it):
+#   PART=1 bash bench/suites/fa4.sh                 # carry .fa4/1 only: stashes the first part in /tmp/fa4
+#   PART=2 [LEN=32768] [VARIANTS=...] bash bench/suites/fa4.sh    # carry .fa4/2 only: joins, installs, checks, runs
+# PART=2 first checks that the backend compiles and matches the Triton kernel on a small masked problem (forward
+# and gradients), then runs flex_options.sh with VARIANTS (default: ours, and ours with BACKEND=FLASH).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+STASH=/tmp/fa4
+case "${PART:?PART=1 or PART=2}" in
+  1)
+    mkdir -p "$STASH" && cp .fa4/1/* "$STASH"/ && ls -la "$STASH" ;;
+  2)
+    ls "$STASH"/wheels.tar.part00 >/dev/null || { echo "no first part in $STASH: run PART=1 just before, on the same machine"; exit 1; }
+    cat "$STASH"/wheels.tar.part00 .fa4/2/wheels.tar.part* | tar xf - -C "$STASH" || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$STASH"/*.whl || exit 1
+    export PYTHONPATH=$PWD/src:/tmp/site
+    python3 bench/fa4_check.py || { echo "the flash backend failed its check (above)"; exit 1; }
+    K=drafter.flex_kernel_options
+    VARIANTS=${VARIANTS:-"ours|flash: $K.BACKEND=FLASH"} bash bench/suites/flex_options.sh ;;
+esac
