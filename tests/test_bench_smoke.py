@@ -54,6 +54,19 @@ def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
     assert "ours" in proc.stdout and "baseline" in proc.stdout
 
 
+def test_run_set_overrides_our_side_and_prints_the_chunk_plan(tmp_path):
+    """`--set` reaches the config our side runs (here its chunking, which the step then prints), and an unknown key
+    is refused by name."""
+    run = [sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--no-baseline", "--out", str(tmp_path)]
+    proc = subprocess.run([*run, "--set", "train.blocks_per_chunk=8"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "drafter step: 32 blocks in 4 chunk(s) of 8 (train.blocks_per_chunk=8)" in proc.stdout
+    assert "train.blocks_per_chunk=8" in json.loads(proc.stdout.strip().splitlines()[-1])["command"]
+    bad = subprocess.run([*run, "--set", "drafter.nosuch=1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "drafter.nosuch" in bad.stdout + bad.stderr
+
+
 def test_run_with_an_fp8_target_asks_for_it_and_is_refused_on_the_cpu_by_name():
     import run
 

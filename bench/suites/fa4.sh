@@ -4,9 +4,12 @@
 # lacks FA4, and its wheels (bench/fa4_wheels.sh) need two calls' carry, so two calls back to back on one warm
 # machine (it is released 30 s after a call, and its /tmp with it):
 #   PART=1 bash bench/suites/fa4.sh                 # carry .fa4/1 only: stashes the first part in /tmp/fa4
-#   PART=2 [LEN=32768] [VARIANTS=...] bash bench/suites/fa4.sh    # carry .fa4/2 only: joins, installs, checks, runs
-# PART=2 first checks that the backend compiles and matches the Triton kernel on a small masked problem (forward
-# and gradients), then runs flex_options.sh with VARIANTS (default: ours, and ours with BACKEND=FLASH).
+#   PART=2 [LEN=32768] [VARIANTS=...] [E2E=131072] bash bench/suites/fa4.sh   # carry .fa4/2 only: joins, installs,
+#                                                                                 # checks, runs
+# PART=2 first checks that the backend runs the drafter's training mask and agrees with the Triton kernel and with
+# fp32 (bench/fa4_check.py: output and gradients), then runs flex_options.sh with VARIANTS (default: ours, and ours
+# with BACKEND=FLASH); with E2E set, the whole step at that length with the flash backend instead
+# (long_context.sh, the target compiled), to set beside the Triton kernel's figure in bench/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 STASH=/tmp/fa4
@@ -20,5 +23,9 @@ case "${PART:?PART=1 or PART=2}" in
     export PYTHONPATH=$PWD/src:/tmp/site
     python3 bench/fa4_check.py || { echo "the flash backend failed its check (above)"; exit 1; }
     K=drafter.flex_kernel_options
-    VARIANTS=${VARIANTS:-"ours|flash: $K.BACKEND=FLASH"} bash bench/suites/flex_options.sh ;;
+    if [ -n "${E2E:-}" ]; then
+      E2E_FLAGS="--set $K.BACKEND=FLASH" BASELINE= LENGTHS= bash bench/suites/long_context.sh
+    else
+      VARIANTS=${VARIANTS:-"ours|flash: $K.BACKEND=FLASH"} bash bench/suites/flex_options.sh
+    fi ;;
 esac
