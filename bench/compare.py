@@ -57,8 +57,9 @@ def same_lookup(run: dict, base: dict) -> bool:
         return False
     same = all(run[k] == base[k] for k in LOOKUP_FIELDS)
     if same:
-        print(f"note: {run['name']} and {base['name']} have other setting digests (an older evaluation of a target in another folder?) but "
-              f"prompt lookup's counts agree on all {len(base['per_prompt_steps'])} prompts: compared", file=sys.stderr)
+        print(f"note: {run['name']} and {base['name']} have other setting digests (an older evaluation of a target "
+              f"in another folder?) but prompt lookup's counts agree on all {len(base['per_prompt_steps'])} prompts: "
+              "compared", file=sys.stderr)
     return same
 
 

@@ -26,6 +26,8 @@ from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+FLASH = {"BACKEND": "FLASH"}
+"""flex_attention's kernel_options for its flash-attention backend."""
 
 
 def attention_inputs(seq_len: int, num_blocks: int, device: torch.device):
@@ -79,16 +81,17 @@ def main() -> int:
         return 1
     from torch.nn.attention.flex_attention import flex_attention
 
+    def flex(mask, options):
+        return torch.compile(lambda a, b, c: flex_attention(a, b, c, block_mask=mask, enable_gqa=True,
+                                                            kernel_options=options), dynamic=False)
+
     device = torch.device("cuda")
     (q, k, v), index = attention_inputs(args.seq_len, args.blocks_per_seq, device)
     mask = FlexMaskBuilder().build(index)
     grad_out = torch.randn_like(q)
-    triton = torch.compile(lambda a, b, c: flex_attention(a, b, c, block_mask=mask, enable_gqa=True), dynamic=False)
-    flash = torch.compile(lambda a, b, c: flex_attention(a, b, c, block_mask=mask, enable_gqa=True,
-                                                         kernel_options={"BACKEND": "FLASH"}), dynamic=False)
-    reference = run(triton, q, k, v, grad_out)
+    reference = run(flex(mask, None), q, k, v, grad_out)
     try:
-        got = run(flash, q, k, v, grad_out)
+        got = run(flex(mask, FLASH), q, k, v, grad_out)
     except Exception:  # noqa: BLE001 (the backend's own error is the finding)
         traceback.print_exc()
         print("FAIL: the flash backend did not run the drafter's attention")
@@ -108,14 +111,10 @@ def main() -> int:
         b, c = b.float().repeat_interleave(groups, dim=1), c.float().repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(a.float(), b, c, attn_mask=dense)
 
-    def flex(options):
-        return torch.compile(lambda a, b, c: flex_attention(a, b, c, block_mask=mask2, enable_gqa=True,
-                                                            kernel_options=options), dynamic=False)
-
     grad2 = torch.randn_like(q2)
     exact = run(sdpa, q2, k2, v2, grad2)
-    triton_err = compare("triton vs dense fp32", run(flex(None), q2, k2, v2, grad2), exact)
-    flash_err = compare("flash vs dense fp32", run(flex({"BACKEND": "FLASH"}), q2, k2, v2, grad2), exact)
+    triton_err = compare("triton vs dense fp32", run(flex(mask2, None), q2, k2, v2, grad2), exact)
+    flash_err = compare("flash vs dense fp32", run(flex(mask2, FLASH), q2, k2, v2, grad2), exact)
     if flash_err > 2 * triton_err + 1e-3:
         print(f"FAIL: against fp32, flash's error {flash_err:.2e} is over twice triton's {triton_err:.2e}")
         return 1
