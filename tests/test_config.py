@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from dflash_trainer.cli import main
@@ -31,6 +33,7 @@ def test_demo_recipe_loads_and_overrides_apply():
         ("data.max_length=2", "data.max_length"),
         ("run.device=tpu", "run.device"),
         ("drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE=true", "drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE"),
+        ("drafter.flex_kernel_options.BACKEND=CUTE", "drafter.flex_kernel_options.BACKEND must be one of"),
         ("drafter.loss_kernel=triton", "drafter.loss_kernel"),
         ("drafter.mask_tiles=rows", "drafter.mask_tiles"),
         ("train.compile_mode=fast", "train.compile_mode"),
@@ -134,3 +137,10 @@ def test_the_test_script_runs_the_tests_it_is_given():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     collected = [line for line in proc.stdout.splitlines() if "::" in line]
     assert collected and all(line.startswith("tests/test_layers.py::") for line in collected), collected[:5]
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")))
+def test_every_shipped_recipe_loads(recipe):
+    """Each recipe in configs/ passes validation as shipped (a typo in one fails here, not at a user's start)."""
+    cfg = load_config(Path(__file__).parents[1] / "configs" / recipe, [])
+    assert cfg.target.path or cfg.target.random_init

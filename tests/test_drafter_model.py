@@ -124,3 +124,41 @@ def test_tap_on_last_layer_refused_and_default_taps():
     assert drafter_spec(target, DrafterConfig(num_layers=2), mask_token_id=0).tap_layer_ids == (1, 3)
     taps = choose_tap_layer_ids(6, 5)
     assert len(set(taps)) == len(taps) and max(taps) <= 4
+
+
+class TestFlexBackendCheck:
+    """`check_flex_backend` refuses FlashAttention-4's backend where it cannot compile, naming the fix, before
+    a run's first step; elsewhere (the CPU, other backends) it lets the run go on."""
+
+    FLASH = {"BACKEND": "FLASH"}
+
+    def test_the_cpu_and_other_backends_pass(self):
+        from dflash_trainer.drafter.model import check_flex_backend
+
+        check_flex_backend(self.FLASH, torch.device("cpu"))  # flex on the CPU ignores the backend
+        check_flex_backend({"BACKEND": "TRITON"}, torch.device("cuda"))
+        check_flex_backend({}, torch.device("cuda"))
+
+    def test_a_gpu_older_than_hopper_is_refused(self, monkeypatch):
+        from dflash_trainer.drafter import model
+
+        monkeypatch.setattr(model.torch.cuda, "get_device_capability", lambda device: (8, 0))
+        with pytest.raises(ConfigError, match=r"compute capability 9\.0\+\), and this one is 8\.0.*BACKEND=TRITON"):
+            model.check_flex_backend(self.FLASH, torch.device("cuda"))
+
+    @pytest.mark.parametrize("absent", ["flash_attn.cute", "cutlass"])
+    def test_a_missing_package_is_named_with_its_install_command(self, monkeypatch, absent):
+        from dflash_trainer.drafter import model
+
+        monkeypatch.setattr(model.torch.cuda, "get_device_capability", lambda device: (9, 0))
+        monkeypatch.setattr(model, "_importable", lambda name: name != absent)
+        with pytest.raises(ConfigError, match=rf"{absent} cannot be imported: pip install --pre \"flash-attn-4"):
+            model.check_flex_backend(self.FLASH, torch.device("cuda"))
+        monkeypatch.setattr(model, "_importable", lambda name: True)
+        model.check_flex_backend(self.FLASH, torch.device("cuda"))
+
+    def test_a_missing_parent_package_counts_as_missing(self):
+        from dflash_trainer.drafter.model import _importable
+
+        assert not _importable("no_such_package_here.cute")
+        assert _importable("torch.nn")

@@ -20,8 +20,12 @@ case "${PART:?PART=1 or PART=2}" in
     ls "$STASH"/wheels.tar.part00 >/dev/null || { echo "no first part in $STASH: run PART=1 just before, on the same machine"; exit 1; }
     cat "$STASH"/wheels.tar.part00 .fa4/2/wheels.tar.part* | tar xf - -C "$STASH" || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$STASH"/*.whl || exit 1
-    export PYTHONPATH=$PWD/src:/tmp/site
-    python3 bench/fa4_check.py || { echo "the flash backend failed its check (above)"; exit 1; }
+    # CuTeDSL's `cutlass` sits in a folder that its .pth file adds, and --target folders' .pth files are not read
+    export PYTHONPATH=$PWD/src:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+    python3 bench/fa4_check.py > "$STASH/check.log" 2>&1
+    CHECK=$?
+    tail -c 3000 "$STASH/check.log"
+    [ $CHECK = 0 ] || { echo "the flash backend failed its check (above)"; exit 1; }
     K=drafter.flex_kernel_options
     if [ -n "${E2E:-}" ]; then
       E2E_FLAGS="--set $K.BACKEND=FLASH" BASELINE= LENGTHS= bash bench/suites/long_context.sh
@@ -29,3 +33,5 @@ case "${PART:?PART=1 or PART=2}" in
       VARIANTS=${VARIANTS:-"ours|flash: $K.BACKEND=FLASH"} bash bench/suites/flex_options.sh
     fi ;;
 esac
+# the check again, after the suite's long output
+[ "$PART" = 2 ] && tail -n 15 "$STASH/check.log"

@@ -13,6 +13,10 @@ DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 BLOCKS_PER_TOKEN = 512 / 3072
 """The recipe's anchor density: up to 512 blocks per 3072-token sequence."""
 
+FLEX_BACKENDS = ("AUTO", "TRITON", "FLASH")
+"""flex_attention's kernel backends that train: torch picks (AUTO), its Triton kernels, or FlashAttention-4
+(FLASH, Hopper and Blackwell; `drafter.model.check_flex_backend`)."""
+
 
 @dataclass
 class DrafterConfig:
@@ -36,8 +40,9 @@ class DrafterConfig:
     attention: str = "auto"
     """auto (flex on GPU, sdpa on CPU) | flex | sdpa."""
     flex_kernel_options: dict[str, Any] = field(default_factory=dict)
-    """Passed to flex_attention as `kernel_options` (e.g. `fwd_BLOCK_M`, `bwd_num_warps`, `USE_TMA`); empty:
-    torch's defaults. A speed knob only: the attention computed is the same."""
+    """Passed to flex_attention as `kernel_options` (e.g. `BACKEND: FLASH` for FlashAttention-4's kernels,
+    `fwd_BLOCK_M`, `bwd_num_warps`); empty: torch's defaults. A speed knob only: the attention computed is the
+    same."""
     loss_chunk_rows: int = 2048
     """Rows per chunk of the vocab projection + CE (bounds fp32 logits memory)."""
     loss_kernel: str = "compiled"
@@ -111,6 +116,10 @@ class DrafterConfig:
                 "drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE=true gives NaN here: a 128-row query tile can span "
                 "two packed sequences, so some rows see no key in a tile; remove the option"
             )
+        backend = self.flex_kernel_options.get("BACKEND", "AUTO")
+        if backend not in FLEX_BACKENDS:
+            raise ConfigError(f"drafter.flex_kernel_options.BACKEND must be one of {', '.join(FLEX_BACKENDS)}, "
+                              f"got {backend!r}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise ConfigError(f"drafter.sliding_layers must be in [0, {self.num_layers}), got {self.sliding_layers}")
 

@@ -14,6 +14,7 @@ on both; RoPE at absolute positions. Two forwards share the layer code:
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -25,6 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from dflash_trainer.drafter.anchors import BlockPlan, token_seq_ids
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index
 from dflash_trainer.drafter.spec import DrafterSpec
+from dflash_trainer.errors import ConfigError
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(q (R, nh, Lq, hd), k (R, nkv, Lk, hd), v (R, nkv, Lk, hd)) -> (R, nh, Lq, hd); R = 1 in training."""
@@ -44,6 +46,34 @@ def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mas
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex(q, k, v, **kwargs)
+
+
+FLASH_MODULES = ("flash_attn.cute", "cutlass")
+"""What flex's flash-attention backend imports when it compiles: FlashAttention-4 and its CuTeDSL."""
+
+
+def check_flex_backend(options: dict, device: torch.device) -> None:
+    """Refuse flex's flash-attention backend (`BACKEND: FLASH`, FlashAttention-4) before the first step where it
+    cannot run: it needs FlashAttention-4's package and a Hopper or Blackwell GPU. Flex on the CPU ignores it."""
+    if options.get("BACKEND") != "FLASH" or device.type != "cuda":
+        return
+    triton = "flex's Triton kernels run anywhere: drafter.flex_kernel_options.BACKEND=TRITON"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ConfigError(f"drafter.flex_kernel_options.BACKEND=FLASH (FlashAttention-4) needs a Hopper or Blackwell "
+                          f"GPU (compute capability 9.0+), and this one is {major}.{minor}; {triton}")
+    missing = [name for name in FLASH_MODULES if not _importable(name)]
+    if missing:
+        raise ConfigError(
+            f"drafter.flex_kernel_options.BACKEND=FLASH needs FlashAttention-4, and {', '.join(missing)} cannot be "
+            f'imported: pip install --pre "flash-attn-4[cu13]" (without [cu13] for a CUDA 12 torch); or {triton}')
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # its parent package is missing
+        return False
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
