@@ -316,7 +316,8 @@ def table(paths: list[Path], record: bool) -> None:
         append_table_rows(RESULTS_MD, TABLE_HEADER, "Peer bake-off on the practice target (`bench/peers.py`)", rows)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line: `modelopt` (a cell: the lines of bench/cells/ are its options) and `table`."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("modelopt", help="train, export and evaluate a ModelOpt drafter")
@@ -355,7 +356,11 @@ def main(argv=None) -> int:
     t = sub.add_parser("table", help="the side-by-side table of result JSONs (ours from bench/quality.py)")
     t.add_argument("results", nargs="+", type=Path)
     t.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.command == "table":
         table(args.results, args.record)
         return 0

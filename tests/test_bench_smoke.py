@@ -647,6 +647,20 @@ def test_arms_files_are_valid_practice_configs(arms):
         load_config(ROOT / "configs" / "practice.yaml", overrides)  # raises ConfigError naming the bad override
 
 
+@pytest.mark.parametrize("cells", sorted(p.name for p in (ROOT / "bench" / "cells").glob("*.txt")))
+def test_cells_files_are_valid_peer_options(cells):
+    """A peer cell ("NAME option ...", as bench/suites/peer_cells.sh runs it) whose option bench/peers.py refuses
+    would fail only on the device."""
+    from peers import parser
+
+    lines = [line.split(maxsplit=1) for line in (ROOT / "bench" / "cells" / cells).read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert lines and len({name for name, *_ in lines}) == len(lines), f"{cells}: no cells, or two of one name"
+    for name, *options in lines:
+        args = parser().parse_args(["modelopt", *" ".join(options).split()])  # exits 2 on a bad option
+        assert args.max_steps > 0 or args.minutes > 0, name
+
+
 @pytest.mark.parametrize("suite", sorted(p.name for p in (ROOT / "bench" / "suites").glob("*.sh")))
 def test_device_suites_parse(suite):
     """The suites run only on the device machine, whose time is scarce: a syntax error is caught here first."""
