@@ -115,6 +115,14 @@ def run_plan(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
     return plan
 
 
+def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, work_dir: str) -> None:
+    """The options of a bench made of `run_one` runs: their steps, time limit, result and run folders."""
+    p.add_argument("--steps", type=int, default=steps, help="train.max_steps of every run")
+    p.add_argument("--timeout-s", type=float, default=540.0, help="per run")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--work-dir", default=work_dir)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpus", type=int, default=8, help="ranks of the N-rank runs")
@@ -123,10 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of pipeline.target_parallel values: each split runs once per value, its target "
                    "groups of that many ranks (e.g. 1,2: TP=2 groups against single-GPU targets)")
     p.add_argument("--colocated-n", action="store_true", help="also run N ranks colocated")
-    p.add_argument("--steps", type=int, default=40, help="train.max_steps of every run")
-    p.add_argument("--timeout-s", type=float, default=540.0, help="per run")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    p.add_argument("--work-dir", default="/tmp/dflash-scaling")
+    add_run_arguments(p, steps=40, work_dir="/tmp/dflash-scaling")
     p.add_argument("--smoke", action="store_true", help="CPU + gloo, tiny target: 1 colocated vs a 1:2 split")
     args = p.parse_args(argv)
     if args.smoke:

@@ -268,6 +268,38 @@ def test_smoke_scaling_runs_colocated_and_split_training(tmp_path):
     assert len(list(tmp_path.glob("*-scaling-3.json"))) == 1
 
 
+def test_smoke_context_parallel_trains_one_long_sequence_a_step_on_one_rank_and_a_cp_group(tmp_path):
+    """bench/context_parallel.py writes long conversations, then trains one rank and a CP=2 group (torchrun, gloo)
+    on them: every step is one sequence cut at exactly --seq-len tokens, and the CP group's speed-up and efficiency
+    are taken against the one-rank run."""
+    runs = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "context_parallel.py"), "--smoke", "--out",
+                           str(tmp_path), "--work-dir", str(runs)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, cp = last["results"]
+    assert (one["ranks"], cp["ranks"]) == (1, 2) and one["status"] == cp["status"] == "ok"
+    assert cp["roles"] == ["colocated", "colocated"] and one["speedup"] == pytest.approx(1.0)
+    assert cp["efficiency"] == pytest.approx(cp["steady_tokens_per_s"] / (2 * one["steady_tokens_per_s"]))
+    for name in ("1_rank", "CP=2"):
+        (metrics,) = runs.glob(f"*/{name}/metrics.jsonl")
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if '"tokens"' in line]
+        assert [(r["batches"], r["tokens"]) for r in rows] == [(1, last["seq_len"])] * last["steps"], name
+    assert len(list(tmp_path.glob("*-context_parallel-256.json"))) == 1
+
+
+def test_context_parallel_plan_refuses_a_group_that_does_not_divide_the_sequence():
+    import context_parallel
+
+    plan = context_parallel.run_plan(context_parallel.parse_args(["--seq-len", "4096", "--cp", "2,4"]))
+    assert [(name, ranks) for name, ranks, _ in plan] == [("1 rank", 1), ("CP=2", 2), ("CP=4", 4)]
+    with pytest.raises(SystemExit, match="--cp 3"):
+        context_parallel.run_plan(context_parallel.parse_args(["--seq-len", "4096", "--cp", "3"]))
+    with pytest.raises(SystemExit, match="nothing to run"):
+        context_parallel.run_plan(context_parallel.parse_args(["--cp", "", "--no-baseline"]))
+
+
 def test_scaling_plan_runs_each_split_once_per_target_parallel_value():
     import scaling
 
