@@ -162,3 +162,17 @@ class TestFlexBackendCheck:
 
         assert not _importable("no_such_package_here.cute")
         assert _importable("torch.nn")
+
+
+def test_a_run_checks_the_flex_backend_before_it_claims_its_run_dir(monkeypatch, tmp_path):
+    """`setup_run` refuses an unusable BACKEND=FLASH first: no run dir is made, nothing is loaded."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.runtime.env import DistEnv
+    from dflash_trainer.runtime.setup import setup_run
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    config = load_config("demo", [f"run.dir={tmp_path / 'run'}", "drafter.flex_kernel_options.BACKEND=FLASH"])
+    with pytest.raises(ConfigError, match="BACKEND=FLASH"):
+        setup_run(config, DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1), torch.device("cuda"),
+                  control=None)
+    assert not (tmp_path / "run").exists()

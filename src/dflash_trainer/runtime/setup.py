@@ -20,6 +20,7 @@ from dflash_trainer.data.prepare import PreparedData, prepare_data, summary_json
 from dflash_trainer.data.tokenizer import load_tokenizer, ordinary_token
 from dflash_trainer.data.types import Job
 from dflash_trainer.drafter.attention_mask import dense_step_bytes
+from dflash_trainer.drafter.model import check_flex_backend
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.regen.settings import warn_regen_mismatch
@@ -84,6 +85,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     drafters' process group. `on_run_dir(path)` learns the run dir as soon as it is known; `on_claim(claim)`
     (rank 0) takes the run dir's claim, to release when the run ends."""
     check_context_parallel(config)
+    check_flex_backend(config.drafter.flex_kernel_options, device)  # before the run dir and the data work
     placement = plan_placement(
         rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, local_world_size=env.local_world_size,
         pipeline=config.pipeline, num_devices=torch.cuda.device_count() if device.type == "cuda" else None,

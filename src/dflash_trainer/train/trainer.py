@@ -22,7 +22,7 @@ import torch.distributed as dist
 from dflash_trainer.config import Config
 from dflash_trainer.drafter.export import export_drafter, init_from_export
 from dflash_trainer.drafter.init import check_target_layers, init_from_target, target_tensor_names
-from dflash_trainer.drafter.model import DFlashDrafter, check_flex_backend
+from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.faults import maybe_fault
@@ -335,7 +335,6 @@ class DrafterTrainer:
 
 def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DFlashDrafter:
     """The drafter to train, initialised from the seed, the target's layers or an export (`drafter.init_from`)."""
-    check_flex_backend(config.drafter.flex_kernel_options, device)
     torch.manual_seed(config.run.seed)
     model = DFlashDrafter(spec, attention=config.drafter.attention, mask_tiles=config.drafter.mask_tiles,
                           flex_kernel_options=config.drafter.flex_kernel_options).to(device)
