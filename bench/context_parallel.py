@@ -87,6 +87,13 @@ def run_plan(args: argparse.Namespace) -> list[tuple[str, int, list[str]]]:
     return plan
 
 
+def run_overrides(args: argparse.Namespace, *, data: Path, target: Path) -> list[str]:
+    """The overrides of the demo recipe that every run shares: the shape, the long data, one sequence a step."""
+    return [*(SMOKE_OVERRIDES if args.smoke else GPU_OVERRIDES), *COMMON_OVERRIDES, f"target.random_init={target}",
+            f"data.path={data}", f"data.max_length={args.seq_len}", f"pipeline.token_budget={args.seq_len}",
+            f"train.max_steps={args.steps}", *args.overrides]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-len", type=int, default=65536, help="tokens of each step's one sequence")
@@ -112,9 +119,7 @@ def main(argv=None) -> int:
     data = write_long_conversations(work / "long.jsonl", source=args.source, tokens=args.seq_len,
                                     count=args.steps + 16)
     target = long_target(work / "target", args.preset, args.seq_len)
-    common = [*(SMOKE_OVERRIDES if args.smoke else GPU_OVERRIDES), *COMMON_OVERRIDES, f"target.random_init={target}",
-              f"data.path={data}", f"data.max_length={args.seq_len}", f"pipeline.token_budget={args.seq_len}",
-              f"train.max_steps={args.steps}", *args.overrides]
+    common = run_overrides(args, data=data, target=target)
     results = [run_one(name, ranks, common + extra, work, args.timeout_s) for name, ranks, extra in plan]
     single = results[0]["steady_tokens_per_s"] if results[0]["ranks"] == 1 else None
     for r in results:

@@ -289,6 +289,21 @@ def test_smoke_context_parallel_trains_one_long_sequence_a_step_on_one_rank_and_
     assert len(list(tmp_path.glob("*-context_parallel-256.json"))) == 1
 
 
+@pytest.mark.parametrize("argv", [["--seq-len", "131072", "--cp", "2,4", "--set",
+                                   "drafter.flex_kernel_options.BACKEND=FLASH"], ["--smoke"]])
+def test_context_parallel_runs_are_valid_configs(argv, tmp_path):
+    """The GPU runs of bench/context_parallel.py are checked only on a multi-GPU machine: a misspelt or refused
+    override would fail there, after the data work."""
+    import context_parallel
+
+    args = context_parallel.parse_args(argv)
+    target = context_parallel.long_target(tmp_path / "target", args.preset, args.seq_len)
+    common = context_parallel.run_overrides(args, data=tmp_path / "long.jsonl", target=target)
+    for _, _, extra in context_parallel.run_plan(args):
+        config = load_config("demo", common + extra)  # raises ConfigError naming the bad override
+        assert (config.pipeline.token_budget, config.data.max_length) == (args.seq_len, args.seq_len)
+
+
 def test_context_parallel_plan_refuses_a_group_that_does_not_divide_the_sequence():
     import context_parallel
 
