@@ -34,4 +34,4 @@ case "${PART:?PART=1 or PART=2}" in
     fi ;;
 esac
 # the check again, after the suite's long output
-[ "$PART" = 2 ] && tail -n 15 "$STASH/check.log"
+if [ "$PART" = 2 ]; then tail -n 15 "$STASH/check.log"; fi
