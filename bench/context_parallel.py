@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common import ROOT, git_commit, or_dash, write_result
+import scaling
 from scaling import add_run_arguments, run_one
 
 sys.path.insert(0, str(ROOT / "src"))
@@ -36,11 +37,9 @@ from dflash_trainer.target.presets import preset_config  # noqa: E402
 CHARS_PER_TOKEN = 8
 """Characters written per token wanted: more than the tokenizers here average, so every reply is cut at the length."""
 
-GPU_OVERRIDES = [
-    "run.device=cuda", "target.dtype=bfloat16", "target.compile=true", "target.attn_implementation=sdpa",
-    "train.dtype=bfloat16", "drafter.num_layers=5", "drafter.block_size=16", "drafter.tap_layer_ids=[1,9,17,25,33]",
-    "drafter.mask_token_id=151669", "drafter.loss_chunk_rows=4096", "train.blocks_per_chunk=0",
-]
+GPU_OVERRIDES = [*scaling.GPU_OVERRIDES, "target.attn_implementation=sdpa", "drafter.loss_chunk_rows=4096",
+                 "train.blocks_per_chunk=0"]
+"""bench/scaling.py's 8B runs, with the long-context recipe's attention and chunking (its lengths replaced later)."""
 SMOKE_OVERRIDES = ["train.grad_accum=1"]
 COMMON_OVERRIDES = ["pipeline.colocated=true", "train.num_epochs=1", "train.checkpoint_interval=100000",
                     "eval.interval=0", "eval.at_end=false", "logging.progress=false"]

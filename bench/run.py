@@ -375,7 +375,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "against the bf16 peak)")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-               help="a config override for our side (repeatable), e.g. drafter.flex_kernel_options.BACKEND=FLASH")
+                   help="a config override for our side (repeatable), e.g. drafter.flex_kernel_options.BACKEND=FLASH")
     args = p.parse_args(argv)
     apply_smoke(args)
     if args.smoke:  # the CPU also runs SDPA and no compile
