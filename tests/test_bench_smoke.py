@@ -716,6 +716,27 @@ def test_device_suites_parse(suite):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_run_suite_brings_back_the_scripts_json_and_log(tmp_path):
+    """bench/suites/run.sh runs one bench script with its arguments and packs its JSON and log into
+    $OUT/results.tar.gz, passing the script's exit status on."""
+    import tarfile
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "SUITE_TMP": str(tmp_path / "suite"), "LIMIT_S": "120"}
+    suite = str(ROOT / "bench" / "suites" / "run.sh")
+    proc = subprocess.run(["bash", suite, "bench/run.py", "--smoke"], capture_output=True, text=True, env=env,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        names = tar.getnames()
+        assert "suite-logs/run.log" in names, names
+        (result,) = [n for n in names if n.startswith("suite-results/") and n.endswith("-run-tiny-mfu.json")]
+        assert json.load(tar.extractfile(result))["status"] == "ok"
+    failed = subprocess.run(["bash", suite, "bench/run.py", "--no-such-option"], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert failed.returncode == 2, failed.stdout[-2000:]
+
+
 def test_held_out_prompts_leave_out_those_the_training_records_also_hold():
     """bench/quality.py's split: a held-out record whose user turn (up to case and whitespace) is also a training
     record's user turn is not an evaluation prompt; records open at their first user turn."""

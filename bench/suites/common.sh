@@ -4,8 +4,9 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/out}
-LOGS=/tmp/suite-logs
-RESULTS=/tmp/suite-results
+SUITE_TMP=${SUITE_TMP:-/tmp}  # where the logs and result JSONs gather before `finish` packs them
+LOGS=$SUITE_TMP/suite-logs
+RESULTS=$SUITE_TMP/suite-results
 mkdir -p "$OUT" "$LOGS" "$RESULTS"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -24,7 +25,7 @@ step() {  # step NAME LIMIT_S CMD...; returns CMD's exit status
 }
 
 finish() {
-  tar czf "$OUT/results.tar.gz" -C /tmp suite-logs suite-results 2>/dev/null
+  tar czf "$OUT/results.tar.gz" -C "$SUITE_TMP" suite-logs suite-results 2>/dev/null
   ls -la "$OUT"
 }
 
