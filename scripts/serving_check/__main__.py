@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[0] = str(HERE.parent)  # import the package as serving_check, not its files as top-level modules
 
-from cases import build_jobs, given_job, make_target  # noqa: E402
-from jobs import ENGINES, read_results, write_jobs  # noqa: E402
-from report import FAIL, judge, summary_json, table  # noqa: E402
-from variants import VARIANTS  # noqa: E402
+from serving_check.cases import build_jobs, given_job, make_target  # noqa: E402
+from serving_check.jobs import ENGINES, read_results, write_jobs  # noqa: E402
+from serving_check.report import FAIL, judge, summary_json, table  # noqa: E402
+from serving_check.variants import VARIANTS  # noqa: E402
 
 from dflash_trainer.errors import ConfigError  # noqa: E402
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
 
 
 def _missing(engine, job):
-    from jobs import EngineResult
+    from serving_check.jobs import EngineResult
 
     return EngineResult(job=job.id, engine=engine, status="error", detail="no result: the engine process died "
                         "before this job (see its log, with --keep)")

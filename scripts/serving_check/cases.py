@@ -19,8 +19,8 @@ from transformers import Qwen3ForCausalLM
 from dflash_trainer.drafter.export import load_drafter
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.presets import preset_config
-from jobs import FORMATS, Job
-from variants import Shape, Variant
+from serving_check.jobs import FORMATS, Job
+from serving_check.variants import Shape, Variant
 
 BLOCK_SIZE = 8
 CONTEXT = 11

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from attention import attend
-from jobs import EngineResult, Job
+from serving_check.attention import attend
+from serving_check.jobs import EngineResult, Job
 
 _READY = False
 
@@ -108,7 +108,7 @@ def _replace_attention(model, inputs: dict, captured: dict) -> None:
 
 
 def run(job: Job, out_file: str) -> EngineResult:
-    from cases import read_target
+    from serving_check.cases import read_target
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
     args = _setup(job.target)

@@ -37,8 +37,8 @@ import types
 
 import torch
 
-from attention import attend
-from jobs import EngineResult, Job
+from serving_check.attention import attend
+from serving_check.jobs import EngineResult, Job
 
 _READY = False
 

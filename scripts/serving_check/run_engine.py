@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the package as serving_check, its files not top-level
 
-from jobs import ENGINES, EngineResult, read_jobs, write_results  # noqa: E402
+from serving_check.jobs import ENGINES, EngineResult, read_jobs, write_results  # noqa: E402
 
 
 def main() -> int:
@@ -23,12 +23,12 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)  # tiny models: one thread is faster, and the machine's cores may be shared
     if args.engine == "sglang":
-        import stubs
+        from serving_check import stubs
 
         stubs.install_for_sglang()
-        import engine_sglang as engine
+        from serving_check import engine_sglang as engine
     else:
-        import engine_vllm as engine
+        from serving_check import engine_vllm as engine
     results = []
     for job in read_jobs(args.work / "jobs.json"):
         if job.refused:
