@@ -18,6 +18,15 @@ FLEX_BACKENDS = ("AUTO", "TRITON", "FLASH")
 (FLASH, Hopper and Blackwell; `drafter.model.check_flex_backend`)."""
 
 
+def check_tap_order(tap_layer_ids, where: str) -> None:
+    """Taps must be listed in increasing layer order: vLLM and SGLang concatenate the target's taps in layer
+    order whatever the config lists, so a drafter whose `fc` learned another order would be served wrong."""
+    taps = list(tap_layer_ids)
+    if taps != sorted(taps):
+        raise ConfigError(f"{where} must be in increasing order, got {taps}: serving engines (vLLM, SGLang) "
+                          f"concatenate the taps in layer order; list them as {sorted(taps)}")
+
+
 @dataclass
 class DrafterConfig:
     num_layers: int = 5
@@ -76,6 +85,7 @@ class DrafterConfig:
                 raise ConfigError("drafter.tap_layer_ids must not be empty (or null to choose them)")
             if any(t < 0 for t in self.tap_layer_ids) or len(set(self.tap_layer_ids)) != len(self.tap_layer_ids):
                 raise ConfigError(f"drafter.tap_layer_ids must be distinct and >= 0, got {self.tap_layer_ids}")
+            check_tap_order(self.tap_layer_ids, "drafter.tap_layer_ids")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ConfigError(f"drafter.mask_token_id must be >= 0, got {self.mask_token_id}")
         if self.intermediate_size is not None and self.intermediate_size < 1:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.drafter.engines import warn_if_unserved
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -85,6 +86,7 @@ def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_c
     weights (e.g. the target's bf16 for serving; training keeps fp32 master weights)."""
     state = export_state(model, target_config=target_config, dtype=dtype)
     config = export_config(model.spec, dtype=state["fc.weight"].dtype, target_config=target_config)
+    warn_if_unserved(target_config)
     return write_export(out_dir, config, state)
 
 

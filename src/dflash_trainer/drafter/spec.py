@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from transformers import Qwen3Config
 
-from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.config import DrafterConfig, check_tap_order
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.checks import choose_tap_layer_ids
 from dflash_trainer.target.load import text_config
@@ -44,6 +44,7 @@ class DrafterSpec:
                 f"drafter.mask_token_id={self.mask_token_id} is not a row of the target's embedding "
                 f"(vocab_size={self.vocab_size}); pick a spare row below {self.vocab_size}"
             )
+        check_tap_order(self.tap_layer_ids, "drafter.tap_layer_ids")
         bad = [t for t in self.tap_layer_ids if not 0 <= t < self.num_target_layers - 1]
         if bad:
             raise ConfigError(
