@@ -31,7 +31,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import PretrainedConfig
 
 from dflash_trainer.drafter.engines import model_classes, warn_if_unserved
-from dflash_trainer.drafter.export import export_config, export_state, write_export
+from dflash_trainer.drafter.export import ARCHITECTURES, dflash2_fields, export_config, export_state, write_export
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -182,8 +182,9 @@ def speculators_config(spec: DrafterSpec, *, dtype: torch.dtype, verifier: str, 
     for key in _DFLASH_ONLY_KEYS:
         layer_config.pop(key)
     return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
+        "architectures": [ARCHITECTURES[spec.variant]],
+        "speculators_model_type": spec.variant,  # dflash | dflash2: speculators' and vLLM's names
+        **dflash2_fields(spec),  # DFlash2's sizes at the top level, where both read them
         "speculators_version": FORMAT_VERSION,
         "transformer_layer_config": layer_config,
         "draft_vocab_size": spec.vocab_size,
@@ -197,7 +198,7 @@ def speculators_config(spec: DrafterSpec, *, dtype: torch.dtype, verifier: str, 
         "tie_word_embeddings": False,
         "dtype": layer_config["dtype"],
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": spec.variant,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
