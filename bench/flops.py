@@ -160,7 +160,19 @@ def drafter_step_flops(spec: Any, *, anchor_pos: torch.Tensor, context_tokens: i
     attention = sum(4 * s.head_dim * s.heads * visible_pairs(anchor_pos, b, spec.layer_window(i)) * 3
                     for i in range(spec.num_layers))
     head = 2 * n_valid * (b - 1) * h * spec.vocab_size * 2
-    return float(fc + spec.num_layers * layer + attention + head)
+    return float(fc + spec.num_layers * layer + attention + head + dflash2_step_flops(spec, queries, n_valid * (b - 1)))
+
+
+def dflash2_step_flops(spec: Any, queries: int, rows: int) -> float:
+    """DFlash2's matmuls beyond DFlash's, forward + backward (0 for DFlash): each layer's two convolutions' kernel
+    projections (H -> 2 x taps x groups) over the block's `queries`, and the selector over the `rows` predicted
+    slots (its hidden projection, the K candidates' logits, their codebook scores)."""
+    if getattr(spec, "variant", "dflash") != "dflash2":
+        return 0.0
+    h, k = spec.hidden_size, spec.selector_top_k
+    convs = spec.num_layers * 2 * 2 * queries * h * (2 * spec.conv_kernel_size * h // spec.conv_group_size)
+    selector = 2 * rows * h * spec.selector_rank + 2 * rows * k * h + 2 * rows * k * spec.selector_rank
+    return float((convs + selector) * 3)
 
 
 def mfu(flops: float, seconds: float, peak_tflops: float = PEAK_TFLOPS) -> float:

@@ -23,11 +23,15 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_drafter(block_size: int = 4, num_layers: int = 2, sliding_layers=(), sliding_window=None, seed=0, tap_layer_ids=None):
+def tiny_drafter(block_size: int = 4, num_layers: int = 2, sliding_layers=(), sliding_window=None, seed=0, tap_layer_ids=None,
+                 variant: str = "dflash", **dflash2):
+    """A drafter of the tiny preset target; `variant="dflash2"` with its sizes in `dflash2` (conv_kernel_size, ...;
+    the config's defaults otherwise)."""
     target_config = preset_config("tiny")
     config = DrafterConfig(
         num_layers=num_layers, block_size=block_size, gamma=2.0,
         sliding_layers=list(sliding_layers), sliding_window=sliding_window, tap_layer_ids=tap_layer_ids,
+        variant=variant, **dflash2,
     )
     spec = drafter_spec(target_config, config, mask_token_id=target_config.vocab_size - 1)
     torch.manual_seed(seed)
@@ -60,3 +64,13 @@ def packed_batch(drafter: DFlashDrafter, seqlens=(15, 18), num_slots=40, num_blo
         block_size=spec.block_size, mask_token_id=spec.mask_token_id, seed=0, epoch=0, job_id=job_id,
     )
     return Batch(taps=taps, input_ids=input_ids, loss_mask=loss_mask, cu_seqlens=cu, embed_weight=embed, plan=plan)
+
+
+@torch.no_grad()
+def perturb_dflash2(drafter: DFlashDrafter, seed: int = 11, scale: float = 0.3) -> None:
+    """Move a DFlash2 drafter's convolutions off the identity and its selector off zero (random, seeded), so that
+    parity tests exercise every term."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in drafter.named_parameters():
+        if "_conv." in name or "candidate_selector." in name:
+            p.add_(scale * torch.randn(p.shape, generator=gen))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trainer.drafter.anchors import plan_blocks
-from dflash_trainer.drafter.loss import drafter_loss
+from dflash_trainer.drafter.loss import SelectorLoss, drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.eval.proposers import DFlashBatchProposer
 from dflash_trainer.eval.speculative import DFlashProposer, target_generate
@@ -61,7 +61,9 @@ def fit_drafter(drafter: DFlashDrafter, target, prompts: list[torch.Tensor], *, 
         plan = plan_blocks(input_ids=input_ids, loss_mask=loss_mask, cu_seqlens=cu_seqlens, num_blocks=num_blocks,
                            block_size=spec.block_size, mask_token_id=spec.mask_token_id, seed=0, epoch=0, job_id=step)
         hidden = drafter.forward_train(taps=all_taps, cu_seqlens=cu_seqlens, plan=plan, embed_weight=embed)
-        loss = drafter_loss(hidden, plan, lm_head_weight=head, gamma=2.0, chunk_rows=4096)
+        selector = None if drafter.candidate_selector is None else SelectorLoss(
+            selector=drafter.candidate_selector, weight=1.0, missing="inject", detach=False)
+        loss = drafter_loss(hidden, plan, lm_head_weight=head, gamma=2.0, chunk_rows=4096, selector=selector)
         optimizer.zero_grad()
         (loss.loss_sum / loss.weight_sum).backward()
         optimizer.step()
@@ -89,15 +91,17 @@ def tiny_target_model(seed: int = 1234):
 
 
 @functools.lru_cache(maxsize=None)
-def fitted(block_size: int = 4) -> Fitted:
-    """Built once per test session (fitting takes ~2 s on one CPU thread); tests must not modify it."""
+def fitted(block_size: int = 4, variant: str = "dflash") -> Fitted:
+    """Built once per test session (fitting takes ~2 s on one CPU thread); tests must not modify it. `variant`:
+    dflash2 fits a DFlash2 drafter (small selector) with its selector's loss."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         target = tiny_target_model()
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 1000, (n,), generator=generator) for n in (9, 14, 20, 11)]
-        drafter, _ = tiny_drafter(block_size=block_size)  # 2 layers, taps [1, 3]
+        sizes = dict(conv_group_size=16, selector_rank=16, selector_top_k=4) if variant == "dflash2" else {}
+        drafter, _ = tiny_drafter(block_size=block_size, variant=variant, **sizes)  # 2 layers, taps [1, 3]
         fit_drafter(drafter, target, prompts, steps=40)
     finally:
         torch.set_num_threads(threads)

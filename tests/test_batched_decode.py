@@ -63,9 +63,9 @@ def test_a_target_whose_logits_are_not_finite_is_an_error_not_garbage():
     assert len(decode_batch(target, prompts, max_new_tokens=4, stop_token_ids=[])[2].output_ids) == 4
 
 
-@pytest.mark.parametrize("trained", [False, True])
-def test_speculative_batched_equals_reference_loop_row_by_row(trained, monkeypatch):
-    setup = fitted()
+@pytest.mark.parametrize("trained, variant", [(False, "dflash"), (True, "dflash"), (True, "dflash2")])
+def test_speculative_batched_equals_reference_loop_row_by_row(trained, variant, monkeypatch):
+    setup = fitted(variant=variant)
     drafter = setup.drafter if trained else tiny_drafter(seed=3)[0]
     prompts = _prompts()
     compactions = []
@@ -83,7 +83,7 @@ def test_speculative_batched_equals_reference_loop_row_by_row(trained, monkeypat
             assert result.acceptance_lengths == ref.acceptance_lengths
             lengths += result.acceptance_lengths
     if trained:
-        assert set(lengths) == {1, 2, 3, 4}
+        assert set(lengths) == {1, 2, 3, 4} or (variant == "dflash2" and {1, 2, 3} <= set(lengths))
         assert compactions  # rows finished at different steps and were dropped while others went on
 
 
@@ -246,9 +246,11 @@ def test_walk_restarts_after_each_rejection_and_stops_at_the_budget():
     assert walk(acceptance, 3, 3, 100) == []  # a one-token reply: the prefill commits it, no step
 
 
-def test_walk_tau_equals_real_decoding_on_greedy_replies():
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_walk_tau_equals_real_decoding_on_greedy_replies(variant):
     """On replies that are the target's own greedy output, the walk over teacher-forced blocks gives the same
-    acceptance lengths as real speculative decoding of the prompts, in the same total."""
+    acceptance lengths as real speculative decoding of the prompts, in the same total (DFlash2: teacher-forced
+    selector picks along an accepted prefix are the greedy walk's)."""
     from dflash_trainer.data.tokenized import TokenizedDataset
     from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
     from dflash_trainer.eval.validation import HeldOutValidator
@@ -256,7 +258,7 @@ def test_walk_tau_equals_real_decoding_on_greedy_replies():
     from dflash_trainer.target.head import head_from_model
     from dflash_trainer.transport.wire import WireSpec, allocate
 
-    setup = fitted()
+    setup = fitted(variant=variant)
     spec = setup.drafter.spec
     prompts = _prompts()
     max_new = 24

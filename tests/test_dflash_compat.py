@@ -35,8 +35,9 @@ def _cpu_timer(monkeypatch):
     monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)
 
 
-def _reference(export_dir):
-    model = dflash_model.DFlashDraftModel.from_pretrained(str(export_dir), dtype=torch.float32)
+def _reference(export_dir, variant: str = "dflash"):
+    cls = dflash_model.DFlash2DraftModel if variant == "dflash2" else dflash_model.DFlashDraftModel
+    model = cls.from_pretrained(str(export_dir), dtype=torch.float32)
     return model.eval()
 
 
@@ -63,11 +64,12 @@ def _first_inside_a_step(output_ids: list[int], lengths: list[int]):
     return None
 
 
-@pytest.mark.parametrize("block_size", [4, 6])
-def test_same_tokens_and_acceptance_lengths_as_reference_loop(tmp_path, block_size):
-    setup = fitted()
+@pytest.mark.parametrize("block_size, variant", [(4, "dflash"), (6, "dflash"), (4, "dflash2")])
+def test_same_tokens_and_acceptance_lengths_as_reference_loop(tmp_path, block_size, variant):
+    """DFlash2: the reference's `DFlash2DraftModel` and its loop (the selector's greedy walk) on our export."""
+    setup = fitted(variant=variant)
     export_drafter(setup.drafter, tmp_path, target_config=setup.target.config)
-    ref_model = _reference(tmp_path)
+    ref_model = _reference(tmp_path, variant)
     assert ref_model.target_layer_ids == list(setup.drafter.spec.tap_layer_ids)
     seen = []
     for i, prompt in enumerate(setup.prompts):

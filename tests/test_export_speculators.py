@@ -26,7 +26,7 @@ def _verifier_folder(path, target_config):
 
 
 def test_config_fields_and_weights(tmp_path):
-    drafter, target = tiny_drafter(sliding_layers=[1], sliding_window=6)
+    drafter, target = tiny_drafter(sliding_layers=[0, 1], sliding_window=6)
     verifier = _verifier_folder(tmp_path / "verifier", target)
     export_speculators(drafter, tmp_path / "spec", verifier=str(verifier), target_config=target)
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
@@ -38,7 +38,8 @@ def test_config_fields_and_weights(tmp_path):
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2
     assert layer["hidden_size"] == target.hidden_size and layer["vocab_size"] == target.vocab_size
-    assert layer["layer_types"] == ["full_attention", "sliding_attention"] and layer["sliding_window"] == 6
+    assert layer["layer_types"] == ["sliding_attention"] * 2 and layer["sliding_window"] == 6
+    assert config["sliding_window_non_causal"] is False  # vLLM: causal = not it, in every layer: as trained
     assert not {"dflash_config", "block_size", "num_target_layers", "architectures"} & set(layer)
     spec = config["speculators_config"]
     assert spec["algorithm"] == "dflash" and spec["default_proposal_method"] == "greedy"
@@ -51,17 +52,57 @@ def test_config_fields_and_weights(tmp_path):
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_verifier_reference(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layers, non_causal", [((), True), ((0, 1), False)])
+def test_vllm_runs_every_layer_with_the_causality_it_was_trained_with(tmp_path, layers, non_causal):
+    """vLLM 0.33 (`transformers_utils/configs/speculators/algos.py`) sets `dflash_config.causal = not
+    sliding_window_non_causal` for every layer; our full-attention layers are non-causal inside the block and our
+    sliding layers causal (scripts/serving-check.sh runs vLLM's own classes on these exports)."""
+    drafter, target = tiny_drafter(sliding_layers=layers, sliding_window=6 if layers else None)
+    verifier = _verifier_folder(tmp_path / "verifier", target)
+    export_speculators(drafter, tmp_path / "spec", verifier=str(verifier), target_config=target)
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["sliding_window_non_causal"] is non_causal
+    vllm_causal = not config["sliding_window_non_causal"]
+    trained_causal = [t == "sliding_attention" for t in drafter.spec.layer_types]
+    assert trained_causal == [vllm_causal] * drafter.spec.num_layers
+
+
+def test_a_drafter_mixing_full_and_sliding_layers_is_refused_in_the_speculators_format(tmp_path):
+    drafter, target = tiny_drafter(sliding_layers=[1], sliding_window=6)
+    verifier = _verifier_folder(tmp_path / "verifier", target)
+    with pytest.raises(ConfigError, match="mix full attention .* Export with --format dflash"):
+        export_speculators(drafter, tmp_path / "spec", verifier=str(verifier), target_config=target)
+    assert not (tmp_path / "spec").exists()
+    export_drafter(drafter, tmp_path / "dflash", target_config=target)  # the DFlash format describes it per layer
+    assert json.loads((tmp_path / "dflash" / "config.json").read_text())["layer_types"] == [
+        "full_attention", "sliding_attention"]
+
+
+def test_verifier_reference(tmp_path, monkeypatch, caplog):
     with pytest.raises(ConfigError, match="pass --verifier HUB_ID_OR_FOLDER"):
         verifier_reference(None, TargetConfig(random_init="tiny"))
     assert verifier_reference("Qwen/Qwen3-8B", TargetConfig(random_init="tiny")) == "Qwen/Qwen3-8B"
+    assert verifier_reference(None, TargetConfig(path="Qwen/Qwen3-8B")) == "Qwen/Qwen3-8B"
     _, target = tiny_drafter()
     _verifier_folder(tmp_path / "target", target)
     monkeypatch.chdir(tmp_path)
-    assert verifier_reference(None, TargetConfig(path="target")) == str(tmp_path / "target")  # absolute
+    # vLLM 0.33 `vllm serve EXPORT` takes only a hub id: a local target folder naming none is refused, with the fixes
+    with pytest.raises(ConfigError, match=r"local folder whose config.json names none\. Pass --verifier HUB_ID .*"
+                                          r"or --verifier .*target to record the folder .*vllm serve .*target "
+                                          r"--speculative-config"):
+        verifier_reference(None, TargetConfig(path="target"))
+    # a local folder given as --verifier is what the user asked for: recorded absolute, with how vLLM serves it
     assert verifier_reference("./target", TargetConfig(path="Qwen/Qwen3-8B")) == str(tmp_path / "target")
+    assert "`vllm serve EXPORT` (vLLM 0.33) refuses a local verifier; serve with `vllm serve" in caplog.text
     with pytest.raises(ConfigError, match="--verifier='./nothing' does not exist"):
         verifier_reference("./nothing", TargetConfig(random_init="tiny"))
+    # a folder whose config.json names its hub id (older transformers wrote `_name_or_path`): that id is recorded
+    config = json.loads((tmp_path / "target" / "config.json").read_text())
+    (tmp_path / "target" / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/tiny"}))
+    assert verifier_reference(None, TargetConfig(path="target")) == "org/tiny"
+    (tmp_path / "target" / "config.json").write_text(json.dumps({**config, "_name_or_path": str(tmp_path)}))
+    with pytest.raises(ConfigError, match="names none"):  # a local path there is no hub id
+        verifier_reference(None, TargetConfig(path="target"))
 
 
 def test_a_verifier_of_another_size_is_refused(tmp_path):

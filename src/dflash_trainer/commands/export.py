@@ -58,7 +58,8 @@ def run(config: Config, args) -> int:
     model.load_state_dict(weights)
     model.to(getattr(torch, config.target.dtype))
     if verifier is not None:
-        is_target = config.target.path is not None and verifier == verifier_reference(None, config.target)
+        target_folder = config.target.path and Path(config.target.path).expanduser().resolve()
+        is_target = not getattr(args, "verifier", None) or Path(verifier) == target_folder
         out = export_speculators(model, out_dir, verifier=verifier, target_config=target_config,
                                  verifier_is_target=is_target)
     else:

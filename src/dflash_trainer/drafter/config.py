@@ -18,8 +18,45 @@ FLEX_BACKENDS = ("AUTO", "TRITON", "FLASH")
 (FLASH, Hopper and Blackwell; `drafter.model.check_flex_backend`)."""
 
 
+def check_tap_order(tap_layer_ids, where: str) -> None:
+    """Taps must be listed in increasing layer order: vLLM and SGLang concatenate the target's taps in layer
+    order whatever the config lists, so a drafter whose `fc` learned another order would be served wrong."""
+    taps = list(tap_layer_ids)
+    if taps != sorted(taps):
+        raise ConfigError(f"{where} must be in increasing order, got {taps}: serving engines (vLLM, SGLang) "
+                          f"concatenate the taps in layer order; list them as {sorted(taps)}")
+
+
+VARIANTS = ("dflash", "dflash2")
+"""Drafter variants: DFlash, and DFlash2 (DFlash plus block convolutions and a candidate selector, `dflash2.py`)."""
+
+SELECTOR_MISSING = ("inject", "ignore")
+"""DFlash2's selector loss where the true token is not among the top-K candidates (`dflash2.selector_targets`)."""
+
+
 @dataclass
 class DrafterConfig:
+    variant: str = "dflash"
+    """dflash | dflash2: DFlash2 adds grouped dynamic convolutions inside each block around every sublayer and a
+    candidate selector over the top-K of each slot's logits (drafter/dflash2.py). `init_from` a DFlash export or
+    checkpoint starts it where that DFlash drafter is."""
+    conv_kernel_size: int = 2
+    """DFlash2: taps of each block convolution (the current slot and the ones before it)."""
+    conv_group_size: int = 16
+    """DFlash2: channels sharing one dynamic kernel weight; must divide the hidden size."""
+    selector_rank: int = 256
+    """DFlash2: rank of the selector's codebooks (vocab x rank each) and hidden projection."""
+    selector_top_k: int = 16
+    """DFlash2: candidates the selector ranks per slot (the top of the drafter's logits)."""
+    selector_weight: float = 1.0
+    """DFlash2: weight of the selector's K-way cross-entropy next to the DFlash loss (same per-slot weights)."""
+    selector_warmup: float = 0.0
+    """DFlash2: fraction of training over which the selector's weight ramps linearly from 0 (0: full from the start)."""
+    selector_missing: str = "inject"
+    """DFlash2: a slot whose true token is not among the top-K: inject it as the K-th candidate, or ignore the slot
+    in the selector's loss."""
+    selector_detach: bool = False
+    """DFlash2: stop the selector's gradient at the backbone (it then trains the selector's own weights only)."""
     num_layers: int = 5
     block_size: int = 16
     tap_layer_ids: Optional[list[int]] = None
@@ -67,6 +104,18 @@ class DrafterConfig:
     """Drafter layers that use sliding-window attention (layer_types = sliding_attention)."""
 
     def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"drafter.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+        if self.selector_missing not in SELECTOR_MISSING:
+            raise ConfigError(f"drafter.selector_missing must be inject or ignore, got {self.selector_missing!r}")
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"drafter.{key} must be >= 1, got {getattr(self, key)}")
+        if self.conv_kernel_size > self.block_size:
+            raise ConfigError(f"drafter.conv_kernel_size={self.conv_kernel_size} reaches past a block of "
+                              f"drafter.block_size={self.block_size} slots: at most the block size")
+        if self.selector_weight < 0 or not 0.0 <= self.selector_warmup <= 1.0:
+            raise ConfigError("drafter.selector_weight must be >= 0 and drafter.selector_warmup in [0, 1]")
         if self.num_layers < 1:
             raise ConfigError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
@@ -76,6 +125,7 @@ class DrafterConfig:
                 raise ConfigError("drafter.tap_layer_ids must not be empty (or null to choose them)")
             if any(t < 0 for t in self.tap_layer_ids) or len(set(self.tap_layer_ids)) != len(self.tap_layer_ids):
                 raise ConfigError(f"drafter.tap_layer_ids must be distinct and >= 0, got {self.tap_layer_ids}")
+            check_tap_order(self.tap_layer_ids, "drafter.tap_layer_ids")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ConfigError(f"drafter.mask_token_id must be >= 0, got {self.mask_token_id}")
         if self.intermediate_size is not None and self.intermediate_size < 1:

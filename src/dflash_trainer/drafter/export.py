@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.drafter.engines import warn_if_unserved
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -36,18 +37,33 @@ _LAYER_KEYS = (
 )
 
 
-def expected_keys(num_layers: int) -> set[str]:
+_DFLASH2_LAYER_KEYS = tuple(f"{conv}.{name}" for conv in ("attention_conv", "mlp_conv")
+                            for name in ("base_kernel", "kernel_projection.weight"))
+_DFLASH2_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                 "candidate_selector.hidden_projection.weight")
+"""DFlash2's tensors, named as the reference, vLLM and SGLang read them (the codebooks without `.weight`)."""
+
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+"""`architectures` of each variant's export: the class the reference package, vLLM and SGLang build."""
+
+DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""DFlash2's `dflash_config` fields (DrafterSpec fields of the same names)."""
+
+
+def expected_keys(num_layers: int, variant: str = "dflash") -> set[str]:
     """The exact tensor names of an exported drafter with `num_layers` layers."""
-    keys = {f"layers.{i}.{name}" for i in range(num_layers) for name in _LAYER_KEYS}
+    layer_keys = _LAYER_KEYS + (_DFLASH2_LAYER_KEYS if variant == "dflash2" else ())
+    keys = {f"layers.{i}.{name}" for i in range(num_layers) for name in layer_keys}
+    keys |= set(_DFLASH2_KEYS) if variant == "dflash2" else set()
     return keys | {"fc.weight", "hidden_norm.weight", "norm.weight"}
 
 
-def check_keys(keys: set[str], num_layers: int, where: str) -> None:
-    expected = expected_keys(num_layers)
+def check_keys(keys: set[str], num_layers: int, where: str, variant: str = "dflash") -> None:
+    expected = expected_keys(num_layers, variant)
     missing, unexpected = sorted(expected - keys), sorted(keys - expected)
     if missing or unexpected:
         raise ConfigError(
-            f"{where}: drafter weights do not match the DFlash export format "
+            f"{where}: drafter weights do not match the {ARCHITECTURES[variant]} export format "
             f"(missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''})"
         )
@@ -59,11 +75,12 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
     rope = dict(spec.rope_parameters)
     config.update(
         model_type="qwen3",
-        architectures=["DFlashDraftModel"],
+        architectures=[ARCHITECTURES[spec.variant]],
         num_hidden_layers=spec.num_layers,
         num_target_layers=spec.num_target_layers,
         block_size=spec.block_size,
-        dflash_config={"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.tap_layer_ids)},
+        dflash_config={"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.tap_layer_ids),
+                       **dflash2_fields(spec)},
         tie_word_embeddings=False,
         layer_types=list(spec.layer_types),
         rope_parameters=rope,
@@ -79,12 +96,18 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
     return config
 
 
+def dflash2_fields(spec: DrafterSpec) -> dict[str, int]:
+    """DFlash2's config fields of `spec` ({} for DFlash)."""
+    return {k: getattr(spec, k) for k in DFLASH2_CONFIG_KEYS} if spec.variant == "dflash2" else {}
+
+
 def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_config: Optional[Any] = None,
                    dtype: Optional[torch.dtype] = None) -> Path:
     """Write config.json + model.safetensors to out_dir (created); returns the directory. `dtype`: cast the
     weights (e.g. the target's bf16 for serving; training keeps fp32 master weights)."""
     state = export_state(model, target_config=target_config, dtype=dtype)
     config = export_config(model.spec, dtype=state["fc.weight"].dtype, target_config=target_config)
+    warn_if_unserved(target_config)
     return write_export(out_dir, config, state)
 
 
@@ -97,7 +120,7 @@ def export_state(model: DFlashDrafter, *, target_config: Optional[Any] = None,
     if target_hidden is not None and target_hidden != spec.hidden_size:
         raise ConfigError(f"export: drafter hidden size {spec.hidden_size} != target's {target_hidden}")
     state = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}  # host copy
-    check_keys(set(state), spec.num_layers, "export")
+    check_keys(set(state), spec.num_layers, "export", spec.variant)
     return state
 
 
@@ -139,6 +162,14 @@ def spec_from_export(config: dict) -> DrafterSpec:
     rope.setdefault("rope_type", "default")
     heads = config["num_attention_heads"]
     layer_types = config.get("layer_types") or ["full_attention"] * num_layers
+    variant = "dflash2" if "DFlash2DraftModel" in (config.get("architectures") or []) else "dflash"
+    dflash2 = {"variant": variant}
+    if variant == "dflash2":
+        missing = [k for k in DFLASH2_CONFIG_KEYS if k not in dflash]
+        if missing:
+            raise ConfigError(f"a DFlash2DraftModel config needs dflash_config.{{{', '.join(DFLASH2_CONFIG_KEYS)}}}; "
+                              f"it lacks {missing}")
+        dflash2 |= {k: int(dflash[k]) for k in DFLASH2_CONFIG_KEYS}
     return DrafterSpec(
         hidden_size=config["hidden_size"],
         num_attention_heads=heads,
@@ -156,6 +187,7 @@ def spec_from_export(config: dict) -> DrafterSpec:
         vocab_size=config["vocab_size"],
         layer_types=tuple(layer_types),
         sliding_window=config.get("sliding_window") if "sliding_attention" in layer_types else None,
+        **dflash2,
     )
 
 
@@ -180,7 +212,7 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
     except Exception as e:  # safetensors raises its own error type for a cut or corrupt file
         raise ConfigError(f"{root / WEIGHTS_NAME} is unreadable ({e}): cut short or damaged; export the drafter "
                           "again") from None
-    check_keys(set(state), spec.num_layers, str(root))
+    check_keys(set(state), spec.num_layers, str(root), spec.variant)
     return spec, state
 
 
@@ -193,18 +225,29 @@ def load_drafter(path: str | os.PathLike, *, attention: str = "auto") -> DFlashD
 
 
 def init_from_export(model: DFlashDrafter, path: str | os.PathLike) -> None:
-    """`drafter.init_from`: copy an export's weights into `model` (same taps and shapes, else an error)."""
+    """`drafter.init_from`: copy an export's weights into `model` (`warm_start`)."""
     spec, state = read_export(path)
-    check_keys(set(state), model.spec.num_layers, f"drafter.init_from={path} (for a {model.spec.num_layers}-layer drafter)")
-    if spec.tap_layer_ids != model.spec.tap_layer_ids:
+    warm_start(model, state, variant=spec.variant, tap_layer_ids=spec.tap_layer_ids, where=f"drafter.init_from={path}")
+
+
+def warm_start(model: DFlashDrafter, state: dict[str, torch.Tensor], *, variant: str, tap_layer_ids, where: str) -> None:
+    """Copy a drafter's weights `state` (of `variant`, tapping `tap_layer_ids`) into `model`: the same taps and
+    shapes, else an error naming `where`. A DFlash drafter's weights start a DFlash2 `model` too: its convolutions
+    and selector keep their initialisation (the identity, and a selector that adds nothing), so it computes what
+    the DFlash drafter computed."""
+    if variant == "dflash2" and model.spec.variant != "dflash2":
+        raise ConfigError(f"{where} is a DFlash2 drafter and this one is DFlash: its convolutions and selector would be "
+                          "lost; set drafter.variant=dflash2")
+    check_keys(set(state), model.spec.num_layers, f"{where} (for a {model.spec.num_layers}-layer drafter)", variant)
+    if tuple(tap_layer_ids) != model.spec.tap_layer_ids:
         raise ConfigError(
-            f"drafter.init_from={path} taps layers {list(spec.tap_layer_ids)} but this drafter taps "
+            f"{where} taps layers {list(tap_layer_ids)} but this drafter taps "
             f"{list(model.spec.tap_layer_ids)}; set drafter.tap_layer_ids to match"
         )
     own = model.state_dict()
     wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
     if wrong:
-        raise ConfigError(f"drafter.init_from={path} has shapes that do not fit this drafter: {wrong[:4]}")
+        raise ConfigError(f"{where} has shapes that do not fit this drafter: {wrong[:4]}")
     with torch.no_grad():
         for k, v in state.items():
             own[k].copy_(v)

@@ -10,7 +10,12 @@ embedding, no LM head). Only config.json differs; it follows speculators 0.9's `
 - `aux_hidden_state_layer_ids`: tap ids + 1. Speculators counts a tapped layer by its HF `hidden_states`
   index (0 is the embedding), we count decoder layers;
 - `speculators_config.verifier.name_or_path`: the target. Loaders take the embedding and LM head from it;
-  without it they stay NaN.
+  without it they stay NaN. `vllm serve EXPORT` (vLLM 0.33) takes it as the model to serve and accepts only a
+  hub repository id; speculators' own loader also reads a local folder;
+- `sliding_window_non_causal`: vLLM turns it into one causality for every layer (`dflash_config.causal = not
+  it`, its `algos.py`), speculators reads it for sliding layers only. Our full-attention layers are
+  non-causal inside the block and our sliding layers causal, so `true` serves an all-full drafter as trained
+  and `false` an all-sliding one; no value serves a drafter that mixes them (`causality_field` refuses it).
 """
 
 from __future__ import annotations
@@ -22,13 +27,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import PretrainedConfig
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-)
 
-from dflash_trainer.drafter.export import export_config, export_state, write_export
+from dflash_trainer.drafter.engines import model_classes, warn_if_unserved
+from dflash_trainer.drafter.export import ARCHITECTURES, dflash2_fields, export_config, export_state, write_export
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -44,19 +47,77 @@ FORMAT_VERSION = "0.9.0"
 _DFLASH_ONLY_KEYS = ("architectures", "block_size", "dflash_config", "num_target_layers")
 
 
+SERVE_LOCAL = ("vllm serve {target} --speculative-config "
+               "'{{\"method\": \"dflash\", \"model\": \"EXPORT\", \"num_speculative_tokens\": BLOCK_SIZE-1}}'")
+"""The vLLM command that serves a drafter with a target from a local folder (no verifier read from the export)."""
+
+
 def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
-    """The verifier to record: `--verifier` if given, else `target.path`. A local folder becomes an absolute
-    path (the export is loaded from elsewhere); a hub id stays as it is."""
-    name, key = (verifier, "--verifier") if verifier else (target.path, "target.path")
-    if not name:
+    """The verifier to record: `--verifier` if given, else the target's hub id (`target.path`, or the hub id that
+    a local target folder's config.json names in `_name_or_path`). `vllm serve EXPORT` accepts only a hub id, so
+    a local `target.path` that names none is refused with the fix; a local folder given as `--verifier` is
+    recorded as an absolute path (speculators' loader reads it), with a warning saying how vLLM serves it."""
+    if verifier:
+        reference = model_reference(verifier, "--verifier", "config.json")
+        local = Path(reference).expanduser()
+        if not local.is_dir():
+            return reference  # a hub id
+        log.warning("--verifier %s is a local folder: speculators' loader reads it, but `vllm serve EXPORT` (vLLM "
+                    "0.33) refuses a local verifier; serve with `%s`, or export again with --verifier HUB_ID",
+                    verifier, SERVE_LOCAL.format(target=local.resolve()))
+        return str(local.resolve())
+    if not target.path:
         raise ConfigError(
             "export --format speculators records the target (the verifier), from which vLLM and speculators load "
             "the drafter's embedding and LM head, and this config has no target.path (a random-init target has "
             "no weights to load): pass --verifier HUB_ID_OR_FOLDER, the model you will serve the drafter with"
         )
-    reference = model_reference(name, key, "config.json")
+    reference = model_reference(target.path, "target.path", "config.json")
     local = Path(reference).expanduser()
-    return str(local.resolve()) if local.is_dir() else reference
+    if not local.is_dir():
+        return reference  # a hub id
+    named = _hub_id_named_in(local)
+    if named:
+        log.info("recording the verifier as %s, the hub id that %s/config.json names", named, local)
+        return named
+    raise ConfigError(
+        f"export --format speculators records the verifier, the target that `vllm serve EXPORT` serves the drafter "
+        f"with, and vLLM (0.33) takes only a hub repository id there; target.path={target.path} is a local folder "
+        f"whose config.json names none. Pass --verifier HUB_ID (the hub id of this target, e.g. Qwen/Qwen3-8B), or "
+        f"--verifier {local.resolve()} to record the folder (speculators' loader reads it; vLLM then serves it as "
+        f"`{SERVE_LOCAL.format(target=local.resolve())}`)"
+    )
+
+
+def _hub_id_named_in(folder: Path) -> Optional[str]:
+    """The hub id a model folder's config.json names (`_name_or_path`, written by older transformers), if it is a
+    valid repository id and no local path."""
+    try:
+        name = json.loads((folder / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(name, str) or Path(name).expanduser().exists():
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
+def causality_field(spec: DrafterSpec) -> bool:
+    """`sliding_window_non_causal` for `spec`: the one value with which vLLM and speculators run every layer with
+    the causality it was trained with (full attention non-causal in the block, sliding windows causal)."""
+    sliding = [t == "sliding_attention" for t in spec.layer_types]
+    if any(sliding) and not all(sliding):
+        raise ConfigError(
+            f"export --format speculators cannot describe this drafter: its layers mix full attention (non-causal "
+            f"inside the block) and sliding windows (causal), {list(spec.layer_types)}, and the format has one "
+            f"causality for every layer in vLLM (`sliding_window_non_causal`), so vLLM would serve some layers "
+            f"unlike their training. Export with --format dflash, which vLLM and SGLang read per layer "
+            f"(`vllm serve TARGET --speculative-config '{{\"method\": \"dflash\", \"model\": \"EXPORT\", ...}}'`)"
+        )
+    return not all(sliding)
 
 
 def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Optional[Any], *,
@@ -77,21 +138,11 @@ def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Opti
             f"verifier {verifier} has hidden_size {sizes[0]} and vocab_size {sizes[1]}, but this drafter was "
             f"built for {spec.hidden_size} and {spec.vocab_size}: name the target the drafter was trained for"
         )
-    architectures = list(config.get("architectures") or []) or _class_of_model_type(config)
+    architectures = model_classes(config)
     if not architectures:
         log.warning("verifier %s: its config names no architectures, and transformers maps its model type %r to no "
                     "model class: the export records none", verifier, config.get("model_type"))
     return architectures
-
-
-def _class_of_model_type(config: dict) -> list[str]:
-    """The class transformers serves a model type with: a multimodal one (a `text_config`) as image-text-to-text,
-    not as its language model alone."""
-    mappings = (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    for mapping in mappings if config.get("text_config") else mappings[1:]:
-        if config.get("model_type") in mapping:
-            return [mapping[config["model_type"]]]
-    return []
 
 
 def _verifier_config(verifier: str, target_config: Optional[Any], *, is_target: bool) -> dict:
@@ -131,8 +182,9 @@ def speculators_config(spec: DrafterSpec, *, dtype: torch.dtype, verifier: str, 
     for key in _DFLASH_ONLY_KEYS:
         layer_config.pop(key)
     return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
+        "architectures": [ARCHITECTURES[spec.variant]],
+        "speculators_model_type": spec.variant,  # dflash | dflash2: speculators' and vLLM's names
+        **dflash2_fields(spec),  # DFlash2's sizes at the top level, where both read them
         "speculators_version": FORMAT_VERSION,
         "transformer_layer_config": layer_config,
         "draft_vocab_size": spec.vocab_size,
@@ -141,12 +193,12 @@ def speculators_config(spec: DrafterSpec, *, dtype: torch.dtype, verifier: str, 
         "aux_hidden_state_layer_ids": [t + 1 for t in spec.tap_layer_ids],
         # the block's first slot holds the last committed token, as in our training (B - 1 drafted tokens)
         "sample_from_anchor": False,
-        # our sliding layers are causal inside the block too (drafter/attention_mask.py)
-        "sliding_window_non_causal": False,
+        # vLLM applies `causal = not this` to every layer: true for full attention, false for sliding windows
+        "sliding_window_non_causal": causality_field(spec),
         "tie_word_embeddings": False,
         "dtype": layer_config["dtype"],
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": spec.variant,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -161,7 +213,9 @@ def export_speculators(model: DFlashDrafter, out_dir: str | os.PathLike, *, veri
     """Write config.json + model.safetensors in the speculators format to out_dir (created); returns it.
     `verifier`: the target's hub id or folder (verifier_reference); `verifier_is_target`: it is `target.path`,
     whose config `target_config` is."""
+    causality_field(model.spec)  # a drafter no value describes is refused before anything is read or written
     architectures = verifier_architectures(verifier, model.spec, target_config, is_target=verifier_is_target)
+    warn_if_unserved({"architectures": architectures})
     state = export_state(model, target_config=target_config, dtype=dtype)
     config = speculators_config(model.spec, dtype=state["fc.weight"].dtype, verifier=verifier,
                                 architectures=architectures, target_config=target_config)

@@ -31,12 +31,18 @@ def target_tensor_names(model: DFlashDrafter, decoder: str = "model") -> dict[st
     spec = model.spec
     names = {}
     for j, t in enumerate(source_layers(spec.num_layers, spec.num_target_layers)):
-        for name, _ in model.layers[j].named_parameters():
+        for name in _qwen3_layer_names(model, j):
             names[f"layers.{j}.{name}"] = f"{decoder}.layers.{t}.{name}"
     names["norm.weight"] = f"{decoder}.norm.weight"
     after_tap = max(spec.tap_layer_ids) + 1  # < num_target_layers: the last layer is never tapped
     names["hidden_norm.weight"] = f"{decoder}.layers.{after_tap}.input_layernorm.weight"
     return names
+
+
+def _qwen3_layer_names(model: DFlashDrafter, layer: int) -> set[str]:
+    """The parameters of drafter layer `layer` that a Qwen3 decoder layer has: all but DFlash2's convolutions, which
+    keep their initialisation (the identity)."""
+    return {name for name, _ in model.layers[layer].named_parameters() if "_conv." not in name}
 
 
 def check_target_layers(model: DFlashDrafter, target_layer_names: Sequence[set[str]]) -> None:
@@ -45,7 +51,7 @@ def check_target_layers(model: DFlashDrafter, target_layer_names: Sequence[set[s
     (Llama has no q/k norms). `target_layer_names[t]`: the parameter names within target layer t."""
     spec = model.spec
     for j, t in enumerate(source_layers(spec.num_layers, spec.num_target_layers)):
-        mine = {name for name, _ in model.layers[j].named_parameters()}
+        mine = _qwen3_layer_names(model, j)
         theirs = target_layer_names[t]
         if mine != theirs:
             raise ConfigError(

@@ -10,6 +10,10 @@ Rows are the block slots k = 1..B-1 of all N blocks. Slot k's label is the token
 Per-row loss = (1 - kd_weight) * CE + kd_weight * KL(teacher || drafter), the teacher for slot k being the
 target's distribution at anchor + k - 1 (its last hidden state through its final norm and lm_head).
 
+DFlash2 (`selector`): plus `selector.weight` x the selector's K-way cross-entropy over each slot's top-K candidates
+(`dflash2.py`), teacher-forced, with the same per-slot weights; the slot hits (accuracy, simulated tau) are then
+the selector's greedy picks, as decoding makes them.
+
 The trainer divides the summed `loss_sum` by the `weight_sum` of the whole optimizer step (all microbatches,
 all ranks), so both are returned as device tensors. The vocab projection runs in chunks of `chunk_rows`
 rows under activation checkpointing: fp32 logits of one chunk exist at a time, forward and backward.
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dflash_trainer.drafter.anchors import BlockPlan
+from dflash_trainer.drafter.dflash2 import CandidateSelector, previous_tokens, selector_targets
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +66,19 @@ class Teacher:
     """The target's final norm (frozen)."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SelectorLoss:
+    """DFlash2's selector term of the loss (`drafter.selector_*`)."""
+
+    selector: CandidateSelector
+    weight: float
+    """Its weight next to the DFlash loss (after the warm-up ramp)."""
+    missing: str
+    """inject | ignore: a slot whose true token is not among the top-K (`dflash2.selector_targets`)."""
+    detach: bool
+    """Stop its gradient at the backbone (the drafter's hidden states and logits)."""
+
+
 def decay_weights(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
     """(B-1,) exp(-(k-1)/gamma) for slots k = 1..B-1."""
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)
@@ -77,20 +95,22 @@ def dpace_weights(ce: torch.Tensor, label_valid: torch.Tensor, alpha: float) -> 
 
 def _chunk_losses(
     hidden: torch.Tensor, labels: torch.Tensor, teacher_hidden: Optional[torch.Tensor],
-    head: torch.Tensor, final_norm: Optional[Callable],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ce (r,), kl (r,), hit (r,) bool) for r rows: hidden (r, H), labels (r,), teacher_hidden (r, H)."""
+    head: torch.Tensor, final_norm: Optional[Callable], top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ce (r,), kl (r,), hit (r,) bool, top (r, top_k) int64 ids of the largest logits) for r rows: hidden (r, H),
+    labels (r,), teacher_hidden (r, H)."""
     logits = F.linear(hidden.to(head.dtype), head).float()  # (r, V) fp32
     logp = torch.log_softmax(logits, dim=-1)
     ce = -logp.gather(1, labels[:, None])[:, 0]  # (r,)
     hit = logits.argmax(dim=-1) == labels
+    top = logits.topk(top_k, dim=-1).indices  # (r, top_k)
     if teacher_hidden is None:
-        return ce, torch.zeros_like(ce), hit
+        return ce, torch.zeros_like(ce), hit, top
     with torch.no_grad():
         t_logits = F.linear(final_norm(teacher_hidden).to(head.dtype), head).float()  # (r, V)
         t_logp = torch.log_softmax(t_logits, dim=-1)
     kl = (t_logp.exp() * (t_logp - logp)).sum(-1)  # (r,)
-    return ce, kl, hit
+    return ce, kl, hit, top
 
 
 def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,23 +149,27 @@ class _FrozenHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, chunk_rows: int, kernel: Callable):
+    def forward(ctx, rows: torch.Tensor, labels: torch.Tensor, head: torch.Tensor, chunk_rows: int, kernel: Callable,
+                top_k: int):
         ce = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)  # (R,)
         hit = torch.empty(rows.shape[0], dtype=torch.bool, device=rows.device)  # (R,)
+        top = torch.empty(rows.shape[0], top_k, dtype=torch.int64, device=rows.device)  # (R, top_k)
         grad = torch.empty_like(rows)  # (R, H): dCE_r / d rows_r
         for start in range(0, rows.shape[0], chunk_rows):
             stop = min(start + chunk_rows, rows.shape[0])
             logits = F.linear(rows[start:stop].to(head.dtype), head)  # (r, V) head dtype
             ce[start:stop], hit[start:stop], logit_grad = kernel(logits, labels[start:stop])
             grad[start:stop] = (logit_grad @ head).to(rows.dtype)  # (r, H)
+            if top_k:
+                top[start:stop] = logits.topk(top_k, dim=-1).indices
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(hit)
-        return ce, hit
+        ctx.mark_non_differentiable(hit, top)
+        return ce, hit, top
 
     @staticmethod
-    def backward(ctx, grad_ce: torch.Tensor, grad_hit):
+    def backward(ctx, grad_ce: torch.Tensor, grad_hit, grad_top):
         (grad,) = ctx.saved_tensors
-        return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
+        return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None, None
 
 
 def drafter_loss(
@@ -160,9 +184,11 @@ def drafter_loss(
     dpace: bool = False,
     dpace_alpha: float = 0.5,
     compiled_ce: bool = True,
+    selector: Optional[SelectorLoss] = None,
 ) -> LossOutput:
     """Loss sums for hidden (N, B, H) from `forward_train` with labels from `plan`; lm_head_weight (V, H).
-    `compiled_ce` False keeps the frozen-head CE kernel eager on CUDA (`drafter.loss_kernel`)."""
+    `compiled_ce` False keeps the frozen-head CE kernel eager on CUDA (`drafter.loss_kernel`); `selector`: DFlash2's
+    selector term (module docstring)."""
     n, b, h = hidden.shape
     rows = hidden[:, 1:].reshape(-1, h)  # (N*(B-1), H)
     labels = plan.labels[:, 1:].reshape(-1)  # (N*(B-1),)
@@ -174,21 +200,21 @@ def drafter_loss(
         # slot k's teacher is the target at anchor + k - 1, i.e. positions anchor + 0 .. anchor + B-2
         idx = (plan.anchors[:, None] + torch.arange(b - 1, device=hidden.device)).clamp(max=teacher.last_hidden.shape[0] - 1)
         teacher_rows = teacher.last_hidden[idx.reshape(-1)]  # (N*(B-1), H)
-    ce_parts, kl_parts, hit_parts = [], [], []
+    top_k = 0 if selector is None else selector.selector.top_k
+    ce_parts, kl_parts, hit_parts, top_parts = [], [], [], []
     grad = torch.is_grad_enabled() and rows.requires_grad
     if grad and teacher_rows is None and not lm_head_weight.requires_grad:
-        ce_all, hit_all = _FrozenHeadCE.apply(rows, labels, lm_head_weight, chunk_rows,
-                                              _ce_kernel(rows.device, compiled_ce))
-        ce_parts, kl_parts, hit_parts = [ce_all], [torch.zeros_like(ce_all)], [hit_all]
+        ce_all, hit_all, top_all = _FrozenHeadCE.apply(rows, labels, lm_head_weight, chunk_rows,
+                                                       _ce_kernel(rows.device, compiled_ce), top_k)
+        ce_parts, kl_parts, hit_parts, top_parts = [ce_all], [torch.zeros_like(ce_all)], [hit_all], [top_all]
     for start in range(0, rows.shape[0] if not ce_parts else 0, chunk_rows):
         stop = min(start + chunk_rows, rows.shape[0])
         t_chunk = None if teacher_rows is None else teacher_rows[start:stop]
         args = (rows[start:stop], labels[start:stop], t_chunk, lm_head_weight,
-                None if teacher is None else teacher.final_norm)
+                None if teacher is None else teacher.final_norm, top_k)
         out = checkpoint(_chunk_losses, *args, use_reentrant=False) if grad else _chunk_losses(*args)
-        ce_parts.append(out[0])
-        kl_parts.append(out[1])
-        hit_parts.append(out[2])
+        for parts, part in zip((ce_parts, kl_parts, hit_parts, top_parts), out):
+            parts.append(part)
     ce = torch.cat(ce_parts).view(n, b - 1)  # (N, B-1)
     kl = torch.cat(kl_parts).view(n, b - 1)
     hit = torch.cat(hit_parts).view(n, b - 1) & valid
@@ -197,6 +223,10 @@ def drafter_loss(
     else:
         weights = decay_weights(b, gamma, hidden.device)[None, :] * valid  # (N, B-1)
     per_row = ce if kd_weight == 0 else (1.0 - kd_weight) * ce + kd_weight * kl
+    if selector is not None:
+        picked = _selector_term(rows, labels, torch.cat(top_parts), plan, lm_head_weight, selector, chunk_rows)
+        per_row = per_row + selector.weight * picked.weight.view(n, b - 1) * picked.ce.view(n, b - 1)
+        hit = picked.hit.view(n, b - 1) & valid  # decoding's picks are the selector's
     accepted = torch.cumprod(hit.to(torch.float32), dim=1).sum(1) + 1.0  # (N,)
     block_valid = plan.block_valid.to(torch.float32)
     block_accept = accepted * block_valid  # (N,)
@@ -211,3 +241,42 @@ def drafter_loss(
         block_accept=block_accept,
     )
 
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _SelectorTerm:
+    ce: torch.Tensor
+    """(R,) fp32 the selector's K-way cross-entropy per row."""
+    weight: torch.Tensor
+    """(R,) fp32 1, or 0 for a row `ignore` leaves out."""
+    hit: torch.Tensor
+    """(R,) bool the selector's greedy pick (teacher-forced) is the true token."""
+
+
+def _selector_term(rows: torch.Tensor, labels: torch.Tensor, top: torch.Tensor, plan: BlockPlan, head: torch.Tensor,
+                   loss: SelectorLoss, chunk_rows: int) -> _SelectorTerm:
+    """The selector's loss on rows (R, H) (the block slots 1..B-1 of `plan`) with true tokens labels (R,) and the
+    top-K ids of their logits, top (R, K)."""
+    targets = selector_targets(top, labels, loss.missing)
+    previous = previous_tokens(plan.block_ids, plan.labels).reshape(-1)  # (R,)
+    hidden = rows.detach() if loss.detach else rows
+    unary = candidate_logits(hidden, head, targets.candidates, chunk_rows)  # (R, K)
+    scores = loss.selector.scores(hidden, unary, previous, targets.candidates)  # (R, K) fp32
+    ce = F.cross_entropy(scores, targets.target, reduction="none")  # (R,)
+    return _SelectorTerm(ce=ce, weight=targets.weight, hit=targets.contains & (scores.argmax(-1) == targets.target))
+
+
+def candidate_logits(rows: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """(R, K) fp32 logits of the candidates (R, K) of rows (R, H) through the frozen head (V, H), differentiable in
+    the rows. The gathered head rows (r, K, H) exist one chunk at a time, forward and backward."""
+    parts = []
+    for start in range(0, rows.shape[0], chunk_rows):
+        stop = min(start + chunk_rows, rows.shape[0])
+        args = (rows[start:stop], candidates[start:stop])
+        parts.append(checkpoint(_candidate_chunk, *args, head, use_reentrant=False) if rows.requires_grad
+                     else _candidate_chunk(*args, head))
+    return torch.cat(parts)
+
+
+def _candidate_chunk(rows: torch.Tensor, candidates: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("rh,rkh->rk", rows.to(head.dtype), head[candidates]).float()  # (r, K)

@@ -25,6 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dflash_trainer.drafter.anchors import BlockPlan, token_seq_ids
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index
+from dflash_trainer.drafter.dflash2 import BlockConv, CandidateSelector
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 
@@ -154,16 +155,34 @@ class DrafterAttention(nn.Module):
 
 
 class DrafterLayer(nn.Module):
+    """A Qwen3 decoder layer with KV injection; a DFlash2 layer wraps both sublayers in `BlockConv`s."""
+
     def __init__(self, spec: DrafterSpec):
         super().__init__()
+        self.block_size = spec.block_size
         self.self_attn = DrafterAttention(spec)
         self.mlp = Qwen3MLP(spec.qwen3_config())
         self.input_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        if spec.variant == "dflash2":
+            with torch.random.fork_rng(devices=[]):  # the backbone draws its weights as a DFlash drafter does
+                self.attention_conv = BlockConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
+                self.mlp_conv = BlockConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
 
     def forward(self, h, ctx_k, ctx_v, rope, attend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, rope, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """h (n*B, H): training's n blocks of B, or (R, B', H): decoding's one block a row (B' <= B near the end of
+        a generation). The convolutions run along each block's slots."""
+        attn = lambda x: self.self_attn(x, ctx_k, ctx_v, rope, attend)  # noqa: E731
+        h = h + self._sublayer(attn, self.input_layernorm(h), getattr(self, "attention_conv", None))
+        return h + self._sublayer(self.mlp, self.post_attention_layernorm(h), getattr(self, "mlp_conv", None))
+
+    def _sublayer(self, fn: Callable, x: torch.Tensor, conv: Optional[BlockConv]) -> torch.Tensor:
+        if conv is None:
+            return fn(x)
+        blocks = x if x.dim() == 3 else x.unflatten(0, (-1, self.block_size))  # (rows, B, H): a block a row
+        y, delta = conv.prepare(blocks)
+        out = fn(y if x.dim() == 3 else y.flatten(0, 1))  # the sublayer on x's own layout
+        return conv.finish(out.view_as(blocks), delta).view_as(x)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,17 +269,35 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.rotary = RotaryTable(spec)
+        self.candidate_selector: Optional[CandidateSelector] = None
+        """DFlash2's selector over the top-K of each slot's logits (`dflash2.py`); None for DFlash."""
+        if spec.variant == "dflash2":
+            with torch.random.fork_rng(devices=[]):
+                self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank,
+                                                            spec.selector_top_k)
         # stable mask_mod across batches (no recompiles)
         self._flex_masks = FlexMaskBuilder(from_intervals=mask_tiles == "intervals")
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
+        """DFlash's backbone random (norms 1); DFlash2's convolutions the identity and its selector as
+        `CandidateSelector.reset_parameters`, drawn from a generator of its own (seeded from the run's seed): a
+        DFlash2 drafter's backbone is the DFlash drafter's of the same seed, and the random state moves on as that
+        one's does."""
+        extras = ("_conv.", "candidate_selector.")
         for name, p in self.named_parameters():
+            if any(e in name for e in extras):
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std)
+        for module in self.modules():
+            if isinstance(module, BlockConv):
+                module.reset_parameters()
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_parameters(std, seed=torch.initial_seed() + 1)
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Context features hidden_norm(fc(taps)): (T, K*H) -> (T, H)."""

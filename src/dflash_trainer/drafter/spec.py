@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from transformers import Qwen3Config
 
-from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.config import DrafterConfig, check_tap_order
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.checks import choose_tap_layer_ids
 from dflash_trainer.target.load import text_config
@@ -37,6 +37,12 @@ class DrafterSpec:
     layer_types: tuple[str, ...]
     """One of full_attention | sliding_attention per drafter layer."""
     sliding_window: Optional[int] = None
+    variant: str = "dflash"
+    """dflash | dflash2 (`dflash2.py`); the four fields below are DFlash2's (0 for DFlash)."""
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -44,6 +50,7 @@ class DrafterSpec:
                 f"drafter.mask_token_id={self.mask_token_id} is not a row of the target's embedding "
                 f"(vocab_size={self.vocab_size}); pick a spare row below {self.vocab_size}"
             )
+        check_tap_order(self.tap_layer_ids, "drafter.tap_layer_ids")
         bad = [t for t in self.tap_layer_ids if not 0 <= t < self.num_target_layers - 1]
         if bad:
             raise ConfigError(
@@ -56,6 +63,19 @@ class DrafterSpec:
             raise ConfigError("sliding_attention layers need sliding_window > 0")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.variant == "dflash2":
+            sizes = (self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k)
+            if min(sizes) < 1:
+                raise ConfigError(f"a DFlash2 drafter needs conv_kernel_size, conv_group_size, selector_rank and "
+                                  f"selector_top_k >= 1, got {sizes}")
+            if self.hidden_size % self.conv_group_size:
+                raise ConfigError(f"drafter.conv_group_size={self.conv_group_size} must divide the hidden size "
+                                  f"{self.hidden_size} (DFlash2's convolution shares a kernel per group of channels)")
+            if self.selector_top_k > self.vocab_size:
+                raise ConfigError(f"drafter.selector_top_k={self.selector_top_k} exceeds the vocabulary "
+                                  f"({self.vocab_size})")
+        elif self.variant != "dflash":
+            raise ConfigError(f"unknown drafter variant {self.variant!r}: dflash or dflash2")
 
     @property
     def num_taps(self) -> int:
@@ -156,4 +176,13 @@ def drafter_spec(
             for i in range(drafter.num_layers)
         ),
         sliding_window=drafter.sliding_window if drafter.sliding_layers else None,
+        **variant_fields(drafter),
     )
+
+
+def variant_fields(drafter: DrafterConfig) -> dict[str, Any]:
+    """The DrafterSpec fields of `drafter.variant` (DFlash2's sizes; none but the name for DFlash)."""
+    if drafter.variant != "dflash2":
+        return {"variant": drafter.variant}
+    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    return {"variant": "dflash2", **{k: getattr(drafter, k) for k in keys}}

@@ -12,12 +12,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from dflash_trainer.drafter.dflash2 import walk
 from dflash_trainer.drafter.model import DFlashDrafter, DraftContext
 from dflash_trainer.eval.batched import BlockDrafts, ContextUpdate
 
 
 class DFlashBatchProposer:
-    """Drafts every row's block in one drafter forward, over the target's frozen embedding and LM head."""
+    """Drafts every row's block in one drafter forward, over the target's frozen embedding and LM head; a DFlash2
+    drafter's selector then walks the slots (`dflash2.walk`)."""
 
     needs_taps = True
 
@@ -48,6 +50,10 @@ class DFlashBatchProposer:
             block_lengths=max_lengths + 1,  # a block cut near max_new_tokens, as the reference loop cuts it
         )  # (R, B, H)
         logits = F.linear(hidden[:, 1:].to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (R, B-1, V)
+        selector = self.drafter.candidate_selector
+        if selector is not None:  # DFlash2: the selector walks each slot's top-K candidates
+            walked = walk(selector, hidden[:, 1:], logits, last_tokens, temperature, generator)
+            return BlockDrafts(tokens=walked.tokens, lengths=max_lengths, probs=walked.probs)
         if temperature <= 0:
             return BlockDrafts(tokens=logits.argmax(-1), lengths=max_lengths)
         probs = torch.softmax(logits / temperature, dim=-1)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
+from dflash_trainer.drafter.dflash2 import walk
 from dflash_trainer.target.capture import SDPA_WITHOUT_CUDNN
 
 
@@ -254,6 +255,10 @@ class DFlashProposer:
         )
         self._cache = result.cache
         logits = F.linear(result.hidden[1:].to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (B-1, V)
+        selector = getattr(self.drafter, "candidate_selector", None)
+        if selector is not None:  # DFlash2: the selector walks each slot's top-K candidates
+            walked = walk(selector, result.hidden[None, 1:], logits[None], ids[:1], temperature, generator)
+            return Draft(tokens=walked.tokens[0], probs=None if walked.probs is None else walked.probs[0])
         if temperature <= 0:
             return Draft(tokens=logits.argmax(-1))
         probs = torch.softmax(logits / temperature, dim=-1)

@@ -26,7 +26,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.data.plan import build_epoch_plan
 from dflash_trainer.data.tokenized import TokenizedDataset
 from dflash_trainer.drafter.anchors import plan_from_anchors, token_seq_ids, valid_anchor_mask
-from dflash_trainer.drafter.loss import drafter_loss
+from dflash_trainer.drafter.loss import SelectorLoss, drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target.capture import TapCapture
 from dflash_trainer.target.head import TargetHead
@@ -109,6 +109,10 @@ class HeldOutValidator:
         lm_head = self.head.lm_head_weight.float() if fp32 else self.head.lm_head_weight
         autocast = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=self.compute_dtype)
         spec = model.spec
+        # DFlash2: the selector's picks score the blocks; its loss is left out (weight 0), so `loss` compares with
+        # a DFlash drafter's
+        selector = None if model.candidate_selector is None else SelectorLoss(
+            selector=model.candidate_selector, weight=0.0, missing="inject", detach=False)
         # The drafter's mode and the grad mode are left as training has them (the drafter has no mode-dependent
         # layer, and nothing is back-propagated): a compiled training forward would compile again for others.
         sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, weight, accept, blocks
@@ -144,7 +148,7 @@ class HeldOutValidator:
                         hidden = model.forward_train_blocks(context=context, plan=plan, cu_seqlens=batch.cu_seqlens,
                                                             embed_weight=embed)  # (C, B, H)
                     out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
-                                       chunk_rows=self.chunk_rows)
+                                       chunk_rows=self.chunk_rows, selector=selector)
                 sums += torch.stack([out.loss_sum.detach(), out.weight_sum, out.accept_sum, out.block_count]).double()
                 slots += torch.stack([out.slot_correct, out.slot_count]).double()
                 accept[chunk] = out.block_accept[:n].float()

@@ -300,6 +300,31 @@ def load_checkpoint(path: Path, *, model_signature: dict[str, Any], data_fingerp
                             python_random=payload["python_random"])
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointDrafter:
+    """A training checkpoint's drafter, as a warm start reads it (`drafter.init_from`)."""
+
+    weights: dict[str, torch.Tensor]
+    """The drafter's weights, fp32 on the host: the weight average where the run kept one (what it exported)."""
+    variant: str
+    """dflash | dflash2."""
+    tap_layer_ids: tuple[int, ...]
+
+
+def read_checkpoint_drafter(path: Path) -> CheckpointDrafter:
+    """The drafter of the finished training checkpoint `path` (a ConfigError naming a damaged one)."""
+    from dflash_trainer.train.ema import PREFIX, split_averaged
+
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ConfigError(f"drafter.init_from={path} is damaged: {problem}; start from another checkpoint")
+    signature = json.loads((path / "state.json").read_text())["model_signature"]
+    raw, averaged = split_averaged(load_file(str(path / "drafter.safetensors")))
+    weights = raw | {k[len(PREFIX):]: v for k, v in averaged.items()}
+    return CheckpointDrafter(weights=weights, variant=signature.get("variant", "dflash"),
+                             tap_layer_ids=tuple(signature["tap_layer_ids"]))
+
+
 def _load_tensors(path: Path) -> Any:
     """A `torch.save`d file of tensors and plain containers; anything else (a pickle of arbitrary objects,
     which could run code) is refused, never unpickled."""

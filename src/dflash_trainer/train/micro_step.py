@@ -19,7 +19,7 @@ import torch
 from dflash_trainer.config import Config
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.anchors import BlockPlan, plan_blocks
-from dflash_trainer.drafter.loss import LossOutput, Teacher, drafter_loss
+from dflash_trainer.drafter.loss import LossOutput, SelectorLoss, Teacher, drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.noise import add_tap_noise
 from dflash_trainer.target.context_parallel import ShardGroup
@@ -64,14 +64,24 @@ def _result(sums: tuple[torch.Tensor, ...], num_tokens: int, counts_batch: bool 
                        tau_sum=tau_sum, num_blocks=num_blocks, num_tokens=num_tokens, counts_batch=counts_batch)
 
 
-def step_loss(dcfg: DrafterConfig, lm_head: torch.Tensor,
-              teacher: Optional[Teacher] = None) -> Callable[[torch.Tensor, BlockPlan], LossOutput]:
+def step_loss(dcfg: DrafterConfig, lm_head: torch.Tensor, teacher: Optional[Teacher] = None,
+              selector: Optional[SelectorLoss] = None) -> Callable[[torch.Tensor, BlockPlan], LossOutput]:
     """The drafter loss of `drafter.*` as `loss_of(hidden (n, B, H), plan)` for the blocks of `plan`."""
     return functools.partial(
         drafter_loss, lm_head_weight=lm_head, gamma=dcfg.loss_gamma, chunk_rows=dcfg.loss_chunk_rows,
         kd_weight=dcfg.kd_weight, teacher=teacher, dpace=dcfg.dpace, dpace_alpha=dcfg.dpace_alpha,
-        compiled_ce=dcfg.loss_kernel == "compiled",
+        compiled_ce=dcfg.loss_kernel == "compiled", selector=selector,
     )
+
+
+def selector_loss(dcfg: DrafterConfig, model: DFlashDrafter, progress: float) -> Optional[SelectorLoss]:
+    """DFlash2's selector term at `progress` (the fraction of training done: the weight's warm-up ramp); None for
+    DFlash."""
+    if model.candidate_selector is None:
+        return None
+    ramp = 1.0 if dcfg.selector_warmup <= 0 else min(1.0, progress / dcfg.selector_warmup)
+    return SelectorLoss(selector=model.candidate_selector, weight=dcfg.selector_weight * ramp,
+                        missing=dcfg.selector_missing, detach=dcfg.selector_detach)
 
 
 def plan_step_chunks(config: Config, model: DFlashDrafter, device: torch.device) -> ChunkPlan:
@@ -127,7 +137,7 @@ def make_micro_step(
         teacher = None
         if dcfg.kd_weight > 0:
             teacher = Teacher(last_hidden=batch.last_hidden, final_norm=head.final_norm)
-        loss_of = step_loss(dcfg, lm_head, teacher)
+        loss_of = step_loss(dcfg, lm_head, teacher, selector_loss(dcfg, model, progress()))
         if shard is not None:
             sums = shard_forward_backward(model, taps=taps, shard=shard, group=shards.group, plan=plan,
                                           cu_seqlens=batch.cu_seqlens, embed=embed, autocast=autocast, loss_of=loss_of,

@@ -61,6 +61,11 @@ def shard_drafter(model: nn.Module, group: dist.ProcessGroup, device: torch.devi
         fully_shard(layer.self_attn, mesh=mesh, reshard_after_forward=False)
         register_fsdp_forward_method(layer.self_attn, "kv")
         fully_shard(layer, mesh=mesh)
+    if getattr(model, "candidate_selector", None) is not None:
+        # DFlash2's selector runs in the loss, outside the drafter's forwards: a unit of its own whose scoring
+        # gathers its weights (its codebooks are vocabulary-sized)
+        fully_shard(model.candidate_selector, mesh=mesh)
+        register_fsdp_forward_method(model.candidate_selector, "scores")
     fully_shard(model, mesh=mesh)
     # the drafter is not called through forward(): its training forwards (one pass; the chunked step's context and
     # blocks) and decoding's block forward gather the root's weights as a forward does

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.config import Config
-from dflash_trainer.drafter.export import export_drafter, init_from_export
+from dflash_trainer.drafter.export import export_drafter, init_from_export, warm_start
 from dflash_trainer.drafter.init import check_target_layers, init_from_target, target_tensor_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
@@ -29,7 +29,13 @@ from dflash_trainer.faults import maybe_fault
 from dflash_trainer.rundir import RunDir, write_atomic
 from dflash_trainer.target.context_parallel import ShardGroup
 from dflash_trainer.target.head import TargetHead, decoder_layout, read_target_tensors
-from dflash_trainer.train.checkpoint import CheckpointState, LoadedCheckpoint, save_checkpoint
+from dflash_trainer.train.checkpoint import (
+    COMPLETE,
+    CheckpointState,
+    LoadedCheckpoint,
+    read_checkpoint_drafter,
+    save_checkpoint,
+)
 from dflash_trainer.train.ema import WeightAverage, split_averaged
 from dflash_trainer.train.metrics import build_sinks, read_metrics
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step, plan_step_chunks
@@ -55,7 +61,12 @@ Take = Callable[[], Optional[tuple[HiddenStateBatch, Callable[[], None]]]]
 def model_signature(spec: DrafterSpec) -> dict:
     """What a checkpoint must share with the config to resume."""
     d = asdict(spec)
+    if spec.variant == "dflash":  # a DFlash drafter's signature as before the variants: its checkpoints still resume
+        d = {k: v for k, v in d.items() if k not in DFLASH2_FIELDS}
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "rope_parameters"}
+
+
+DFLASH2_FIELDS = ("variant", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def data_fingerprint(config: Config, data_digest: str) -> str:
@@ -345,6 +356,10 @@ def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DF
         check_target_layers(model, layout.layer_parameter_names)
         names = target_tensor_names(model, layout.prefix)
         init_from_target(model, read_target_tensors(config.target, sorted(set(names.values())), seed=config.run.seed))
+    elif config.drafter.init_from and (Path(config.drafter.init_from) / COMPLETE).is_file():  # a training checkpoint
+        ckpt = read_checkpoint_drafter(Path(config.drafter.init_from))
+        warm_start(model, ckpt.weights, variant=ckpt.variant, tap_layer_ids=ckpt.tap_layer_ids,
+                   where=f"drafter.init_from={config.drafter.init_from}")
     elif config.drafter.init_from:
         init_from_export(model, config.drafter.init_from)
     return model
