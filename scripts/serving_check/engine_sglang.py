@@ -43,7 +43,7 @@ class NotRead(Exception):
     """The engine does not read this export format."""
 
 
-def _setup(target: str) -> None:
+def _setup(target: str):
     """Server args for the target, published, and one-process distributed groups (once per process)."""
     global _READY
     from sglang.srt.runtime_context import SpawnRanks, publish
@@ -137,14 +137,14 @@ def run(job: Job, out_file: str) -> EngineResult:
         hidden = out.hidden_states  # (B, H)
         logits = hidden @ target.head.T
     torch.save({"hidden": hidden, "logits": logits}, out_file)
-    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
-
     draft = model_config.hf_config
-    return EngineResult(
-        job=job.id, engine="sglang", status="ran", model_class=type(model).__name__,
-        layers=[{"causal": l.self_attn.attn.attn_type.value == "decoder",
-                 "window": None if l.self_attn.attn.sliding_window_size < 0 else l.self_attn.attn.sliding_window_size + 1}
-                for l in model.layers],
-        taps=_taps(draft, json.loads((Path(job.target) / "config.json").read_text())["num_hidden_layers"]),
-        block_size=parse_dflash_draft_config(draft_hf_config=draft).resolve_block_size(default=16),
-        outputs=out_file)
+    target_layers = json.loads((Path(job.target) / "config.json").read_text())["num_hidden_layers"]
+    return EngineResult(job=job.id, engine="sglang", status="ran", model_class=type(model).__name__,
+                        layers=[_layer_mode(layer.self_attn.attn) for layer in model.layers],
+                        taps=_taps(draft, target_layers), block_size=model.block_size, outputs=out_file)
+
+
+def _layer_mode(radix) -> dict:
+    """A RadixAttention's causality (DECODER = causal) and window (HF's: SGLang keeps its left reach, window - 1)."""
+    left = radix.sliding_window_size
+    return {"causal": radix.attn_type.value == "decoder", "window": None if left is None or left < 0 else left + 1}

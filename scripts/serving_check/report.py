@@ -35,26 +35,27 @@ def layers_text(layers: list) -> str:
     return " ".join(("C" if l["causal"] else "N") + (str(l["window"]) if l["window"] else "") for l in layers)
 
 
-def judge(job, result, reference, head: torch.Tensor, variant_classes: dict) -> Row:
-    """job: jobs.Job; result: jobs.EngineResult or None (the engine process died); reference: cases.Reference;
-    head (V, H): the target's LM head; variant_classes: engine -> the class it must build."""
-    base = dict(engine=result.engine if result else "?", format=job.format, drafter=job.drafter)
+def judge(engine: str, job, result, reference, head: torch.Tensor, variant_classes: dict) -> Row:
+    """job: jobs.Job; result: jobs.EngineResult, or None (refused by our exporter, or the engine's process died);
+    reference: cases.Reference; head (V, H): the target's LM head; variant_classes: engine -> the class it must
+    build."""
+    base = dict(engine=engine, format=job.format, drafter=job.drafter)
     if job.refused:
         return Row(**base, layers="-", hidden_diff=None, logits_diff=None, result=REFUSED,
                    why="our exporter refuses it: " + job.refused.split(";")[0].split(": ")[0])
     if result is None or result.status == "error":
         return Row(**base, layers="-", hidden_diff=None, logits_diff=None, result=FAIL,
-                   why=result.detail if result else "no result (see the engine's log)")
+                   why=result.detail if result else "no result: the engine's process died (WORK/ENGINE.log, --keep)")
     if result.status == "not-read":
-        expected = (result.engine, job.format) in NOT_READ_EXPECTED
+        expected = (engine, job.format) in NOT_READ_EXPECTED
         return Row(**base, layers="-", hidden_diff=None, logits_diff=None, result=NOT_READ if expected else FAIL,
                    why=("not read by this engine: " if expected else "unexpectedly not read: ") + result.detail)
     out = torch.load(result.outputs)
     hidden_diff = float((out["hidden"].float() - reference.hidden).abs().max())
     logits_diff = float((out["logits"].float() - reference.hidden @ head.float().T).abs().max())
     problems = []
-    if result.model_class != variant_classes[result.engine]:
-        problems.append(f"built {result.model_class}, expected {variant_classes[result.engine]}")
+    if result.model_class != variant_classes[engine]:
+        problems.append(f"built {result.model_class}, expected {variant_classes[engine]}")
     if result.layers != reference.layers:
         problems.append(f"layers {layers_text(result.layers)}, trained {layers_text(reference.layers)}")
     if result.taps != reference.taps:

@@ -52,8 +52,8 @@ class Variant:
 
 
 def _build_dflash(shape: Shape, block_size: int, target_config: Any) -> DFlashDrafter:
-    config = DrafterConfig(num_layers=shape.num_layers, block_size=block_size, sliding_layers=list(shape.sliding_layers),
-                           sliding_window=shape.sliding_window)
+    config = DrafterConfig(num_layers=shape.num_layers, block_size=block_size,
+                           sliding_layers=list(shape.sliding_layers), sliding_window=shape.sliding_window)
     # the tiny target's last embedding row is a spare one (past its tokenizer), as Qwen3's 151669
     spec = drafter_spec(target_config, config, mask_token_id=target_config.vocab_size - 1)
     return DFlashDrafter(spec, attention="sdpa")
