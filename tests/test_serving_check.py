@@ -97,3 +97,24 @@ def test_judge(tmp_path, tiny_target_config):
     assert judge("vllm", _job(refused="cannot describe"), None, ref, head, classes).result == REFUSED
     assert judge("vllm", _job(), None, ref, head, classes).result == FAIL  # the engine's process died
 
+
+
+def test_dflash2_lattice_is_what_decoding_walks(tiny_target_config):
+    """The DFlash2 selector scores the check compares (a lattice over the previous slot's candidates, as both
+    engines compute it) give the picks of our decoding's greedy walk."""
+    from serving_check.variants import DFLASH2
+
+    from dflash_trainer.drafter.dflash2 import walk
+
+    drafter = DFLASH2.build(SHAPES[0], BLOCK_SIZE, tiny_target_config)
+    randomize(drafter, seed=3)
+    hidden, head = torch.randn(BLOCK_SIZE, 64), torch.randn(tiny_target_config.vocab_size, 64)
+    ours = DFLASH2.selector(drafter, hidden, head, 7)
+    picks, prev = [], 0
+    for e, (scores, candidates) in enumerate(zip(ours["lattice"], ours["candidates"])):
+        prev = int(scores[prev if e else 0].argmax())  # slot 1's predecessor is the block's first token
+        picks.append(int(candidates[prev]))
+    with torch.no_grad():
+        walked = walk(drafter.candidate_selector, hidden[None, 1:], (hidden[1:] @ head.T)[None], torch.tensor([7]),
+                      0.0, None)
+    assert walked.tokens[0].tolist() == picks

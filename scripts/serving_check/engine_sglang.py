@@ -9,7 +9,9 @@
   `DFlashWorkerV2._append_target_hidden_sequential` (per layer K/V projection, k_norm, RoPE), capturing what it
   writes to the KV pool;
 - block: `DFlashDraftModel.forward` with the block embedded by the target's embedding, as the worker does; logits
-  through the target's LM head (the worker's greedy path).
+  through the target's LM head (the worker's greedy path); DFlash2: the worker's own `_selector_lattice` (the
+  candidates from the target's LM head, then the selector's scores) on slots 1..B-1. Its torch.compile'd functions
+  (`_grouped_conv`, `_score_edges`) compile and run on the CPU as they are.
 
 Substitutions, each for a reason:
 1. attention kernel: each layer's `RadixAttention.forward` is `attention.attend` (SDPA over the captured context and
@@ -109,7 +111,7 @@ def _replace_attention(model, inputs: dict, captured: dict) -> None:
 
 def run(job: Job, out_file: str) -> EngineResult:
     from serving_check.cases import read_target
-    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _selector_lattice
 
     args = _setup(job.target)
     try:
@@ -135,13 +137,26 @@ def run(job: Job, out_file: str) -> EngineResult:
         out = model(inputs["block_ids"], inputs["block_positions"], None,
                     input_embeds=target.embed[inputs["block_ids"]])
         hidden = out.hidden_states  # (B, H)
-        logits = hidden @ target.head.T
-    torch.save({"hidden": hidden, "logits": logits}, out_file)
+        outputs = {"hidden": hidden, "logits": hidden @ target.head.T}
+        if job.variant == "dflash2":  # the draft worker's selector pass on the drafted slots 1..B-1
+            model.lm_head = _lm_head(target.head)  # the worker attaches the target's LM head
+            outputs["candidates"], lattice = _selector_lattice(model, hidden[None, 1:], inputs["block_ids"][:1])
+            outputs["candidates"], outputs["lattice"] = outputs["candidates"][0], lattice[0]
+    torch.save(outputs, out_file)
     draft = model_config.hf_config
     target_layers = json.loads((Path(job.target) / "config.json").read_text())["num_hidden_layers"]
     return EngineResult(job=job.id, engine="sglang", status="ran", model_class=type(model).__name__,
                         layers=[_layer_mode(layer.self_attn.attn) for layer in model.layers],
                         taps=_taps(draft, target_layers), block_size=model.block_size, outputs=out_file)
+
+
+def _lm_head(weight: torch.Tensor):
+    """SGLang's LM head module holding the target's weight (V, H)."""
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    head = ParallelLMHead(weight.shape[0], weight.shape[1])
+    head.weight_loader(head.weight, weight)
+    return head
 
 
 def _layer_mode(radix) -> dict:

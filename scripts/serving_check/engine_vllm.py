@@ -9,7 +9,8 @@ for quantization and attention-sink code), through vLLM's own code from config t
   `DFlashQwen3ForCausalLM.load_weights` on the export's safetensors, the target's embedding and LM head shared;
 - context: `combine_hidden_states` (fc) then `precompute_and_store_context_kv` (hidden_norm, the fused K/V
   projection of every layer, k_norm, RoPE), capturing what it writes to each layer's KV cache;
-- block: the model's forward (its decoder layers, final norm) and `compute_logits` (the shared LM head).
+- block: the model's forward (its decoder layers, final norm) and `compute_logits` (the shared LM head); DFlash2:
+  the candidates and the selector's lattice of scores on slots 1..B-1.
 
 Substitutions, each for a reason:
 1. attention kernel: each layer's `Attention.forward` is `attention.attend` (SDPA over the captured context and the
@@ -21,11 +22,13 @@ Substitutions, each for a reason:
    reports whether the bug is still there.
 3. `torch.accelerator` calls are made no-ops with vLLM's own `_set_torch_accelerator_to_noop`, as vLLM's CPU model
    runner does.
-4. Mixed full/sliding drafters: vLLM refuses them in its V1 model runner ("mixed sliding/full dflash drafts") and
-   takes them in its V2 runner (VLLM_USE_V2_MODEL_RUNNER=1), whose config it refuses without Triton's GPU backend.
-   For those jobs the check sets the variable, tells vLLM's config check (`vllm.config.vllm.HAS_TRITON`) that
-   Triton is there, and loads the drafter with the V2 runner's `load_dflash_model`; the V2 runner attends per
-   layer (`get_draft_attn_causal`), as substitution 1 does. No V2 kernel runs.
+4. V2 model runner: vLLM's V1 runner refuses mixed full/sliding drafters ("mixed sliding/full dflash drafts") and
+   DFlash2 ("DFlash candidate-head drafts"); its V2 runner (VLLM_USE_V2_MODEL_RUNNER=1) takes them, and vLLM
+   refuses its config without Triton's GPU backend. For those jobs the check sets the variable, tells vLLM's config
+   check (`vllm.config.vllm.HAS_TRITON`) that Triton is there, and loads the drafter with the V2 runner's
+   `load_dflash_model`; the V2 runner attends per layer (`get_draft_attn_causal`), as substitution 1 does, and its
+   DFlash2 speculator scores candidates with the model's `compute_candidates` and `candidate_selector`, which the
+   check calls. No V2 kernel runs.
 """
 
 from __future__ import annotations
@@ -171,8 +174,13 @@ def run(job: Job, out_file: str) -> EngineResult:
         positions = inputs["context_positions"]
         model.precompute_and_store_context_kv(context, positions, positions.clone())  # slots: 0..C-1
         hidden = model(input_ids=inputs["block_ids"], positions=inputs["block_positions"])  # (B, H)
-        logits = model.compute_logits(hidden)
-    torch.save({"hidden": hidden, "logits": logits}, out_file)
+        outputs = {"hidden": hidden, "logits": model.compute_logits(hidden)}
+        if job.variant == "dflash2":  # what the V2 runner's DFlash2 speculator calls on the drafted slots 1..B-1
+            candidates, unary = model.compute_candidates(hidden[1:])  # (B-1, K) each
+            outputs["candidates"] = candidates
+            outputs["lattice"] = model.model.candidate_selector(candidates[None], unary[None], hidden[None, 1:],
+                                                                inputs["block_ids"][:1])[0]  # (B-1, K, K)
+    torch.save(outputs, out_file)
     return EngineResult(
         job=job.id, engine="vllm", status="ran", model_class=type(model).__name__,
         layers=[{"causal": bool(l.self_attn.causal), "window": l.self_attn.sliding_window} for l in model.model.layers],

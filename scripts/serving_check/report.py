@@ -21,12 +21,15 @@ NOT_READ_EXPECTED = {("sglang", "speculators")}
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Row:
     engine: str
+    variant: str
     format: str
     drafter: str
     layers: str
     """The engine's causality per layer: N (non-causal) or C (causal), with its window (C4: a 4-token window)."""
     hidden_diff: Optional[float]
     logits_diff: Optional[float]
+    selector_diff: Optional[float] = None
+    """DFlash2: max |difference| of the selector's lattice of scores (the candidates must be the same)."""
     result: str
     why: str = ""
 
@@ -39,7 +42,7 @@ def judge(engine: str, job, result, reference, head: torch.Tensor, variant_class
     """job: jobs.Job; result: jobs.EngineResult, or None (refused by our exporter, or the engine's process died);
     reference: cases.Reference; head (V, H): the target's LM head; variant_classes: engine -> the class it must
     build."""
-    base = dict(engine=engine, format=job.format, drafter=job.drafter)
+    base = dict(engine=engine, variant=job.variant, format=job.format, drafter=job.drafter)
     if job.refused:
         return Row(**base, layers="-", hidden_diff=None, logits_diff=None, result=REFUSED,
                    why="our exporter refuses it: " + job.refused.split(";")[0].split(": ")[0])
@@ -64,14 +67,25 @@ def judge(engine: str, job, result, reference, head: torch.Tensor, variant_class
         problems.append(f"block {result.block_size}, ours {job.block_size}")
     if not max(hidden_diff, logits_diff) < TOLERANCE:
         problems.append(f"forward differs from ours by more than {TOLERANCE:g}")
+    selector_diff = None
+    if reference.selector is not None:
+        if "lattice" not in out:
+            problems.append("no selector output")
+        elif not torch.equal(out["candidates"].long(), reference.selector["candidates"]):
+            problems.append("selector candidates differ from ours")
+        else:
+            selector_diff = float((out["lattice"].float() - reference.selector["lattice"]).abs().max())
+            if not selector_diff < TOLERANCE:
+                problems.append(f"selector scores differ from ours by more than {TOLERANCE:g}")
     return Row(**base, layers=layers_text(result.layers), hidden_diff=hidden_diff, logits_diff=logits_diff,
-               result=FAIL if problems else PASS, why="; ".join(problems))
+               selector_diff=selector_diff, result=FAIL if problems else PASS, why="; ".join(problems))
 
 
 def table(rows: list[Row]) -> str:
-    head = ("engine", "format", "drafter", "layers (engine)", "max|dh|", "max|dlogits|", "result")
-    body = [(r.engine, r.format, r.drafter, r.layers, _num(r.hidden_diff), _num(r.logits_diff),
-             r.result + (f": {r.why}" if r.why else "")) for r in rows]
+    head = ("engine", "variant", "format", "drafter", "layers (engine)", "max|dh|", "max|dlogits|", "max|dsel|",
+            "result")
+    body = [(r.engine, r.variant, r.format, r.drafter, r.layers, _num(r.hidden_diff), _num(r.logits_diff),
+             _num(r.selector_diff), r.result + (f": {r.why}" if r.why else "")) for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *[b[:-1] + ("",) for b in body])]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells[:-1], widths)) + "  " + cells[-1]
     return "\n".join([line(head), line(tuple("-" * w for w in widths[:-1]) + ("------",))] + [line(b) for b in body])
