@@ -1,0 +1,165 @@
+"""Our export in SGLang's DFlash drafter (sglang 0.5.23, `srt/models/dflash.py`), through SGLang's own code:
+
+- config and loading: `ModelConfig.from_server_args(..., is_draft_model=True)` and `get_model` (its
+  `DefaultModelLoader`, model registry and `DFlashDraftModel.load_weights` on the export's safetensors), as its
+  draft worker loads `--speculative-draft-model-path EXPORT`;
+- target layers: `parse_dflash_draft_config(...).resolve_target_layer_ids` (what its model runner passes on) and
+  the target class's own `set_dflash_layers_to_capture` (Qwen3's, which adds 1: it captures before a layer);
+- context: `project_target_hidden` (fc, hidden_norm), then the draft worker's own
+  `DFlashWorkerV2._append_target_hidden_sequential` (per layer K/V projection, k_norm, RoPE), capturing what it
+  writes to the KV pool;
+- block: `DFlashDraftModel.forward` with the block embedded by the target's embedding, as the worker does; logits
+  through the target's LM head (the worker's greedy path); DFlash2: the worker's own `_selector_lattice` (the
+  candidates from the target's LM head, then the selector's scores) on slots 1..B-1. Its torch.compile'd functions
+  (`_grouped_conv`, `_score_edges`) compile and run on the CPU as they are.
+
+Substitutions, each for a reason:
+1. attention kernel: each layer's `RadixAttention.forward` is `attention.attend` (SDPA over the captured context and
+   the block) with the layer's own `attn_type` (DECODER = causal) and `sliding_window_size` (a window's left
+   reach); SGLang's backends (FlashInfer, FA3, Triton) need a GPU.
+2. torchvision: stubbed for SGLang's imports (see stubs.py).
+3. SGLang refuses DFLASH on a CPU device in its server-args hook (`_handle_dflash`), before any model code runs:
+   the check publishes server args for the target alone (device cpu) and loads the draft model config itself, as
+   the draft worker does with `--speculative-draft-model-path`. The worker's fused context kernel (Triton) is not
+   used; its sequential path, the one it falls back to, is.
+SGLang does not read the speculators format: its config fails in `AutoConfig` (no `model_type`); the check tries
+and reports the error as "not read by this engine".
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+from serving_check.attention import attend
+from serving_check.jobs import EngineResult, Job
+
+_READY = False
+
+
+class NotRead(Exception):
+    """The engine does not read this export format."""
+
+
+def _setup(target: str):
+    """Server args for the target, published, and one-process distributed groups (once per process)."""
+    global _READY
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=target, device="cpu", dtype="float32", skip_tokenizer_init=True)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))  # re-publish per job: last one wins
+    if not _READY:
+        from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='sglang-dist-')}")
+        initialize_model_parallel()
+        _READY = True
+    return args
+
+
+def _load(job: Job, args):
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader import get_model
+
+    try:
+        config = ModelConfig.from_server_args(args, model_path=job.export, is_draft_model=True)
+    except Exception as e:
+        if job.format == "speculators":
+            first_line = str(e).splitlines()[0].replace(job.export, "EXPORT") if str(e) else ""
+            raise NotRead(f"{type(e).__name__}: {first_line}") from e
+        raise
+    return config, get_model(model_config=config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
+
+
+def _taps(draft_config, target_layers: int) -> list[int]:
+    """The target layers SGLang feeds the drafter, in our numbering (output of layer l)."""
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+
+    ids = parse_dflash_draft_config(draft_hf_config=draft_config).resolve_target_layer_ids(
+        target_num_layers=target_layers, draft_num_layers=int(draft_config.num_hidden_layers))
+    # Qwen3ForCausalLM's own method on a stand-in for the target (only these attributes are read)
+    stand_in = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True),
+                                     model=types.SimpleNamespace(layers_to_capture=[]))
+    Qwen3ForCausalLM.set_dflash_layers_to_capture(stand_in, ids)
+    return [i - 1 for i in sorted(stand_in.model.layers_to_capture)]  # captured before layer i = output of i - 1
+
+
+def _replace_attention(model, inputs: dict, captured: dict) -> None:
+    """Substitution 1."""
+    for layer in model.layers:
+        radix = layer.self_attn.attn
+
+        def forward(q, k, v, forward_batch=None, save_kv_cache=True, radix=radix, **kwargs):
+            window = radix.sliding_window_size
+            return attend(q, k, v, context_k=captured[radix.layer_id][0], context_v=captured[radix.layer_id][1],
+                          q_pos=inputs["block_positions"], context_pos=inputs["context_positions"],
+                          num_heads=radix.tp_q_head_num, num_kv_heads=radix.tp_k_head_num, head_dim=radix.head_dim,
+                          scale=radix.scaling, causal=radix.attn_type.value == "decoder",
+                          window_left=None if window is None or window < 0 else window)
+
+        radix.forward = forward
+
+
+def run(job: Job, out_file: str) -> EngineResult:
+    from serving_check.cases import read_target
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _selector_lattice
+
+    args = _setup(job.target)
+    try:
+        model_config, model = _load(job, args)
+    except NotRead as e:
+        return EngineResult(job=job.id, engine="sglang", status="not-read", detail=str(e))
+    inputs = torch.load(job.inputs)
+    target = read_target(job.target)
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def set_kv_buffer(layer, _loc, k, v, *_scales):
+        captured[layer.layer_id] = (k.clone(), v.clone())  # (C, nkv, hd): k_norm and RoPE applied
+
+    worker = types.SimpleNamespace(  # the draft worker's attributes its context path reads
+        draft_model=model,
+        draft_model_runner=types.SimpleNamespace(token_to_kv_pool=types.SimpleNamespace(set_kv_buffer=set_kv_buffer)))
+    _replace_attention(model, inputs, captured)
+    positions = inputs["context_positions"]
+    with torch.no_grad():
+        context = model.project_target_hidden(inputs["taps"])  # fc + hidden_norm: (C, H)
+        DFlashWorkerV2._append_target_hidden_sequential(worker, ctx_hidden=context, ctx_positions=positions,
+                                                        ctx_cache_loc=positions.clone())
+        out = model(inputs["block_ids"], inputs["block_positions"], None,
+                    input_embeds=target.embed[inputs["block_ids"]])
+        hidden = out.hidden_states  # (B, H)
+        outputs = {"hidden": hidden, "logits": hidden @ target.head.T}
+        if job.variant == "dflash2":  # the draft worker's selector pass on the drafted slots 1..B-1
+            model.lm_head = _lm_head(target.head)  # the worker attaches the target's LM head
+            outputs["candidates"], lattice = _selector_lattice(model, hidden[None, 1:], inputs["block_ids"][:1])
+            outputs["candidates"], outputs["lattice"] = outputs["candidates"][0], lattice[0]
+    torch.save(outputs, out_file)
+    draft = model_config.hf_config
+    target_layers = json.loads((Path(job.target) / "config.json").read_text())["num_hidden_layers"]
+    return EngineResult(job=job.id, engine="sglang", status="ran", model_class=type(model).__name__,
+                        layers=[_layer_mode(layer.self_attn.attn) for layer in model.layers],
+                        taps=_taps(draft, target_layers), block_size=model.block_size, outputs=out_file)
+
+
+def _lm_head(weight: torch.Tensor):
+    """SGLang's LM head module holding the target's weight (V, H)."""
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    head = ParallelLMHead(weight.shape[0], weight.shape[1])
+    head.weight_loader(head.weight, weight)
+    return head
+
+
+def _layer_mode(radix) -> dict:
+    """A RadixAttention's causality (DECODER = causal) and window (HF's: SGLang keeps its left reach, window - 1)."""
+    left = radix.sliding_window_size
+    return {"causal": radix.attn_type.value == "decoder", "window": None if left is None or left < 0 else left + 1}

