@@ -96,9 +96,12 @@ def test_same_fields_as_speculators_own_converter(tmp_path):
     export_speculators(drafter, tmp_path / "ours", verifier=verifier, target_config=target_config)
     theirs, ours = (DFlashSpeculatorConfig.from_pretrained(str(tmp_path / d)) for d in ("converted", "ours"))
     for field in ("speculators_model_type", "draft_vocab_size", "block_size", "mask_token_id",
-                  "aux_hidden_state_layer_ids", "sample_from_anchor", "sliding_window_non_causal",
-                  "speculators_config"):
+                  "aux_hidden_state_layer_ids", "sample_from_anchor", "speculators_config"):
         assert getattr(ours, field) == getattr(theirs, field), field
+    # but one: the converter writes `false` whatever the layers, which vLLM 0.33 turns into causal attention in
+    # every layer; our all-full-attention drafter's layers are non-causal inside the block, so ours writes `true`
+    # (speculators itself reads the field for sliding layers only: its loader runs both the same)
+    assert theirs.sliding_window_non_causal is False and ours.sliding_window_non_causal is True
     assert ours.aux_hidden_state_layer_ids == [1, 3]
     layer_fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "layer_types", "vocab_size",
