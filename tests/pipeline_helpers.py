@@ -67,12 +67,16 @@ def torchrun(
     fault: Optional[str] = None,
     resume: bool = False,
     timeout_s: float = 150.0,
+    max_restarts: int = 0,
+    fault_restart: Optional[int] = None,
 ) -> Launch:
-    """Run `torchrun --nproc_per_node nproc -m dflash_trainer train --config demo SMALL... extra...`."""
+    """Run `torchrun --nproc_per_node nproc [--max-restarts N] -m dflash_trainer train --config demo SMALL...
+    extra...`; `fault_restart`: the `fault` applies only in that restart (0: the first incarnation)."""
     log_dir = Path(tempfile.mkdtemp(prefix="torchrun-logs-", dir=run_dir.parent))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--log-dir", str(log_dir),
+        *(["--max-restarts", str(max_restarts)] if max_restarts else []),
         "-m", "dflash_trainer", "train", "--config", "demo", *overrides(run_dir, *extra),
     ]
     if resume:
@@ -81,8 +85,11 @@ def torchrun(
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.pop("DFLASH_TEST_FAULT", None)
+    env.pop("DFLASH_TEST_FAULT_RESTART", None)
     if fault:
         env["DFLASH_TEST_FAULT"] = fault
+    if fault_restart is not None:
+        env["DFLASH_TEST_FAULT_RESTART"] = str(fault_restart)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:

@@ -12,6 +12,9 @@
 - `delay_drafter:S`   sleep S seconds before every drafter optimizer step (a slow consumer)
 - `nan_batch:J`       the taps of job id J (or of every job: `nan_batch:all`) are NaN, written by the target
 
+`DFLASH_TEST_FAULT_RESTART=K` applies the rules only in the job's K-th restart (`TORCHELASTIC_RESTART_COUNT`; 0:
+the first incarnation), so that a relaunched incarnation runs clean (tests of `torchrun --max-restarts`).
+
 Call sites use `maybe_fault(stage, index)` (raise, kill or sleep) and `inject_nan(job_id)`; `index=None`
 counts this process's calls of the stage (1-based).
 """
@@ -52,6 +55,9 @@ def _parse(spec: str) -> dict[str, str]:
 
 def _rules() -> dict[str, str]:
     spec = os.environ.get(ENV)
+    only_in = os.environ.get(f"{ENV}_RESTART")
+    if only_in is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != only_in:
+        return {}
     return _parse(spec) if spec else {}
 
 

@@ -27,6 +27,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.resume import Change
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.drafter_role import run_drafter
+from dflash_trainer.runtime.elastic import elastic_job, record_incarnation, recorded_restarts
 from dflash_trainer.runtime.env import choose_device, dist_env, init_distributed
 from dflash_trainer.runtime.failures import (
     AbortWatchdog,
@@ -79,7 +80,7 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
     started = time.time()
     try:
         setup = setup_run(config, env, device, control, on_run_dir=lambda path: holder.update(run_dir=path),
-                          on_claim=lambda claim: holder.update(claim=claim))
+                          on_claim=_claimed(holder, config))
         summary = _run_role(setup, control, stop) if not setup.finished else None
         if setup.finished:
             if env.rank == 0:
@@ -99,6 +100,8 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
                 summary["resume_command"] = resume_command(setup.run_dir, env)
             if resume_changes:
                 summary["resume_changes"] = [{"key": c.key, "old": c.old, "new": c.new} for c in resume_changes]
+            if elastic_job() is not None:  # under torchrun --max-restarts: how many restarts, and why
+                summary["restarts"] = recorded_restarts(setup.run_dir)
             summary["elapsed_s"] = round(time.time() - started, 3)
             write_summary_file(setup.run_dir, summary)
             print_summary(summary, setup.run_dir)
@@ -195,6 +198,19 @@ def _write_report(run_dir: Path) -> None:
     except Exception as e:  # matplotlib missing or any drawing error: the run itself is done
         log.warning("could not write the run report (%s: %s); `dflash-train report %s` retries", type(e).__name__, e,
                     run_dir)
+
+
+def _claimed(holder: dict, config: Config):
+    """Rank 0's `on_claim`: keep the run dir's claim (released at the end), and under `torchrun --max-restarts`
+    count this incarnation in the run dir (`elastic.py`)."""
+    job = elastic_job()
+
+    def claimed(claim) -> None:
+        holder["claim"] = claim
+        if job is not None:
+            record_incarnation(job, claim.path, named_by_us=not config.run.dir)
+
+    return claimed
 
 
 def _peer_failed(holder: dict, control: ControlPlane):
