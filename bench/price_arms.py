@@ -1,0 +1,61 @@
+"""Set an arms file's step counts from step prices measured in the same call: equal GPU time per arm.
+
+Each arm named `<label>-<minutes>-<rest>` (e.g. `d2-5-s0`) gets `train.max_steps = minutes * 60 / step_s`, where
+step_s is the measured step of its drafter variant (`drafter.variant=...` on its line, else dflash) at the priced
+shape, read from `bench/run.py` JSONs (`--set drafter.variant=...` in their command names the variant):
+
+    python bench/price_arms.py --arms bench/arms/dflash2-8b.txt --prices /tmp/suite-results --out /tmp/arms.txt
+
+A variant with no price keeps the arm's written step count (and says so): equal target tokens instead of equal time.
+"""
+import argparse
+import glob
+import json
+import re
+from pathlib import Path
+
+
+def variant_of(text: str) -> str:
+    found = re.search(r"drafter\.variant=(\S+)", text)
+    return found.group(1) if found else "dflash"
+
+
+def step_prices(folder: Path) -> dict[str, float]:
+    """Seconds per step for each variant priced by a `run.py` JSON in folder (the newest wins)."""
+    prices = {}
+    for path in sorted(glob.glob(str(folder / "*-run-*.json"))):
+        result = json.loads(Path(path).read_text())
+        if result.get("status") == "ok" and result.get("step_ms"):
+            prices[variant_of(result["command"])] = result["step_ms"] / 1e3
+    return prices
+
+
+def priced_line(line: str, prices: dict[str, float]) -> str:
+    if line.startswith("#") or not line.strip():
+        return line
+    name, *overrides = line.split()
+    minutes = int(name.split("-")[1])
+    variant = variant_of(line)
+    if variant not in prices:
+        print(f"{name}: no price for variant {variant}: keeps its written step count")
+        return line
+    steps = round(minutes * 60 / prices[variant])
+    overrides = [f"train.max_steps={steps}" if o.startswith("train.max_steps=") else o for o in overrides]
+    return " ".join([name, *overrides]) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arms", type=Path, required=True)
+    p.add_argument("--prices", type=Path, required=True, help="folder of bench/run.py JSONs")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    prices = step_prices(args.prices)
+    print(f"step seconds: {prices}")
+    lines = [priced_line(line, prices) for line in args.arms.read_text().splitlines(keepends=True)]
+    args.out.write_text("".join(lines))
+    print("".join(line for line in lines if not line.startswith("#")), end="")
+
+
+if __name__ == "__main__":
+    main()
