@@ -69,18 +69,22 @@ def torchrun(
     timeout_s: float = 150.0,
     max_restarts: int = 0,
     fault_restart: Optional[int] = None,
+    nnodes: int = 1,
 ) -> Launch:
     """Run `torchrun --nproc_per_node nproc [--max-restarts N] -m dflash_trainer train --config demo SMALL...
-    extra...`; `fault_restart`: the `fault` applies only in that restart (0: the first incarnation)."""
+    extra...`; `fault_restart`: the `fault` applies only in that restart (0: the first incarnation). `nnodes` > 1
+    starts that many torchrun agents on localhost, `--node_rank` 0..nnodes-1, meeting at a c10d rendezvous (what
+    several machines run); their outputs are joined, node by node, and the first non-zero exit status is kept."""
     log_dir = Path(tempfile.mkdtemp(prefix="torchrun-logs-", dir=run_dir.parent))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--log-dir", str(log_dir),
-        *(["--max-restarts", str(max_restarts)] if max_restarts else []),
-        "-m", "dflash_trainer", "train", "--config", "demo", *overrides(run_dir, *extra),
-    ]
+    if nnodes == 1:
+        rendezvous = [["--master_addr", "127.0.0.1", "--master_port", str(free_port())]]
+    else:
+        endpoint = f"127.0.0.1:{free_port()}"
+        rendezvous = [["--nnodes", str(nnodes), "--node_rank", str(n), "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{run_dir.name}"] for n in range(nnodes)]
+    train = ["-m", "dflash_trainer", "train", "--config", "demo", *overrides(run_dir, *extra)]
     if resume:
-        cmd.append("--resume")
+        train.append("--resume")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
@@ -91,15 +95,35 @@ def torchrun(
     if fault_restart is not None:
         env["DFLASH_TEST_FAULT_RESTART"] = str(fault_restart)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    logs = [log_dir / f"node{n}.out" for n in range(nnodes)]  # files, not pipes: no agent blocks on a full pipe
+    procs = []
+    for n, node in enumerate(rendezvous):
+        with open(logs[n], "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *node,
+                 "--log-dir", str(log_dir / f"node{n}"),
+                 *(["--max-restarts", str(max_restarts)] if max_restarts else []), *train],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            ))
+    timed_out = [n for n, proc in enumerate(procs) if not _ended_by(proc, start + timeout_s)]
+    texts = [path.read_bytes().decode(errors="replace") for path in logs]
+    output = "\n".join(f"--- node {n} ---\n{text}" for n, text in enumerate(texts)) if nnodes > 1 else texts[0]
+    if timed_out:
+        raise AssertionError(f"torchrun (node {timed_out}) did not end within {timeout_s:.0f}s:\n{output[-6000:]}")
+    codes = [proc.returncode for proc in procs]
+    return Launch(returncode=next((c for c in codes if c != 0), 0), output=output,
+                  elapsed_s=time.monotonic() - start, run_dir=run_dir)
+
+
+def _ended_by(proc: subprocess.Popen, deadline: float) -> bool:
+    """Whether one torchrun ended by the deadline; if not, it is killed with every rank."""
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return True
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
-        out, _ = proc.communicate(timeout=30)
-        raise AssertionError(f"torchrun did not end within {timeout_s:.0f}s:\n{out.decode(errors='replace')[-6000:]}")
-    return Launch(returncode=proc.returncode, output=out.decode(errors="replace"),
-                  elapsed_s=time.monotonic() - start, run_dir=run_dir)
+        proc.wait(timeout=30)
+        return False
 
 
 def assert_ok(launch: Launch) -> dict:

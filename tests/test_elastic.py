@@ -3,20 +3,21 @@ itself, from its last checkpoint, each job committed once; without restarts allo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections import Counter
 
 import pytest
+import torch.distributed as dist
 from pipeline_helpers import assert_ok, checkpoints, committed_jobs, ledger, metrics, planned_jobs, torchrun
 
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.runtime import elastic
 from dflash_trainer.runtime.elastic import (
     continuation,
+    count_start,
     elastic_job,
     record_incarnation,
     recorded_restarts,
-    run_dir_of,
     set_aside_summary,
 )
 
@@ -48,60 +49,51 @@ def test_a_killed_rank_restarts_the_job_and_the_run_continues_from_its_checkpoin
     assert not [j for j, n in Counter(committed).items() if n > 1] and sorted(committed) == sorted(plan)
     assert sorted(ledger(checkpoints(run_dir)[-1])) == sorted(plan)  # every planned job committed, once
     assert sum(s["jobs_trained"].values()) == len(plan) and s["jobs_duplicated"] == 0
-    record = json.loads((run_dir / elastic.MARKER).read_text())
-    assert record["incarnations"] == 2
-
-
-@pytest.fixture
-def job(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # the pointers live in ./runs/.elastic
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    return elastic_job()
+    assert json.loads((run_dir / elastic.MARKER).read_text())["incarnation"] == 2
 
 
 def test_without_restarts_allowed_nothing_applies(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert elastic_job() is None  # not under torchrun
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # torchrun's default
     assert elastic_job() is None
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a store per restart: a restart looks like a new job
+    with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        elastic_job()
 
 
-def test_a_later_incarnation_finds_its_run_and_how_to_continue_it(job, tmp_path):
-    named = tmp_path / "runs" / "demo-20261205-000000"
-    named.mkdir(parents=True)
-    assert run_dir_of(job, None) is None  # the first incarnation: nothing recorded yet
-    record_incarnation(job, named, named_by_us=True)
-    assert recorded_restarts(named) == {"count": 0, "earlier": []}
-    assert run_dir_of(job, None) is None  # a first incarnation never continues (torchrun's run id is often `none`)
-    restarted = dataclasses.replace(job, restart_count=1)
-    # a relaunch with the same command line (no run.dir: the name was chosen) finds it through the pointer
-    assert run_dir_of(restarted, None) == named.resolve()
-    assert continuation(job, named) == [f"run.dir={named}", "train.overwrite=true"]  # no checkpoint yet
-    (named / "checkpoints" / "step_2").mkdir(parents=True)
-    assert continuation(job, named) == [f"run.dir={named}", "train.overwrite=true"]  # a checkpoint being written
-    (named / "checkpoints" / "step_2" / "COMPLETE").write_text("{}")
-    assert continuation(job, named) == ["train.resume=latest", f"run.dir={named}"]
+def test_each_incarnation_counts_its_start_and_finds_the_run_an_earlier_one_claimed(tmp_path):
+    store = dist.HashStore()  # stands for torchrun's store, which outlives the workers
+    first = [count_start(store, rank, max_restarts=2) for rank in range(3)]
+    assert {i.number for i in first} == {1} and first[0].earlier_run_dir() is None
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record_incarnation(first[0], run_dir)  # rank 0's claim
+    assert recorded_restarts(run_dir) == {"count": 0, "earlier": []}
+    second = [count_start(store, rank, max_restarts=2) for rank in (2, 0, 1)]  # any order
+    assert {i.number for i in second} == {2} and len({i.prefix for i in second}) == 1
+    assert second[1].prefix != first[0].prefix
+    assert all(i.earlier_run_dir() == run_dir.resolve() for i in second)  # every rank continues the same run
+    assert continuation(run_dir) == [f"run.dir={run_dir}", "train.overwrite=true"]  # no checkpoint yet
+    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    assert continuation(run_dir) == [f"run.dir={run_dir}", "train.overwrite=true"]  # a checkpoint being written
+    (run_dir / "checkpoints" / "step_2" / "COMPLETE").write_text("{}")
+    assert continuation(run_dir) == ["train.resume=latest", f"run.dir={run_dir}"]
     # how the first incarnation ended travels into the second's record (its summary set aside first)
-    (named / "summary.json").write_text(json.dumps({"status": "failed", "failed_rank": 2, "cause": "KeyError: x"}))
-    set_aside_summary(job, named)
-    assert not (named / "summary.json").exists() and (named / "summary-incarnation-1.json").is_file()
-    record_incarnation(restarted, named, named_by_us=False)
-    assert recorded_restarts(named) == {"count": 1, "earlier": [{"incarnation": 1, "status": "failed",
-                                                                 "failed_rank": 2, "cause": "KeyError: x"}]}
-    record_incarnation(restarted, named, named_by_us=False)  # the second was killed before it wrote a summary
-    assert [e["status"] for e in recorded_restarts(named)["earlier"]] == ["failed", "unknown"]
+    (run_dir / "summary.json").write_text(json.dumps({"status": "failed", "failed_rank": 2, "cause": "KeyError: x"}))
+    set_aside_summary(second[1], run_dir)
+    assert not (run_dir / "summary.json").exists() and (run_dir / "summary-incarnation-1.json").is_file()
+    record_incarnation(second[1], run_dir)
+    assert recorded_restarts(run_dir) == {"count": 1, "earlier": [{"incarnation": 1, "status": "failed",
+                                                                   "failed_rank": 2, "cause": "KeyError: x"}]}
+    third = count_start(store, 0, max_restarts=2)  # the second was killed before it wrote a summary
+    record_incarnation(third, run_dir)
+    assert [e["status"] for e in recorded_restarts(run_dir)["earlier"]] == ["failed", "unknown"]
 
 
-def test_another_jobs_run_is_not_continued(job, tmp_path, monkeypatch):
-    """A run dir that holds another torchelastic job's run (another run id) is not this job's to continue: the
-    run dir rules apply (refused without --resume or --overwrite)."""
-    given = tmp_path / "given"
-    given.mkdir()
-    record_incarnation(job, given, named_by_us=False)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert run_dir_of(elastic_job(), str(given)) == given
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
-    assert run_dir_of(elastic_job(), str(given)) is None
+def test_a_restart_before_any_claim_starts_as_the_first_incarnation_did():
+    store = dist.HashStore()
+    count_start(store, 0, max_restarts=1)  # incarnation 1 died before rank 0 claimed a run dir
+    assert count_start(store, 0, max_restarts=1).earlier_run_dir() is None

@@ -16,7 +16,7 @@ from typing import Sequence
 from dflash_trainer.config import Config, list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet, StorageError
 from dflash_trainer.resume import resumed_config
-from dflash_trainer.runtime.elastic import continuation, elastic_job, run_dir_of, set_aside_summary
+from dflash_trainer.runtime.elastic import continuation, set_aside_summary, this_incarnation
 from dflash_trainer.rundir import RunDir, input_dir_problem
 
 SUBCOMMANDS = {
@@ -130,24 +130,19 @@ def _resumed_run(args: argparse.Namespace, overrides: list[str]) -> Path | None:
     return None
 
 
-def _restart_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
-    """Under `torchrun --max-restarts`, a relaunched incarnation continues the run an earlier one started
+def _restart_overrides() -> list[str]:
+    """Under `torchrun --max-restarts`, a relaunched incarnation continues the run an earlier one claimed
     (`runtime/elastic.py`); nothing otherwise."""
-    job = elastic_job()
-    if job is None:
-        return []
-    run_dir = _given(overrides, "run.dir")
-    if run_dir is None and args.config is not None:  # a recipe that names its run dir
-        run_dir = load_config(args.config, [o for o in overrides if not o.startswith("train.")]).run.dir
-    found = run_dir_of(job, run_dir)
+    incarnation = this_incarnation()
+    found = incarnation.earlier_run_dir() if incarnation is not None else None
     if found is None:
         return []
-    extra = continuation(job, found)
+    extra = continuation(found)
     if os.environ.get("RANK", "0") == "0":
-        set_aside_summary(job, found)
+        set_aside_summary(incarnation, found)
         how = "from its newest checkpoint" if "train.resume=latest" in extra else "from the start (no checkpoint yet)"
-        print(f"dflash-train train: torchrun restarted the job (run id {job.run_id}): continuing {found} {how}",
-              file=sys.stderr)
+        print(f"dflash-train train: torchrun restarted the job (incarnation {incarnation.number}): continuing {found} "
+              f"{how}", file=sys.stderr)
     return extra
 
 
@@ -217,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides.append("train.overwrite=true")
     try:
         if args.command == "train":
-            overrides += _restart_overrides(args, overrides)
+            overrides += _restart_overrides()
         config = _config(args, overrides)
         try:
             module = importlib.import_module(f"dflash_trainer.commands.{args.command}")

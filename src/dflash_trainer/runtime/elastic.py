@@ -1,19 +1,21 @@
 """Restarts under `torchrun --max-restarts N`: a relaunched incarnation continues the same run by itself.
 
-torchrun's agent relaunches every worker of the job after a failure, with the same command line, the same
-`TORCHELASTIC_RUN_ID` (`none` unless `--rdzv-id` names one) and `TORCHELASTIC_RESTART_COUNT` one higher. A failure of
-one rank stops every rank of the job (`failures.py`), so every node's agent counts the restart alike; the process
-group and the control plane of each incarnation are keyed by that count (`env.py`), away from what the incarnation
-before left in torchrun's store.
+torchrun's agent relaunches every worker of the job after a failure (a failure of one rank stops every rank,
+`failures.py`), with the same command line. Its store outlives the workers: it is what tells a restart from a new
+job, on every node alike (the agents' own restart counts can differ between nodes: an agent whose workers had not
+failed yet restarts them without counting). Each rank counts its own starts there (`starts/rank<R>`), so every rank
+of an incarnation knows its number; the process group and control plane of incarnation N live under their own key
+prefix (`env.py`), away from the keys the incarnation before left in the same store.
 
-The first incarnation's rank 0 writes the run's `.elastic.json` (`RUN/.elastic.json`: the run id, the incarnations
-so far and how each earlier one ended), and for a run dir it named itself (`runs/<name>-<time>`) a pointer
-`runs/.elastic/<run id>` to it. Every rank of a restarted incarnation (count > 0) finds the run dir (`run.dir`, or
-the pointer) holding its run id and continues it: from its newest intact checkpoint (`train.resume=latest`), or,
-when none was written yet, from the start in the same dir (`train.overwrite=true`: the plan and the outputs of the
-failed start are replaced). The decision reads only files rank 0 wrote before any rank could start training, so all
-ranks of an incarnation decide alike. Without `--max-restarts` (or with 0), and in a job's first incarnation, nothing
-here applies: a run dir that holds a run is refused as before.
+Rank 0 records the run dir it claimed in the store (`run_dir`) and counts the incarnation in the run dir's
+`.elastic.json` (how each earlier one ended, for `summary.json`'s `restarts`). Every rank of incarnation N > 1 reads
+that run dir and continues it: from its newest intact checkpoint (`train.resume=latest`), or, when none was written
+yet, from the start in the same dir (`train.overwrite=true`: the plan and outputs of the failed start are replaced).
+A restart before rank 0 claimed a run dir starts as the first incarnation did. Without `--max-restarts` (or with 0)
+nothing here applies: a run dir that holds a run is refused as before.
+
+A rank that dies before it counts its start (while Python imports) leaves the counts unequal; the next incarnation's
+ranks then wait for each other under different prefixes until `pipeline.timeout_s` and the job fails, named.
 """
 
 from __future__ import annotations
@@ -22,109 +24,143 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+import torch.distributed as dist
+
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.rundir import RunDir, write_atomic
 
 log = logging.getLogger(__name__)
 
 MARKER = ".elastic.json"
-"""The run dir's record of the torchelastic job that trains it."""
-POINTERS = Path("runs") / ".elastic"
-"""Where a job that named its own run dir (`runs/<name>-<time>`) leaves the way back to it, per run id."""
+"""The run dir's record of the incarnations that trained it."""
+PREFIX = "dflash/elastic/"
+"""This module's keys in torchrun's store (outside every incarnation's prefix: they outlive the workers)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ElasticJob:
-    """This process's torchelastic job, when its agent may restart it."""
+    """This process's torchelastic job, when its agent may restart it (torchrun's environment)."""
 
-    run_id: str
-    """TORCHELASTIC_RUN_ID: the same for every worker of the job, in every incarnation."""
     max_restarts: int
-    restart_count: int
-    """This node's agent's count (0 on a node whose workers did not fail)."""
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    """torchrun's store, which the agent hosts and keeps across restarts."""
 
 
 def elastic_job() -> Optional[ElasticJob]:
     """The torchelastic job from the environment, or None when not under torchrun or no restart is allowed."""
-    run_id, max_restarts = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_MAX_RESTARTS")
-    if not run_id or not max_restarts or int(max_restarts) <= 0:
+    env = os.environ
+    max_restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if not env.get("TORCHELASTIC_RUN_ID") or max_restarts <= 0:
         return None
-    return ElasticJob(run_id=run_id, max_restarts=int(max_restarts),
-                      restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        raise ConfigError(
+            "torchrun --max-restarts without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1?): every restart "
+            "would get a new store, and a relaunched job could not tell a restart from a new run. Unset it, or "
+            "launch without --max-restarts and continue a failed run with --resume"
+        )
+    return ElasticJob(max_restarts=max_restarts, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                      master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]))
 
 
-def _read_marker(run_dir: Path) -> Optional[dict]:
-    try:
-        record = json.loads((run_dir / MARKER).read_text())
-    except (OSError, ValueError):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Incarnation:
+    """This process's place in the job's incarnations."""
+
+    number: int
+    """1 in the job's first incarnation, 2 after one restart, ..."""
+    store: dist.Store
+    """torchrun's store, unprefixed (it holds every incarnation's keys)."""
+    max_restarts: int
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix of this incarnation's process group and control plane."""
+        return f"dflash/incarnation-{self.number}"
+
+    def earlier_run_dir(self) -> Optional[Path]:
+        """The run dir an earlier incarnation's rank 0 claimed, or None (the first incarnation, or a restart before
+        any claim)."""
+        key = PREFIX + "run_dir"
+        if self.number == 1 or not self.store.check([key]):
+            return None
+        return Path(self.store.get(key).decode())
+
+    def record_run_dir(self, run_dir: Path) -> None:
+        """Rank 0, once it claimed the run dir: where a later incarnation finds the run."""
+        self.store.set(PREFIX + "run_dir", str(Path(run_dir).resolve()))
+
+
+def count_start(store: dist.Store, rank: int, max_restarts: int) -> Incarnation:
+    """Count this rank's start in the store: its incarnation."""
+    return Incarnation(number=int(store.add(f"{PREFIX}starts/rank{rank}", 1)), store=store, max_restarts=max_restarts)
+
+
+_THIS: Optional[Incarnation] = None
+
+
+def this_incarnation(timeout_s: float = 300.0) -> Optional[Incarnation]:
+    """This process's incarnation (its start counted once, on first use), or None when restarts are off."""
+    global _THIS
+    job = elastic_job()
+    if job is None:
         return None
-    return record if isinstance(record, dict) else None
+    if _THIS is None:
+        store = dist.TCPStore(job.master_addr, job.master_port, job.world_size, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        _THIS = count_start(store, job.rank, job.max_restarts)
+    return _THIS
 
 
-def run_dir_of(job: ElasticJob, run_dir: Optional[str]) -> Optional[Path]:
-    """The run dir an earlier incarnation of this job trained: `run_dir` (the config's) when it holds this job's
-    record, else the pointer's; None in the first incarnation, or when the one before died before it claimed one."""
-    if job.restart_count == 0:
-        return None
-    candidates = [Path(run_dir).expanduser()] if run_dir else []
-    try:
-        candidates.append(Path((POINTERS / job.run_id).read_text().strip()))
-    except OSError:
-        pass
-    for path in candidates:
-        record = _read_marker(path)
-        if record is not None and record.get("run_id") == job.run_id:
-            return path
-    return None
-
-
-def continuation(job: ElasticJob, run_dir: Path) -> list[str]:
-    """The overrides that continue the job's run in `run_dir` (module docstring)."""
-    layout = RunDir(run_dir)
-    if any((p / "COMPLETE").is_file() for _, p in layout.checkpoint_dirs()):
+def continuation(run_dir: Path) -> list[str]:
+    """The overrides that continue a run in `run_dir` (module docstring)."""
+    if any((p / "COMPLETE").is_file() for _, p in RunDir(run_dir).checkpoint_dirs()):
         return ["train.resume=latest", f"run.dir={run_dir}"]
     return [f"run.dir={run_dir}", "train.overwrite=true"]
 
 
-def record_incarnation(job: ElasticJob, run_dir: Path, *, named_by_us: bool) -> None:
-    """Rank 0, once the run dir is claimed: count this incarnation in `RUN/.elastic.json` with how the one before it
-    ended (read from the summary it left), and point `runs/.elastic/<run id>` at a run dir it named itself."""
-    record = _read_marker(run_dir)
-    earlier: list[dict] = []
-    if record is not None and record.get("run_id") == job.run_id:
-        before = list(record.get("earlier", []))
-        earlier = before + [_ended(run_dir, len(before) + 1)]
-    write_atomic(run_dir / MARKER, json.dumps({"run_id": job.run_id, "incarnations": len(earlier) + 1,
-                                               "earlier": earlier}, indent=1) + "\n")
-    if named_by_us:
-        POINTERS.mkdir(parents=True, exist_ok=True)
-        write_atomic(POINTERS / job.run_id, str(run_dir.resolve()) + "\n")
+def _read_marker(run_dir: Path) -> dict:
+    try:
+        record = json.loads((run_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def set_aside_summary(incarnation: Incarnation, run_dir: Path) -> None:
+    """Rank 0 of a later incarnation, before it claims the run dir (whose `train.overwrite` would delete it): move the
+    summary the incarnation before left to `summary-incarnation-N.json`, where `record_incarnation` reads how it
+    ended, and where the next restart will not mistake it for this incarnation's."""
+    try:
+        RunDir(run_dir).summary.replace(_summary_of(run_dir, incarnation.number - 1))
+    except OSError:
+        pass  # none written: its ranks were killed before they could
+
+
+def record_incarnation(incarnation: Incarnation, run_dir: Path) -> None:
+    """Rank 0, once the run dir is claimed: record it in the store, and count this incarnation in
+    `RUN/.elastic.json` with how the one before it ended (read from the summary it left)."""
+    incarnation.record_run_dir(run_dir)
+    earlier = []
+    if incarnation.number > 1:  # (an incarnation that failed before its claim is missing from the record)
+        earlier = list(_read_marker(run_dir).get("earlier", [])) + [_ended(run_dir, incarnation.number - 1)]
+    write_atomic(run_dir / MARKER, json.dumps({"incarnation": incarnation.number, "earlier": earlier}, indent=1) + "\n")
     if earlier:
         log.warning("torchrun restart %d of at most %d: continuing %s (the incarnation before ended %s)",
-                    len(earlier), job.max_restarts, run_dir, _describe(earlier[-1]))
+                    incarnation.number - 1, incarnation.max_restarts, run_dir, _describe(earlier[-1]))
 
 
 def recorded_restarts(run_dir: Path) -> dict:
     """What a run's summary says of its restarts (`restarts`): how many, and how each earlier incarnation ended (its
     status and, when it failed, the rank and cause it named; `unknown` when it wrote none: every rank killed)."""
-    record = _read_marker(run_dir) or {}
-    earlier = list(record.get("earlier", []))
+    earlier = list(_read_marker(run_dir).get("earlier", []))
     return {"count": len(earlier), "earlier": earlier}
-
-
-def set_aside_summary(job: ElasticJob, run_dir: Path) -> None:
-    """Rank 0 of a later incarnation, before it claims the run dir (whose `train.overwrite` would delete it): move the
-    summary the incarnation before left to `summary-incarnation-N.json`, where `record_incarnation` reads how it
-    ended, and where the next restart will not mistake it for this incarnation's."""
-    record = _read_marker(run_dir) or {}
-    number = int(record.get("incarnations", 1))
-    path = RunDir(run_dir).summary
-    try:
-        path.replace(_summary_of(run_dir, number))
-    except OSError:
-        pass  # none written: its ranks were killed before they could
 
 
 def _summary_of(run_dir: Path, number: int) -> Path:
@@ -136,7 +172,7 @@ def _ended(run_dir: Path, number: int) -> dict:
     try:
         summary = json.loads(_summary_of(run_dir, number).read_text())
     except (OSError, ValueError):
-        return {"incarnation": number, "status": "unknown"}
+        summary = None
     if not isinstance(summary, dict):
         return {"incarnation": number, "status": "unknown"}
     keys = ("status", "failed_rank", "cause", "steps")

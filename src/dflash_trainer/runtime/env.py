@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.runtime.control import make_local_store
-from dflash_trainer.runtime.elastic import elastic_job
+from dflash_trainer.runtime.elastic import this_incarnation
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,18 +60,12 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float) -> tu
         return make_local_store(), None
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    job = elastic_job()
-    if job is None:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
-    else:
-        # torchrun's agent keeps its store across restarts, with the keys the incarnation before left in it (the
-        # ranks' addresses, our control plane's failure record): a relaunched job keys everything under its own
-        # incarnation, which every agent counts alike because a failure stops every rank of the job (failures.py)
-        agent_store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
-        dist.init_process_group(
-            backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-            store=dist.PrefixStore(f"dflash/incarnation-{job.restart_count}", agent_store),
-            rank=env.rank, world_size=env.world_size,
-        )
+    device_id = device if device.type == "cuda" else None
+    incarnation = this_incarnation(timeout_s)
+    if incarnation is None:
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
+    else:  # torchrun may restart the job: this incarnation's keys under its own prefix (elastic.py)
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id, rank=env.rank,
+                                world_size=env.world_size, store=dist.PrefixStore(incarnation.prefix, incarnation.store))
     store = dist.distributed_c10d._get_default_store()
     return store, dist.group.WORLD

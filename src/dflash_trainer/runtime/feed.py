@@ -109,7 +109,7 @@ class ReceivedFeed:
         buffers = [allocate(run_wire_spec(setup), setup.device) for _ in range(self.pool.capacity)]
         control.claims.grant_credits(rank, self.pool.capacity)
         self._receiver = Receiver(control.claims, self.pool, buffers, rank=rank,
-                                  num_targets=len(setup.placement.target_ranks), device=setup.device).start()
+                                  num_targets=len(setup.placement.node_target_ranks), device=setup.device).start()
 
     def take(self) -> Taken:
         return _take(self.pool)

@@ -27,7 +27,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.resume import Change
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.drafter_role import run_drafter
-from dflash_trainer.runtime.elastic import elastic_job, record_incarnation, recorded_restarts
+from dflash_trainer.runtime.elastic import record_incarnation, recorded_restarts, this_incarnation
 from dflash_trainer.runtime.env import choose_device, dist_env, init_distributed
 from dflash_trainer.runtime.failures import (
     AbortWatchdog,
@@ -80,7 +80,7 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
     started = time.time()
     try:
         setup = setup_run(config, env, device, control, on_run_dir=lambda path: holder.update(run_dir=path),
-                          on_claim=_claimed(holder, config))
+                          on_claim=_claimed(holder))
         summary = _run_role(setup, control, stop) if not setup.finished else None
         if setup.finished:
             if env.rank == 0:
@@ -100,7 +100,7 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
                 summary["resume_command"] = resume_command(setup.run_dir, env)
             if resume_changes:
                 summary["resume_changes"] = [{"key": c.key, "old": c.old, "new": c.new} for c in resume_changes]
-            if elastic_job() is not None:  # under torchrun --max-restarts: how many restarts, and why
+            if this_incarnation() is not None:  # under torchrun --max-restarts: how many restarts, and why
                 summary["restarts"] = recorded_restarts(setup.run_dir)
             summary["elapsed_s"] = round(time.time() - started, 3)
             write_summary_file(setup.run_dir, summary)
@@ -200,15 +200,15 @@ def _write_report(run_dir: Path) -> None:
                     run_dir)
 
 
-def _claimed(holder: dict, config: Config):
+def _claimed(holder: dict):
     """Rank 0's `on_claim`: keep the run dir's claim (released at the end), and under `torchrun --max-restarts`
-    count this incarnation in the run dir (`elastic.py`)."""
-    job = elastic_job()
+    record it for a later incarnation (`elastic.py`)."""
+    incarnation = this_incarnation()
 
     def claimed(claim) -> None:
         holder["claim"] = claim
-        if job is not None:
-            record_incarnation(job, claim.path, named_by_us=not config.run.dir)
+        if incarnation is not None:
+            record_incarnation(incarnation, claim.path)
 
     return claimed
 

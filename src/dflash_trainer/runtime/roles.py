@@ -83,6 +83,22 @@ class Placement:
         return tuple(r for r, role in enumerate(self.roles) if role.runs_drafter)
 
     @property
+    def node_ranks(self) -> range:
+        """The global ranks of this rank's node (torchrun numbers a node's ranks consecutively)."""
+        first = self.rank - self.local_rank
+        return range(first, first + self.local_world_size)
+
+    @property
+    def node_drafter_ranks(self) -> tuple[int, ...]:
+        """The drafters a target of this node sends to: hidden states never leave their node."""
+        return tuple(r for r in self.drafter_ranks if r in self.node_ranks)
+
+    @property
+    def node_target_ranks(self) -> tuple[int, ...]:
+        """The targets a drafter of this node receives from (every node has the same layout)."""
+        return tuple(r for r in self.target_ranks if r in self.node_ranks)
+
+    @property
     def colocated(self) -> bool:
         return self.role is Role.COLOCATED
 

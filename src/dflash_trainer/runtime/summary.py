@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -27,6 +27,8 @@ class TargetStats:
     bytes_moved: int = 0
     slot_wait_s: float = 0.0
     """Time the forward waited for a free send slot (backpressure from the drafters)."""
+    batches_to: dict[str, int] = field(default_factory=dict)
+    """Batches sent to each drafter rank (its rank as a string: the stats travel as JSON); none when colocated."""
 
 
 def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStats], pools: list[PoolReport]) -> dict:
@@ -63,6 +65,7 @@ def run_summary(setup: "RunSetup", result: TrainResult, targets: list[TargetStat
         "pool_occupied_max": max(p.occupied_max for p in pools),
         "pool_capacity": setup.config.pipeline.pool_capacity,
         "target_batches": {str(t.rank): t.batches for t in targets},
+        "target_sends": {str(t.rank): t.batches_to for t in targets if t.batches_to},
         "rank_time": [{"rank": t.rank, "role": "target", "busy_s": t.busy_s, "wall_s": t.wall_s} for t in targets]
         + [{"rank": setup.placement.drafter_ranks[0], "role": "drafter (leader)", "busy_s": result.step_time_s,
             "wall_s": drafter_wall}],

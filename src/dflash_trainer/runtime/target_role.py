@@ -18,7 +18,8 @@ def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
     evaluates the drafters the leader sends it (between jobs, and after the last one until told to stop)."""
     config = setup.config
     target, capture = load_checked_target(setup, control)
-    shipper = P2PShipper(control.claims, rank=setup.env.rank, drafter_ranks=setup.placement.drafter_ranks, device=setup.device)
+    shipper = P2PShipper(control.claims, rank=setup.env.rank, drafter_ranks=setup.placement.node_drafter_ranks,
+                          device=setup.device)
     sender = BatchSender.create(
         run_wire_spec(setup), setup.device, depth=config.pipeline.target_postprocess_depth, ship=shipper.ship,
         finish=shipper.finish, timeout_s=config.pipeline.timeout_s, name=f"target-sender-{setup.env.rank}",
@@ -37,6 +38,7 @@ def run_target(setup: RunSetup, control: ControlPlane) -> TargetStats:
         rank=setup.env.rank, tokens=report.num_tokens, batches=len(report.batches),
         busy_s=sum(b.forward_s for b in report.batches), wall_s=report.wall_s, bytes_moved=shipper.bytes_sent,
         slot_wait_s=sum(b.slot_wait_s for b in report.batches),
+        batches_to={str(d): n for d, n in shipper.batches_to.items()},
     )
 
 

@@ -1,0 +1,56 @@
+"""Several nodes: two torchrun agents on localhost stand for two machines (`--nnodes 2 --node_rank 0/1`, a c10d
+rendezvous, gloo), each node a target and two drafters, against one node running the same ranks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pipeline_helpers import assert_ok, checkpoints, committed_jobs, ledger, metrics, planned_jobs, torchrun
+
+SPLIT = ("pipeline.colocated=false", "pipeline.num_targets=1", "train.checkpoint_interval=2")
+
+
+def test_two_nodes_train_every_job_once_and_keep_hidden_states_inside_each_node(tmp_path):
+    """Ranks 0-2 on node 0 and 3-5 on node 1 (target, drafter, drafter on each): every planned job trained once
+    across both nodes, each target's batches only to its own node's drafters, one summary and one metrics series; the same run as one node with the same six ranks (2 targets, 4 drafters: the same
+    global batch) within tolerance."""
+    two = tmp_path / "two-nodes"
+    launch = torchrun(two, 3, *SPLIT, nnodes=2, timeout_s=240)
+    s = assert_ok(launch)
+    assert s["world_size"] == 6 and s["roles"] == ["target", "drafter", "drafter"] * 2
+    sends = {int(t): {int(d): n for d, n in to.items()} for t, to in s["target_sends"].items()}
+    assert set(sends) == {0, 3} and all(sum(to.values()) > 0 for to in sends.values())  # both nodes' targets worked
+    assert set(sends[0]) <= {1, 2} and set(sends[3]) <= {4, 5}  # no batch crossed a node
+    assert sum(n for to in sends.values() for n in to.values()) == sum(s["target_batches"].values())
+
+    rows = [r for r in metrics(two) if "jobs" in r]
+    plan = planned_jobs(two)
+    committed = committed_jobs(rows)
+    assert not [j for j, n in Counter(committed).items() if n > 1] and sorted(committed) == sorted(plan)
+    assert sorted(ledger(checkpoints(two)[-1])) == sorted(plan)
+    assert s["jobs_duplicated"] == 0 and sum(s["jobs_trained"].values()) == len(plan)
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps))  # one writer of the metrics: no step logged twice
+    assert len(list(two.glob("summary*.json"))) == 1
+
+    one = tmp_path / "one-node"
+    s1 = assert_ok(torchrun(one, 6, "pipeline.colocated=false", "pipeline.num_targets=2",
+                            "train.checkpoint_interval=2", timeout_s=240))
+    assert s1["roles"] == ["target", "target", "drafter", "drafter", "drafter", "drafter"]
+    assert s1["tokens_trained"] == s["tokens_trained"] and abs(s1["steps"] - s["steps"]) <= 1
+    assert abs(s1["final_loss"] - s["final_loss"]) <= 0.05 * s1["final_loss"]
+
+
+def test_a_rank_killed_on_one_node_restarts_both_nodes_and_the_run_continues(tmp_path):
+    """Two nodes under `--max-restarts 1`: drafter rank 4 (node 1) is killed with SIGKILL after step 3 in the first
+    incarnation. Both agents relaunch their ranks (node 0's may do so without counting a restart of its own); every
+    rank of the new incarnation continues the run from step_2, and every planned job is trained once."""
+    run_dir = tmp_path / "run"
+    launch = torchrun(run_dir, 3, *SPLIT, nnodes=2, fault="kill:3@4", fault_restart=0, max_restarts=1, timeout_s=300)
+    s = assert_ok(launch)
+    assert "torchrun restarted the job" in launch.output and s["restarts"]["count"] == 1
+    rows = [r for r in metrics(run_dir) if "jobs" in r]
+    plan = planned_jobs(run_dir)
+    committed = committed_jobs(rows)
+    assert not [j for j, n in Counter(committed).items() if n > 1] and sorted(committed) == sorted(plan)
+    assert sorted(ledger(checkpoints(run_dir)[-1])) == sorted(plan) and s["jobs_duplicated"] == 0
