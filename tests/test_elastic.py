@@ -11,7 +11,7 @@ import torch.distributed as dist
 from pipeline_helpers import assert_ok, checkpoints, committed_jobs, ledger, metrics, planned_jobs, torchrun
 
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.runtime import elastic
+from dflash_trainer.rundir import RunDir
 from dflash_trainer.runtime.elastic import (
     continuation,
     count_start,
@@ -49,7 +49,7 @@ def test_a_killed_rank_restarts_the_job_and_the_run_continues_from_its_checkpoin
     assert not [j for j, n in Counter(committed).items() if n > 1] and sorted(committed) == sorted(plan)
     assert sorted(ledger(checkpoints(run_dir)[-1])) == sorted(plan)  # every planned job committed, once
     assert sum(s["jobs_trained"].values()) == len(plan) and s["jobs_duplicated"] == 0
-    assert json.loads((run_dir / elastic.MARKER).read_text())["incarnation"] == 2
+    assert json.loads(RunDir(run_dir).restarts.read_text())["incarnation"] == 2
 
 
 def test_without_restarts_allowed_nothing_applies(monkeypatch):

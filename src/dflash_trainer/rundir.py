@@ -13,6 +13,8 @@
       report/                  figures and index.html
       tensorboard/             when asked
       .eval/ .best.tmp/        work folders of split evaluation and of the best drafter's export
+      .shared-check            a token rank 0 writes and every node must see (the run dir is on shared storage)
+      .elastic.json            the incarnations of a job that torchrun may restart
 
 A command that writes a run dir (`train`, `plan`) claims it first (`claim_run_dir`): it takes the lock, so a
 second command into the same directory is refused however close in time they start, checks what the
@@ -63,6 +65,13 @@ def lock_exclusive(path: Path) -> Optional[IO]:
     except BlockingIOError:
         handle.close()
         return None
+    except OSError as e:  # a filesystem without locks: two writers could not be told apart
+        handle.close()
+        raise ConfigError(
+            f"cannot lock {path} ({e.strerror or e}): its filesystem does not support flock, which keeps two commands "
+            "(or two nodes) from writing the same directory. Mount it with locking (NFS: lockd; Lustre: -o flock) "
+            "or use a directory on storage that has it"
+        ) from e
     return handle
 
 
@@ -180,6 +189,16 @@ class RunDir:
         return self.root / "report"
 
     @property
+    def shared_check(self) -> Path:
+        """Rank 0's token, which every node must see (`runtime/shared_storage.py`)."""
+        return self.root / ".shared-check"
+
+    @property
+    def restarts(self) -> Path:
+        """The incarnations of a job under `torchrun --max-restarts` (`runtime/elastic.py`)."""
+        return self.root / ".elastic.json"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
 
@@ -241,7 +260,12 @@ def claim_run_dir(config: Config, purpose: Literal["train", "plan"]) -> RunClaim
     the same place."""
     path, created = _choose_path(config)
     layout = RunDir(path)
-    lock = lock_exclusive(layout.lock)
+    try:
+        lock = lock_exclusive(layout.lock)
+    except ConfigError:  # no locks on that filesystem: leave no directory this call created
+        if created:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     if lock is None:
         raise ConfigError(f"another dflash-train command is writing run.dir={str(path)!r} (it holds {layout.lock}); "
                           "wait for it to end, or set run.dir to another directory")

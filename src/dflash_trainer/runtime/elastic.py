@@ -35,8 +35,6 @@ from dflash_trainer.rundir import RunDir, write_atomic
 
 log = logging.getLogger(__name__)
 
-MARKER = ".elastic.json"
-"""The run dir's record of the incarnations that trained it."""
 PREFIX = "dflash/elastic/"
 """This module's keys in torchrun's store (outside every incarnation's prefix: they outlive the workers)."""
 
@@ -127,7 +125,7 @@ def continuation(run_dir: Path) -> list[str]:
 
 def _read_marker(run_dir: Path) -> dict:
     try:
-        record = json.loads((run_dir / MARKER).read_text())
+        record = json.loads(RunDir(run_dir).restarts.read_text())
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -150,7 +148,8 @@ def record_incarnation(incarnation: Incarnation, run_dir: Path) -> None:
     earlier = []
     if incarnation.number > 1:  # (an incarnation that failed before its claim is missing from the record)
         earlier = list(_read_marker(run_dir).get("earlier", [])) + [_ended(run_dir, incarnation.number - 1)]
-    write_atomic(run_dir / MARKER, json.dumps({"incarnation": incarnation.number, "earlier": earlier}, indent=1) + "\n")
+    record = {"incarnation": incarnation.number, "earlier": earlier}
+    write_atomic(RunDir(run_dir).restarts, json.dumps(record, indent=1) + "\n")
     if earlier:
         log.warning("torchrun restart %d of at most %d: continuing %s (the incarnation before ended %s)",
                     incarnation.number - 1, incarnation.max_restarts, run_dir, _describe(earlier[-1]))

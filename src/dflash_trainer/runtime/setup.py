@@ -29,6 +29,7 @@ from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv
 from dflash_trainer.runtime.remote_eval import eval_enabled
 from dflash_trainer.runtime.roles import Placement, plan_placement
+from dflash_trainer.runtime.shared_storage import SHARED_VIEW_TIMEOUT_S, check_sees_token, publish_token
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers
 from dflash_trainer.target.checks import check_max_length, check_target
 from dflash_trainer.target.context_parallel import ShardGroup
@@ -95,9 +96,13 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
         claim = claim_run_dir(config, "train")
         on_claim(claim)
         run_dir = claim.path
+        control.set_value("run_dir_token", publish_token(run_dir))
         control.set_value("run_dir", str(run_dir))
     else:
         run_dir = Path(control.wait_value("run_dir"))
+        if env.rank >= env.local_world_size:  # on another node than rank 0: the same run dir, not a local namesake
+            check_sees_token(run_dir, control.wait_value("run_dir_token"),
+                             timeout_s=min(SHARED_VIEW_TIMEOUT_S, config.pipeline.timeout_s))
     on_run_dir(run_dir)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir)))
     # Before the data work: a wrong train.resume fails at once. Rank 0 checks the checkpoints (it reads them
