@@ -52,6 +52,21 @@ def test_bad_config_names_the_key(override, key_in_message):
         load_config("demo", [override])
 
 
+@pytest.mark.parametrize("override, hint", [
+    ("train.learning_rate=1e-3", "Did you mean: 'train.lr'?"),  # another trainer's name, not a near spelling
+    ("train.gradient_accumulation_steps=2", "Did you mean: 'train.grad_accum'?"),
+    ("train.batch_size=4", "Did you mean: 'pipeline.token_budget'?"),  # ours lives in another section
+    ("train.lrr=1e-3", "Did you mean: 'lr'?"),  # a near spelling: OmegaConf's own hint, kept
+    ("target.path=Qwen/Qwen3-8B", "add target.random_init=null"),  # the demo recipe's random target
+])
+def test_a_wrong_key_or_a_clash_names_the_setting_to_use(override, hint):
+    with pytest.raises(ConfigError) as error:
+        load_config("demo", [override])
+    assert hint in str(error.value)
+    if override.startswith("target.path"):
+        assert load_config("demo", [override, "target.random_init=null"]).target.path == "Qwen/Qwen3-8B"
+
+
 def test_non_finite_floats_are_refused_in_lists_of_sections_too():
     with pytest.raises(ConfigError, match=r"data\.sources\[1\]\.weight must be a finite number, got inf"):
         load_config("demo", ["data.path=null", "data.sources=[{path: a}, {path: b, weight: .inf}]"])

@@ -8,9 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from pipeline_helpers import SRC, free_port, kill_tree, metrics, overrides, summary
+
+from dflash_trainer.runtime.launch import entry_point
 
 LONG = ("train.max_steps=100000", "train.num_epochs=50", "train.checkpoint_interval=100000", "train.log_interval=1")
 
@@ -55,13 +58,15 @@ def test_one_process_stops_cleanly_on_a_signal(tmp_path, signum, name):
     assert proc.returncode == 128 + signum, out[-3000:]
     assert "stopping after this step" in out
     _assert_stopped(run_dir, name)
-    command = f"cd {os.getcwd()} && dflash-train train --resume run.dir={run_dir.resolve()}"
+    command = f"cd {os.getcwd()} && {entry_point('dflash-train')} train --resume run.dir={run_dir.resolve()}"
     assert f"continue this run with:\n  {command}" in out and summary(run_dir)["resume_command"] == command
-    if signum == signal.SIGTERM:  # the printed command, as it is (but the budget), continues the same run
+    if signum == signal.SIGTERM:  # the printed command, as it is (but the budget), continues the same run, run by a
+        # shell whose PATH holds no virtual environment (a user's, after scripts/demo.sh activated one for itself)
         steps = summary(run_dir)["steps"]
-        resumed = subprocess.run([sys.executable, "-m", "dflash_trainer", *command.split("dflash-train ")[1].split(),
-                                  f"train.max_steps={steps + 2}"], capture_output=True, text=True, timeout=120,
-                                 env=dict(os.environ, PYTHONPATH=str(SRC), HF_HUB_OFFLINE="1"))
+        path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if Path(d) != Path(sys.executable).parent)
+        resumed = subprocess.run(["bash", "-c", f"{command} train.max_steps={steps + 2}"], capture_output=True,
+                                 text=True, timeout=120,
+                                 env=dict(os.environ, PATH=path, PYTHONPATH=str(SRC), HF_HUB_OFFLINE="1"))
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert summary(run_dir)["status"] == "ok" and summary(run_dir)["steps"] == steps + 2
 
@@ -75,7 +80,7 @@ def test_sigterm_to_torchrun_stops_every_rank_cleanly(tmp_path):
     out = _stop_after_steps(proc, run_dir, 3, signal.SIGTERM)
     assert proc.returncode != 0, out[-3000:]
     _assert_stopped(run_dir, "SIGTERM")
-    command = (f"cd {os.getcwd()} && torchrun --nproc_per_node 2 -m dflash_trainer train --resume "
+    command = (f"cd {os.getcwd()} && {entry_point('torchrun')} --nproc_per_node 2 -m dflash_trainer train --resume "
                f"run.dir={run_dir.resolve()}")
     assert command in out and summary(run_dir)["resume_command"] == command, out[-3000:]
 

@@ -44,6 +44,22 @@ def test_dataset_without_trainable_sequence(tmp_path, capsys):
     assert "no trainable sequence" in err and "supervised tokens" in err
 
 
+def test_a_held_out_set_that_leaves_nothing_to_train_on_is_named(tmp_path, capsys):
+    """8 rows, each long enough to train on: holding out 8 (the demo's data.num_eval_conversations) leaves none.
+    The error names the held-out setting and a value that leaves data to train on (which then trains)."""
+    long_reply = " ".join(f"word{i}" for i in range(80))
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": long_reply}]}
+            for i in range(8)]
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert train_in_process(tmp_path / "run", f"data.path={data}", "data.num_eval_conversations=8") == 2
+    err = capsys.readouterr().err
+    assert "data.num_eval_conversations=8 held out 8 conversations" in err and "leaving 0 to train on" in err
+    assert "data.num_eval_conversations=1 keeps more" in err
+    assert train_in_process(tmp_path / "run2", f"data.path={data}", "data.num_eval_conversations=1",
+                            "train.max_steps=1") == 0
+
+
 def test_nan_batch_is_skipped_counted_and_warned_then_other_shape_cannot_resume(tmp_path, monkeypatch, caplog, capsys):
     """NaN taps in job 0: that step is skipped on all ranks (no update), counted in the summary, warned about,
     and the job is still committed (it was consumed). Then a resume with another drafter shape is refused."""
@@ -284,12 +300,14 @@ def test_resume_of_a_finished_run_leaves_it_as_it_is(tmp_path, capsys):
     run = tmp_path / "run"
     assert train_in_process(run, "train.max_steps=2") == 0
     before = (run / "summary.json").read_text()
+    config_before = (run / "config.yaml").read_bytes()
     assert json.loads(before)["tokens_trained"] > 0
     capsys.readouterr()
-    assert train_in_process(run, "train.max_steps=2", resume=True) == 0
+    assert train_in_process(run, "train.max_steps=2", "train.log_interval=5", resume=True) == 0
     out = capsys.readouterr().out
     assert "is finished" in out and "train.max_steps=2 reached" in out and "max_minutes=None" not in out  # unset
     assert (run / "summary.json").read_text() == before
+    assert (run / "config.yaml").read_bytes() == config_before  # the override it did not act on is not recorded
 
 
 def test_a_resumed_run_counts_the_tokens_of_every_session(tmp_path):

@@ -17,7 +17,7 @@ from dflash_trainer.config import Config, list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet, StorageError
 from dflash_trainer.resume import resumed_config
 from dflash_trainer.runtime.elastic import continuation, set_aside_summary, this_incarnation
-from dflash_trainer.rundir import RunDir, input_dir_problem
+from dflash_trainer.rundir import RunDir, input_dir_problem, run_dir_given
 
 SUBCOMMANDS = {
     "plan": "tokenize the data and print the epoch plan summary",
@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--verifier", default=None,
                            help="with --format speculators: hub id or folder of the target you will serve "
                            "(default: target.path)")
+            p.add_argument("--save-target", default=None, metavar="DIR",
+                           help="with --format speculators: write this config's target (e.g. the demo's random "
+                           "one: weights, config, tokenizer) to DIR and record DIR as the verifier")
         if name in ("regenerate", "synthesize"):
             p.add_argument("--out", required=False, help="output dataset directory")
         if name == "report":
@@ -168,8 +171,8 @@ def _resume_config(args: argparse.Namespace, overrides: list[str], run_dir: Path
     return resumed.config
 
 
-REQUIRED_INPUTS = {"eval": (("drafter", "--drafter EXPORT_DIR (a directory written by `dflash-train export`, or "
-                                       "RUN_DIR/export, RUN_DIR/best)"),),
+REQUIRED_INPUTS = {"eval": (("drafter", "--drafter DIR (a directory written by `dflash-train export`, "
+                                       "RUN_DIR/export, RUN_DIR/best, or a checkpoint RUN_DIR/checkpoints/step_N)"),),
                    "export": (("checkpoint", "--checkpoint CHECKPOINT_DIR (RUN_DIR/checkpoints/step_N)"),
                               ("out", "--out DIR"))}
 """What a command cannot run without, named before its config (whose run is found from them) is read."""
@@ -179,6 +182,10 @@ def _check_inputs_given(args: argparse.Namespace) -> None:
     missing = [text for name, text in REQUIRED_INPUTS.get(args.command, ()) if not getattr(args, name, None)]
     if missing:
         raise ConfigError(f"dflash-train {args.command} needs {' and '.join(missing)}")
+    flag = {"eval": "--drafter", "export": "--checkpoint"}.get(args.command)
+    given = getattr(args, flag[2:], None) if flag else None
+    if given and (problem := run_dir_given(flag, given, checkpoints_only=args.command == "export")):
+        raise ConfigError(problem)
 
 
 def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:

@@ -184,11 +184,36 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: Sequence[str
         key = getattr(e, "full_key", None)
         first = str(e).splitlines()[0]
         where = f"config key {key!r}: " if key else "config: "
+        if key and "not in" in first and "Did you mean" not in first and (known := _synonym(key)):
+            first += f". Did you mean: {known!r}?"
         raise ConfigError(where + first) from None
     except ConfigError:
         raise
     except ValueError as e:  # a __post_init__ outside our ConfigError
         raise ConfigError(str(e)) from None
+
+
+SYNONYMS = {"learning_rate": "lr", "lr_min": "min_lr_ratio", "epochs": "num_epochs", "max_epochs": "num_epochs",
+            "steps": "max_steps", "num_steps": "max_steps", "total_steps": "max_steps", "warmup": "warmup_ratio",
+            "warmup_steps": "warmup_ratio", "gradient_accumulation_steps": "grad_accum", "clip_grad": "grad_clip",
+            "max_grad_norm": "grad_clip", "save_interval": "checkpoint_interval", "save_steps": "checkpoint_interval",
+            "model": "path", "model_path": "path", "num_draft_layers": "num_layers", "layers": "num_layers",
+            "batch_size": "token_budget", "max_seq_len": "max_length", "seq_len": "max_length",
+            "eval_interval": "interval"}
+"""Names other trainers give to our settings (section-less: the key's last part), for the error of a wrong key."""
+
+
+def _synonym(key: str) -> str | None:
+    """Our key for `key` when its last part is another trainer's name for one of our settings."""
+    section, _, name = key.rpartition(".")
+    ours = SYNONYMS.get(name)
+    if ours is None:
+        return None
+    wanted = [f.name for f in fields(Config) if callable(f.default_factory)
+              and ours in {g.name for g in fields(f.default_factory())}]
+    if section in wanted:
+        return f"{section}.{ours}"
+    return f"{wanted[0]}.{ours}" if wanted else None
 
 
 def to_yaml(config: Config) -> str:

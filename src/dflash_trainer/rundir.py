@@ -90,6 +90,20 @@ def input_dir_problem(flag: str, path: str | os.PathLike) -> Optional[str]:
     return f"{flag} {path}: no such directory{hint}"
 
 
+def run_dir_given(flag: str, path: str | os.PathLike, *, checkpoints_only: bool = False) -> Optional[str]:
+    """When `path` is a run dir itself, where a folder inside it is expected: what to pass instead, naming the ones
+    it holds (`RUN/export`, `RUN/best`, `RUN/checkpoints/step_N`; only checkpoints when `checkpoints_only`)."""
+    layout = RunDir(Path(path))
+    if not layout.config.is_file():
+        return None
+    inside = [] if checkpoints_only else [p for p in (layout.export, layout.best) if (p / "config.json").is_file()]
+    inside += [p for _, p in layout.checkpoint_dirs() if (p / "COMPLETE").is_file()]
+    kinds = "a checkpoint in it (RUN/checkpoints/step_N)" if checkpoints_only else \
+        "a drafter in it: RUN/export, RUN/best or a checkpoint, RUN/checkpoints/step_N"
+    held = ", ".join(str(p) for p in inside) or "none yet"
+    return f"{flag} {path} is a run directory; pass {kinds} (it holds: {held})"
+
+
 def check_input_dir(flag: str, path: str | os.PathLike) -> None:
     """`input_dir_problem`, raised."""
     if problem := input_dir_problem(flag, path):
@@ -230,6 +244,14 @@ class RunClaim:
         self.layout = RunDir(path)
         self.created = created
         self._lock: Optional[IO] = lock
+        self.previous_config: Optional[str] = None
+        """`config.yaml` as it was before this claim wrote its own (a resume), for `restore_config`."""
+
+    def restore_config(self) -> None:
+        """Put back the `config.yaml` the run had before this claim (a resume that found nothing to do leaves the
+        run byte for byte as it was)."""
+        if self.previous_config is not None:
+            write_atomic(self.layout.config, self.previous_config)
 
     def release(self, *, failed: bool = False) -> None:
         """Drop the lock; `failed`: the command ended in an error, and a directory it created in which no training
@@ -282,6 +304,8 @@ def claim_run_dir(config: Config, purpose: Literal["train", "plan"]) -> RunClaim
         if not config.train.resume or layout.trained():  # a resume marks only what holds a run to resume
             _writing(path, lambda: _mark(layout))
         resolved = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
+        if config.train.resume and layout.config.is_file():
+            claim.previous_config = layout.config.read_text()
         _writing(path, lambda: save_config(resolved, path))
         if purpose == "train":
             _check_writable(layout.checkpoints)  # now, not at the first checkpoint after hours of training

@@ -1,6 +1,7 @@
-"""`dflash-train eval --drafter EXPORT_DIR [--out DIR]`: real acceptance length (tau) of an exported drafter.
+"""`dflash-train eval --drafter DIR [--out DIR]`: real acceptance length (tau) of a drafter: an export, or a training
+checkpoint (`RUN/checkpoints/step_N`, its weights in a drafter of the run's settings).
 
-Loads the target, its tokenizer and the drafter export, checks they fit, runs speculative decoding on the
+Loads the target, its tokenizer and the drafter, checks they fit, runs speculative decoding on the
 eval prompts (`eval.prompts`, default `RUN_DIR/plan/eval.jsonl`) with plain target decoding as the
 baseline, prints the report and writes `--out DIR/eval.json`, or by default `RUN_DIR/eval-<drafter folder>.json`
 (beside the training's own `eval.json`, never over it).
@@ -31,6 +32,7 @@ from dflash_trainer.rundir import RunDir, check_input_dir
 from dflash_trainer.runtime.env import choose_device
 from dflash_trainer.target.head import head_from_model
 from dflash_trainer.target.load import load_target
+from dflash_trainer.train.checkpoint_drafter import drafter_from_checkpoint, is_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,8 @@ def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
     start = time.perf_counter()
     drafter_dir = getattr(args, "drafter", None)
     if not drafter_dir:
-        raise ConfigError("dflash-train eval needs --drafter EXPORT_DIR (a directory written by `dflash-train export`)")
+        raise ConfigError("dflash-train eval needs --drafter DIR: an export (RUN/export, RUN/best, `dflash-train "
+                          "export`'s --out) or a training checkpoint (RUN/checkpoints/step_N)")
     path = _out_file(config, args, drafter_dir)
     check_input_dir("--drafter", drafter_dir)
     prompts_path = eval_prompts_path(config)
@@ -61,7 +64,10 @@ def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:
 
     device = choose_device(config.run.device, 0)
     target = load_target(config.target, device, seed=config.run.seed)
-    drafter = load_drafter(drafter_dir)
+    if is_checkpoint(Path(drafter_dir)):  # a training checkpoint, in a drafter of the run's settings
+        drafter, _ = drafter_from_checkpoint(config, Path(drafter_dir), flag="--drafter")
+    else:
+        drafter = load_drafter(drafter_dir)
     check_drafter_fits(drafter.spec, target, where=str(drafter_dir))
     # The drafter runs in the target's dtype, as an inference engine serves it.
     drafter = drafter.to(device=device, dtype=target.get_input_embeddings().weight.dtype).eval()

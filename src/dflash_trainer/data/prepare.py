@@ -101,6 +101,7 @@ def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[Tokenize
                         + Counter(duplicate=len(loaded.conversations) - len(unique),
                                   held_out_prompt_sibling=split.siblings_dropped)),
         "eval": [c.to_json() for c in held],
+        "train_conversations": len(train),
         "truncated": outcome.truncated,
         "truncated_tokens": outcome.truncated_tokens,
     }
@@ -135,6 +136,15 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
         log.info("tokenized data from cache %s", path)
     dataset, meta = cached or built
     source_names = [s.path for s in config.data.resolved_sources()]
+    if len(dataset) == 0 and meta["eval"] and not meta.get("layout_problem"):
+        held_out, left = len(meta["eval"]), meta.get("train_conversations", 0)
+        raise DataError(
+            f"no trainable sequence in {source_names}: data.num_eval_conversations={config.data.num_eval_conversations}"
+            f" held out {held_out} conversations for evaluation, leaving {left} to train on, none of them trainable "
+            f"(dropped: {meta['dropped']}). Lower it (data.num_eval_conversations={max(1, held_out // 5)} keeps more "
+            f"for training) or give more data; each trained sequence needs >= {2 * config.drafter.block_size} "
+            f"supervised tokens within data.max_length = {config.data.max_length}"
+        )
     if len(dataset) == 0 and meta.get("layout_problem"):
         raise DataError(f"no trainable sequence: {meta['layout_problem']} (dropped: {meta['dropped']})")
     if len(dataset) == 0:

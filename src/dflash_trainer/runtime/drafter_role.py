@@ -3,6 +3,7 @@ drafter ranks the final checkpoint and export, and on the leader the final evalu
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,9 +20,18 @@ from dflash_trainer.target.load import target_model_config
 from dflash_trainer.train.checkpoint import LoadedCheckpoint, load_checkpoint
 from dflash_trainer.train.step_loop import StepRecord
 from dflash_trainer.train.tau_eval import TauSummary
-from dflash_trainer.train.trainer import DrafterTrainer, TrainResult, data_fingerprint, model_signature, planned_steps
+from dflash_trainer.train.trainer import (
+    DrafterTrainer,
+    TrainResult,
+    budget_note,
+    data_fingerprint,
+    model_signature,
+    planned_steps,
+)
 from dflash_trainer.transport.pool import DepthMeter, PoolReport
 from dflash_trainer.transport.wire import WireHeader, allocate, from_wire
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +103,9 @@ def run_drafter(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Dr
     empty = WireHeader(job_id=-1, bucket_id=-1, epoch=0, num_tokens=0, num_seqs=0,
                        has_last_hidden=config.drafter.kd_weight > 0, end_of_stream=False)
     remaining_jobs = sum(len(r) for r in setup.remaining)
+    if is_leader:
+        log.info("budget: %s", budget_note(config, remaining_jobs, placement.replicas,
+                                           resume.state.step if resume else 0))
     trainer = DrafterTrainer(
         config, spec=setup.spec, head=head, device=device, group=setup.drafter_group, is_leader=is_leader,
         run_dir=setup.run_dir, data_digest=setup.prepared.summary.content_sha256,

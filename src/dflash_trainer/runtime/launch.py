@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -84,6 +85,7 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
         summary = _run_role(setup, control, stop) if not setup.finished else None
         if setup.finished:
             if env.rank == 0:
+                holder["claim"].restore_config()  # left as it was: this resume changed nothing
                 limits = ["every planned job committed"]
                 if config.train.max_steps is not None:
                     limits.append(f"train.max_steps={config.train.max_steps} reached")
@@ -147,12 +149,21 @@ def resume_command(run_dir: Path, env) -> str:
     relative to it; torchrun's rendezvous options, for several nodes, are the user's own)."""
     train = f"train --resume run.dir={shlex.quote(str(Path(run_dir).resolve()))}"
     if not env.distributed:
-        return f"cd {shlex.quote(os.getcwd())} && dflash-train {train}"
+        return f"cd {shlex.quote(os.getcwd())} && {entry_point('dflash-train')} {train}"
     nodes = env.world_size // max(1, env.local_world_size)
-    launcher = f"torchrun --nproc_per_node {env.local_world_size}"
+    launcher = f"{entry_point('torchrun')} --nproc_per_node {env.local_world_size}"
     if nodes > 1:
-        launcher = f"torchrun --nnodes {nodes} --nproc_per_node {env.local_world_size} <the same --rdzv-* options>"
+        launcher = (f"{entry_point('torchrun')} --nnodes {nodes} --nproc_per_node {env.local_world_size} "
+                    "<the same --rdzv-* options>")
     return f"cd {shlex.quote(os.getcwd())} && {launcher} -m dflash_trainer {train}"
+
+
+def entry_point(name: str) -> str:
+    """`name` (dflash-train, torchrun) as the user's shell runs it: inside a virtual environment its absolute path
+    there (a script such as scripts/demo.sh activates the environment for itself only), else the bare name."""
+    if sys.prefix != sys.base_prefix and (path := Path(sys.executable).parent / name).is_file():
+        return shlex.quote(str(path))
+    return name
 
 
 def _release(holder: dict, *, failed: bool) -> None:

@@ -56,7 +56,9 @@ class TargetConfig:
             raise ConfigError(f"target.quantize=fp8 runs the target in bfloat16 around its FP8 matmuls; "
                               f"target.dtype={self.dtype!r} conflicts with it: set target.dtype=bfloat16")
         if self.path is not None and self.random_init is not None:
-            raise ConfigError("set either target.path or target.random_init, not both")
+            raise ConfigError(f"set either target.path or target.random_init, not both: to train on "
+                              f"target.path={self.path}, add target.random_init=null (the recipe, e.g. demo, sets a "
+                              "random target); to keep the random target, drop target.path")
 
 
 def loading_error(key: str, name: str, what: str, error: Exception) -> ConfigError:

@@ -372,6 +372,24 @@ def _truncate_metrics(path: Path, step: int) -> None:
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in read_metrics(path, upto=step)))
 
 
+def budget_note(config: Config, remaining_jobs: int, num_drafters: int, start_step: int) -> str:
+    """Which budget ends the run (the data's epochs, train.max_steps) and what the other would allow; the minutes
+    (train.max_minutes) are said when set, since only the run can tell whether they bind."""
+    data_steps = start_step + math.ceil(remaining_jobs / (config.train.grad_accum * max(1, num_drafters)))
+    epochs = f"train.num_epochs={config.train.num_epochs} ({remaining_jobs} jobs left)"
+    max_steps = config.train.max_steps
+    if max_steps is not None and max_steps < data_steps:
+        note = f"train.max_steps={max_steps} ends this run at step {max_steps}; {epochs} would allow {data_steps}"
+    elif max_steps is not None:
+        note = (f"the data ends this run at step {data_steps}: {epochs}, before train.max_steps={max_steps}; "
+                "raise train.num_epochs to train longer")
+    else:
+        note = f"the data ends this run at step {data_steps}: {epochs}"
+    if config.train.max_minutes is not None:
+        note += f", unless train.max_minutes={config.train.max_minutes} runs out first"
+    return note
+
+
 def planned_steps(config: Config, remaining_jobs: int, num_drafters: int, start_step: int) -> int:
     """Optimizer steps the schedule spans: the remaining jobs over (grad_accum x drafters), capped by max_steps."""
     steps = start_step + math.ceil(remaining_jobs / (config.train.grad_accum * max(1, num_drafters)))
