@@ -228,7 +228,7 @@ def test_prompts_path_errors(tmp_path, capsys):
     assert rc == 2 and "missing.jsonl not found" in capsys.readouterr().err
     rc = cli.main(["eval", "target.random_init=tiny", "target.tokenizer=tiny"])
     assert rc == 2 and "needs --drafter" in capsys.readouterr().err
-    for argv, needs in ((["eval"], "needs --drafter EXPORT_DIR"), (["export", "--out", "o"], "needs --checkpoint"),
+    for argv, needs in ((["eval"], "needs --drafter DIR"), (["export", "--out", "o"], "needs --checkpoint"),
                         (["export"], "needs --checkpoint CHECKPOINT_DIR (RUN_DIR/checkpoints/step_N) and --out DIR")):
         assert cli.main(argv) == 2  # no config at all: the missing option is named, not target.path
         err = capsys.readouterr().err

@@ -42,6 +42,7 @@ def test_dataset_without_trainable_sequence(tmp_path, capsys):
     assert train_in_process(tmp_path / "run", f"data.path={data}", "data.num_eval_conversations=0") == 2
     err = capsys.readouterr().err
     assert "no trainable sequence" in err and "supervised tokens" in err
+    assert "held out" not in err  # none was (data.num_eval_conversations=0)
 
 
 def test_a_held_out_set_that_leaves_nothing_to_train_on_is_named(tmp_path, capsys):
@@ -54,8 +55,8 @@ def test_a_held_out_set_that_leaves_nothing_to_train_on_is_named(tmp_path, capsy
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert train_in_process(tmp_path / "run", f"data.path={data}", "data.num_eval_conversations=8") == 2
     err = capsys.readouterr().err
-    assert "data.num_eval_conversations=8 held out 8 conversations" in err and "leaving 0 to train on" in err
-    assert "data.num_eval_conversations=1 keeps more" in err
+    assert "no conversation left to train on" in err and "data.num_eval_conversations=8 held out all 8" in err
+    assert "data.num_eval_conversations=1 keeps most" in err
     assert train_in_process(tmp_path / "run2", f"data.path={data}", "data.num_eval_conversations=1",
                             "train.max_steps=1") == 0
 
@@ -184,7 +185,7 @@ def test_damaged_checkpoint_export_refused_and_resume_falls_back(tmp_path, capsy
     err = capsys.readouterr().err
     assert f"its weights file {legacy / 'drafter.safetensors'} cannot be read" in err, err
     others = f"{run / 'checkpoints' / 'step_1'}, {run / 'checkpoints' / 'step_2'}"  # finished ones, by step
-    assert f"export another checkpoint instead ({others})" in err, err
+    assert f"use another checkpoint instead ({others})" in err, err
 
 
 def test_unwritable_checkpoints_folder_fails_at_start_not_at_the_first_save(tmp_path, capsys):

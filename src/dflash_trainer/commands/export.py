@@ -29,8 +29,8 @@ def run(config: Config, args) -> int:
     if save_target and getattr(args, "verifier", None):
         raise ConfigError("pass --verifier or --save-target, not both (--save-target records the folder it writes)")
     if getattr(args, "format", "dflash") != "speculators" and (getattr(args, "verifier", None) or save_target):
-        raise ConfigError("--verifier and --save-target are for --format speculators (the DFlash format does not "
-                          "record the target)")
+        flag = "--save-target" if save_target else "--verifier"
+        raise ConfigError(f"{flag} is for --format speculators (the DFlash format does not record the target)")
     if save_target:
         args.verifier = str(_saved_target(config, checked_out_dir(save_target, flag="--save-target")))
     if getattr(args, "format", "dflash") == "speculators":

@@ -136,22 +136,22 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
         log.info("tokenized data from cache %s", path)
     dataset, meta = cached or built
     source_names = [s.path for s in config.data.resolved_sources()]
-    if len(dataset) == 0 and meta["eval"] and not meta.get("layout_problem"):
-        held_out, left = len(meta["eval"]), meta.get("train_conversations", 0)
+    held_out, n_eval = len(meta["eval"]), config.data.num_eval_conversations
+    if len(dataset) == 0 and held_out and meta.get("train_conversations") == 0:
         raise DataError(
-            f"no trainable sequence in {source_names}: data.num_eval_conversations={config.data.num_eval_conversations}"
-            f" held out {held_out} conversations for evaluation, leaving {left} to train on, none of them trainable "
-            f"(dropped: {meta['dropped']}). Lower it (data.num_eval_conversations={max(1, held_out // 5)} keeps more "
-            f"for training) or give more data; each trained sequence needs >= {2 * config.drafter.block_size} "
-            f"supervised tokens within data.max_length = {config.data.max_length}"
+            f"no conversation left to train on in {source_names}: data.num_eval_conversations={n_eval} held out all "
+            f"{held_out} of them for evaluation. Lower it (data.num_eval_conversations={max(1, held_out // 5)} keeps "
+            f"most for training) or give more data"
         )
     if len(dataset) == 0 and meta.get("layout_problem"):
         raise DataError(f"no trainable sequence: {meta['layout_problem']} (dropped: {meta['dropped']})")
     if len(dataset) == 0:
+        held = (f"; {held_out} more are held out for evaluation (data.num_eval_conversations={n_eval}): lower it if "
+                "those are the ones that would train") if held_out else ""
         raise DataError(
             f"no trainable sequence in {source_names} (dropped: {meta['dropped']}). Check data.path and the format, "
             f"or allow more: each sequence needs >= 2 * drafter.block_size = {2 * config.drafter.block_size} "
-            f"supervised tokens within data.max_length = {config.data.max_length}"
+            f"supervised tokens within data.max_length = {config.data.max_length}{held}"
         )
     if meta["truncated"]:
         log.warning("%d conversations were cut at data.max_length=%d (%d tokens left out, not trained on); raise "
