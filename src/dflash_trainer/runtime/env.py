@@ -65,7 +65,8 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float) -> tu
     if incarnation is None:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id)
     else:  # torchrun may restart the job: this incarnation's keys under its own prefix (elastic.py)
+        store = dist.PrefixStore(incarnation.prefix, incarnation.store)
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id, rank=env.rank,
-                                world_size=env.world_size, store=dist.PrefixStore(incarnation.prefix, incarnation.store))
+                                world_size=env.world_size, store=store)
     store = dist.distributed_c10d._get_default_store()
     return store, dist.group.WORLD

@@ -85,34 +85,9 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
         summary = _run_role(setup, control, stop) if not setup.finished else None
         if setup.finished:
             if env.rank == 0:
-                holder["claim"].restore_config()  # left as it was: this resume changed nothing
-                limits = ["every planned job committed"]
-                if config.train.max_steps is not None:
-                    limits.append(f"train.max_steps={config.train.max_steps} reached")
-                if config.train.max_minutes is not None:
-                    limits.append(f"train.max_minutes={config.train.max_minutes} spent over its sessions")
-                print(f"run.dir={setup.run_dir} is finished: its summary says ok and nothing is left to train "
-                      f"({', or '.join(limits)}). It is left as it is. "
-                      "To train on, resume with a higher train.max_steps, train.num_epochs or train.max_minutes; its "
-                      "drafters are in export/ and best/.", flush=True)
+                _say_finished(config, setup.run_dir, holder["claim"])
         elif summary is not None:
-            if stop.requested():
-                summary["status"] = "stopped"
-                summary["stopped_by"] = signal.Signals(stop.signum).name
-                summary["resume_command"] = resume_command(setup.run_dir, env)
-            if resume_changes:
-                summary["resume_changes"] = [{"key": c.key, "old": c.old, "new": c.new} for c in resume_changes]
-            if this_incarnation() is not None:  # under torchrun --max-restarts: how many restarts, and why
-                summary["restarts"] = recorded_restarts(setup.run_dir)
-            summary["elapsed_s"] = round(time.time() - started, 3)
-            write_summary_file(setup.run_dir, summary)
-            print_summary(summary, setup.run_dir)
-            if stop.requested():
-                print(f"stopped by {summary['stopped_by']}; continue this run with:\n  {summary['resume_command']}",
-                      flush=True)
-            if config.logging.report:
-                _write_report(setup.run_dir)
-            control.set_value("run_done", "1")
+            _write_run_summary(config, setup, control, stop, summary, resume_changes=resume_changes, started=started)
         else:
             control.wait_value("run_done")
     except BaseException as error:
@@ -142,6 +117,42 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
     if env.distributed:
         dist.destroy_process_group()
     return stop.exit_code
+
+
+def _say_finished(config: Config, run_dir: Path, claim) -> None:
+    """Rank 0, a resume of a run that ended well with nothing left to train: leave the run as it was, and say so."""
+    claim.restore_config()  # left as it was: this resume changed nothing
+    limits = ["every planned job committed"]
+    if config.train.max_steps is not None:
+        limits.append(f"train.max_steps={config.train.max_steps} reached")
+    if config.train.max_minutes is not None:
+        limits.append(f"train.max_minutes={config.train.max_minutes} spent over its sessions")
+    print(f"run.dir={run_dir} is finished: its summary says ok and nothing is left to train "
+          f"({', or '.join(limits)}). It is left as it is. "
+          "To train on, resume with a higher train.max_steps, train.num_epochs or train.max_minutes; its "
+          "drafters are in export/ and best/.", flush=True)
+
+
+def _write_run_summary(config: Config, setup: RunSetup, control: ControlPlane, stop: StopSignals, summary: dict, *,
+                       resume_changes: tuple[Change, ...], started: float) -> None:
+    """The rank that holds the run's summary: complete it (how it ended, resume changes, restarts, time), write and
+    print it (and the report), then tell the other ranks the run is done."""
+    if stop.requested():
+        summary["status"] = "stopped"
+        summary["stopped_by"] = signal.Signals(stop.signum).name
+        summary["resume_command"] = resume_command(setup.run_dir, setup.env)
+    if resume_changes:
+        summary["resume_changes"] = [{"key": c.key, "old": c.old, "new": c.new} for c in resume_changes]
+    if this_incarnation() is not None:  # under torchrun --max-restarts: how many restarts, and why
+        summary["restarts"] = recorded_restarts(setup.run_dir)
+    summary["elapsed_s"] = round(time.time() - started, 3)
+    write_summary_file(setup.run_dir, summary)
+    print_summary(summary, setup.run_dir)
+    if stop.requested():
+        print(f"stopped by {summary['stopped_by']}; continue this run with:\n  {summary['resume_command']}", flush=True)
+    if config.logging.report:
+        _write_report(setup.run_dir)
+    control.set_value("run_done", "1")
 
 
 def resume_command(run_dir: Path, env) -> str:

@@ -151,27 +151,8 @@ class DrafterTrainer:
             self._restore(resume)
         self.chunks = plan_step_chunks(config, self.model, device)
         """How the step splits a batch's blocks; held-out validation drafts its anchors in the same chunks."""
-        self.loop = StepLoop(
-            start_step=resume.state.step if resume is not None else 0,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            micro_step=make_micro_step(config, self.model, head, device=device, progress=self.progress,
-                                       shards=shards, chunks=self.chunks),
-            # a CP group trains each job together: its first rank alone commits it (the ledger counts it once)
-            job_key=lambda b: (b.epoch, b.job_id) if shards is None or shards.index == 0 else None,
-            grad_accum=config.train.grad_accum,
-            block_size=spec.block_size,
-            grad_clip=config.train.grad_clip,
-            group=group,
-            device=device,
-            max_steps=config.train.max_steps,
-            max_nonfinite_steps=config.train.max_nonfinite_steps,
-            dummy_batch=dummy_batch if self.sharded else None,
-            time_budget_s=60.0 * config.train.max_minutes if config.train.max_minutes is not None else None,
-            time_spent_s=float(resume.state.extra.get("time_spent_s", 0.0)) if resume is not None else 0.0,
-            stop_requested=stop_requested,
-        )
+        self.loop = self._step_loop(resume, head=head, shards=shards, dummy_batch=dummy_batch,
+                                    stop_requested=stop_requested)
         if resume is not None:
             self.loop.state.tokens = int(resume.state.extra.get("tokens", 0))  # tokens_trained counts every session
             if is_leader:
@@ -182,6 +163,32 @@ class DrafterTrainer:
         self.shown: dict[str, str] = {}
         """Latest evaluation figures shown beside the training figures in the progress bar."""
         self.last_saved_step: Optional[int] = resume.state.step if resume is not None else None
+
+    def _step_loop(self, resume: Optional[LoadedCheckpoint], *, head: TargetHead, shards: Optional[ShardGroup],
+                   dummy_batch: Optional[HiddenStateBatch], stop_requested: Callable[[], bool]) -> StepLoop:
+        """The optimizer-step loop over this trainer's model, from the resumed step and time spent."""
+        config, train = self.config, self.config.train
+        return StepLoop(
+            start_step=resume.state.step if resume is not None else 0,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            micro_step=make_micro_step(config, self.model, head, device=self.device, progress=self.progress,
+                                       shards=shards, chunks=self.chunks),
+            # a CP group trains each job together: its first rank alone commits it (the ledger counts it once)
+            job_key=lambda b: (b.epoch, b.job_id) if shards is None or shards.index == 0 else None,
+            grad_accum=train.grad_accum,
+            block_size=self.spec.block_size,
+            grad_clip=train.grad_clip,
+            group=self.group,
+            device=self.device,
+            max_steps=train.max_steps,
+            max_nonfinite_steps=train.max_nonfinite_steps,
+            dummy_batch=dummy_batch if self.sharded else None,
+            time_budget_s=60.0 * train.max_minutes if train.max_minutes is not None else None,
+            time_spent_s=float(resume.state.extra.get("time_spent_s", 0.0)) if resume is not None else 0.0,
+            stop_requested=stop_requested,
+        )
 
     def time_fraction(self) -> float:
         """Fraction of `train.max_minutes` spent (0 without a time budget)."""
