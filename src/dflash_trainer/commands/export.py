@@ -25,23 +25,23 @@ def run(config: Config, args) -> int:
     if not is_checkpoint(ckpt):
         raise ConfigError(f"--checkpoint {ckpt} is not a complete training checkpoint (checkpoints/step_N)")
     verifier = None  # the speculators format records the target to serve with; resolved before the work
-    save_target = getattr(args, "save_target", None)
-    if save_target and getattr(args, "verifier", None):
+    given, save_target = getattr(args, "verifier", None), getattr(args, "save_target", None)
+    if save_target and given:
         raise ConfigError("pass --verifier or --save-target, not both (--save-target records the folder it writes)")
-    if getattr(args, "format", "dflash") != "speculators" and (getattr(args, "verifier", None) or save_target):
+    if getattr(args, "format", "dflash") != "speculators" and (given or save_target):
         flag = "--save-target" if save_target else "--verifier"
         raise ConfigError(f"{flag} is for --format speculators (the DFlash format does not record the target)")
     if save_target:
-        args.verifier = str(_saved_target(config, checked_out_dir(save_target, flag="--save-target")))
+        given = str(_saved_target(config, checked_out_dir(save_target, flag="--save-target")))
     if getattr(args, "format", "dflash") == "speculators":
-        verifier = verifier_reference(getattr(args, "verifier", None), config.target)
+        verifier = verifier_reference(given, config.target)
     model, averaged = drafter_from_checkpoint(config, ckpt, flag="--checkpoint")
     if averaged:
         print(f"exporting the weight average (train.ema_decay) that {ckpt} holds")
     target_config = target_model_config(config.target)
     if verifier is not None:
         target_folder = config.target.path and Path(config.target.path).expanduser().resolve()
-        is_target = not getattr(args, "verifier", None) or Path(verifier) == target_folder
+        is_target = not given or Path(verifier) == target_folder
         out = export_speculators(model, out_dir, verifier=verifier, target_config=target_config,
                                  verifier_is_target=is_target)
     else:

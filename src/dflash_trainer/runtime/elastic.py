@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.rundir import RunDir, write_atomic
+from dflash_trainer.train.checkpoint import list_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def this_incarnation(timeout_s: float = 300.0) -> Optional[Incarnation]:
 
 def continuation(run_dir: Path) -> list[str]:
     """The overrides that continue a run in `run_dir` (module docstring)."""
-    if any((p / "COMPLETE").is_file() for _, p in RunDir(run_dir).checkpoint_dirs()):
+    if list_checkpoints(run_dir):
         return ["train.resume=latest", f"run.dir={run_dir}"]
     return [f"run.dir={run_dir}", "train.overwrite=true"]
 

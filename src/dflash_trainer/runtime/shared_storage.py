@@ -20,6 +20,7 @@ from dflash_trainer.rundir import RunDir, write_atomic
 SHARED_VIEW_TIMEOUT_S = 90.0
 """How long a node waits to see rank 0's token (NFS's directory cache lasts up to 60 s by default)."""
 
+
 def publish_token(run_dir: Path) -> str:
     """Rank 0: a new token in the run dir; returns it (to put in the store)."""
     token = secrets.token_hex(8)

@@ -379,10 +379,15 @@ def _truncate_metrics(path: Path, step: int) -> None:
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in read_metrics(path, upto=step)))
 
 
+def _data_steps(config: Config, remaining_jobs: int, num_drafters: int, start_step: int) -> int:
+    """The step at which the remaining jobs run out: one job per drafter per micro-step, grad_accum a step."""
+    return start_step + math.ceil(remaining_jobs / (config.train.grad_accum * max(1, num_drafters)))
+
+
 def budget_note(config: Config, remaining_jobs: int, num_drafters: int, start_step: int) -> str:
     """Which budget ends the run (the data's epochs, train.max_steps) and what the other would allow; the minutes
     (train.max_minutes) are said when set, since only the run can tell whether they bind."""
-    data_steps = start_step + math.ceil(remaining_jobs / (config.train.grad_accum * max(1, num_drafters)))
+    data_steps = _data_steps(config, remaining_jobs, num_drafters, start_step)
     epochs = f"train.num_epochs={config.train.num_epochs} ({remaining_jobs} jobs left)"
     max_steps = config.train.max_steps
     if max_steps is not None and max_steps < data_steps:
@@ -399,7 +404,7 @@ def budget_note(config: Config, remaining_jobs: int, num_drafters: int, start_st
 
 def planned_steps(config: Config, remaining_jobs: int, num_drafters: int, start_step: int) -> int:
     """Optimizer steps the schedule spans: the remaining jobs over (grad_accum x drafters), capped by max_steps."""
-    steps = start_step + math.ceil(remaining_jobs / (config.train.grad_accum * max(1, num_drafters)))
+    steps = _data_steps(config, remaining_jobs, num_drafters, start_step)
     if config.train.max_steps is not None:
         steps = min(steps, config.train.max_steps)
     return max(1, steps)
