@@ -12,8 +12,9 @@ SPLIT = ("pipeline.colocated=false", "pipeline.num_targets=1", "train.checkpoint
 
 def test_two_nodes_train_every_job_once_and_keep_hidden_states_inside_each_node(tmp_path):
     """Ranks 0-2 on node 0 and 3-5 on node 1 (target, drafter, drafter on each): every planned job trained once
-    across both nodes, each target's batches only to its own node's drafters, one summary and one metrics series; the same run as one node with the same six ranks (2 targets, 4 drafters: the same
-    global batch) within tolerance."""
+    across both nodes, each target's batches only to its own node's drafters, one summary and one metrics series.
+    Against one node running the same six ranks (2 targets, 4 drafters: the same global batch): the same tokens,
+    each run as many steps as its busiest drafter had batches, the loss within tolerance."""
     two = tmp_path / "two-nodes"
     launch = torchrun(two, 3, *SPLIT, nnodes=2, timeout_s=240)
     s = assert_ok(launch)
@@ -37,8 +38,22 @@ def test_two_nodes_train_every_job_once_and_keep_hidden_states_inside_each_node(
     s1 = assert_ok(torchrun(one, 6, "pipeline.colocated=false", "pipeline.num_targets=2",
                             "train.checkpoint_interval=2", timeout_s=240))
     assert s1["roles"] == ["target", "target", "drafter", "drafter", "drafter", "drafter"]
-    assert s1["tokens_trained"] == s["tokens_trained"] and abs(s1["steps"] - s["steps"]) <= 1
+    assert s1["tokens_trained"] == s["tokens_trained"]
+    # The store hands jobs to whichever target asks first, so one node's drafters may get more batches than the
+    # other's; drafters step together until the last one runs dry: a run takes as many steps (grad_accum 1) as its
+    # busiest drafter had batches, at least the batches over the four drafters.
+    for summary in (s, s1):
+        assert summary["steps"] == max(batches_per_drafter(summary).values())
+        assert summary["steps"] >= -(-sum(summary["target_batches"].values()) // 4)
     assert abs(s1["final_loss"] - s["final_loss"]) <= 0.05 * s1["final_loss"]
+
+
+def batches_per_drafter(summary: dict) -> Counter:
+    """Batches each drafter rank received, over every target."""
+    received = Counter()
+    for to in summary["target_sends"].values():
+        received.update({int(d): n for d, n in to.items()})
+    return received
 
 
 def test_a_rank_killed_on_one_node_restarts_both_nodes_and_the_run_continues(tmp_path):
