@@ -1,5 +1,6 @@
-"""`--out` of regenerate, eval, export and report: a file, a path inside a file, or a folder nobody can write
-is a clear error (exit 2) before any work (no target loaded, no checkpoint read, no figure drawn)."""
+"""`--out` of regenerate, eval, export and report: a file, a path inside a file, a folder nobody can write, or a
+folder a run owns (it would rewrite or delete the output) is a clear error (exit 2) before any work (no target
+loaded, no checkpoint read, no figure drawn)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,38 @@ def bad_outs(tmp_path):
 @pytest.mark.parametrize("case", ["file", "inside a file", "unwritable"])
 @pytest.mark.parametrize("command", ["regenerate", "eval", "export", "report"])
 def test_bad_out_is_refused_before_the_work(command, case, bad_outs, tmp_path, monkeypatch, capsys):
+    _refused_before_the_work(command, *bad_outs[case], tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("inside", ["checkpoints/step_2/exported", "export/mine", "best", "plan/x", "tensorboard"])
+@pytest.mark.parametrize("command", ["regenerate", "eval", "export", "report"])
+def test_an_out_inside_a_folder_the_run_owns_is_refused(command, inside, tmp_path, monkeypatch, capsys):
+    """`export --out RUN/checkpoints/step_N/exported` would be deleted when a resume rotates step_N away."""
+    from dflash_trainer.rundir import RunDir
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    RunDir(run).marker.write_text("{}\n")
+    why = "resuming keeps only the newest" if inside.startswith("checkpoints") else "which the run in"
+    _refused_before_the_work(command, str(run / inside), why, tmp_path, monkeypatch, capsys)
+
+
+def test_outs_beside_a_run_s_own_folders_are_taken(tmp_path):
+    from dflash_trainer.commands.out_dir import checked_out_dir
+    from dflash_trainer.rundir import RunDir
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    RunDir(run).marker.write_text("{}\n")
+    for out in (run / "exports" / "step_2", run / "my-export", tmp_path / "elsewhere", run / "checkpoints-copy"):
+        assert checked_out_dir(out) == out
+    assert checked_out_dir(run / "report", owned_ok=run / "report") == run / "report"  # `report`'s own folder
+    unmarked = tmp_path / "not-a-run"
+    (unmarked / "checkpoints").mkdir(parents=True)  # no .dflash-run: a folder of the user's, not a run
+    assert checked_out_dir(unmarked / "checkpoints" / "x") == unmarked / "checkpoints" / "x"
+
+
+def _refused_before_the_work(command, out, message, tmp_path, monkeypatch, capsys):
     import dflash_trainer.commands.eval as eval_command  # imported before the patches: its names stay real
     import dflash_trainer.commands.regenerate as regenerate_command
     import dflash_trainer.report.page as page
@@ -38,10 +71,9 @@ def test_bad_out_is_refused_before_the_work(command, case, bad_outs, tmp_path, m
     monkeypatch.setattr(target_load, "target_model_config", _no_work)
     monkeypatch.setattr(regenerate_command, "build_backend", _no_work)
     monkeypatch.setattr(page, "write_report", _no_work)
-    out, message = bad_outs[case]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    run = tmp_path / "run"
+    run = tmp_path / "reported"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     argv = {

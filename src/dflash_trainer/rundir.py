@@ -104,6 +104,23 @@ def run_dir_given(flag: str, path: str | os.PathLike, *, checkpoints_only: bool 
     return f"{flag} {path} is a run directory; pass {kinds} (it holds: {held})"
 
 
+def owned_folder_problem(path: str | os.PathLike, *, allowed: Optional[Path] = None) -> Optional[str]:
+    """Why `path` may not take a command's output: it lies inside a folder a run (a marked run dir above it) owns
+    and will rewrite or delete (`RunDir.owned_folders`); None where it may. `allowed`: the one owned folder the
+    command writes on the run's behalf (`report`'s RUN/report)."""
+    path = Path(path).expanduser().resolve()
+    for run in path.parents:
+        layout = RunDir(run)
+        if not layout.is_marked():
+            continue
+        for folder, fate in layout.owned_folders().items():
+            inside = path == folder or folder in path.parents
+            if inside and not (allowed is not None and folder == Path(allowed).expanduser().resolve()):
+                return (f"it is inside {folder}, which the run in {run} owns: {fate}; give a folder outside it "
+                        f"(for example {run / 'exports' / path.name})")
+    return None
+
+
 def check_input_dir(flag: str, path: str | os.PathLike) -> None:
     """`input_dir_problem`, raised."""
     if problem := input_dir_problem(flag, path):
@@ -226,6 +243,22 @@ class RunDir:
         made, holds nothing)."""
         return [p for p in self.training_outputs()
                 if p.exists() and not (p.is_dir() and not p.is_symlink() and not any(p.iterdir()))]
+
+    def owned_folders(self) -> dict[Path, str]:
+        """The folders the run rewrites or deletes by itself, each with what happens to it: a user's output placed
+        inside one would be lost without a word."""
+        overwrite = "--overwrite deletes it"
+        return {
+            self.checkpoints: "resuming keeps only the newest train.keep_last checkpoints and deletes the rest "
+                              "with what they hold",
+            self.export: "the run writes its final drafter there",
+            self.best: "the run writes its best drafter there",
+            self.best_tmp: "the run writes its best drafter there",
+            self.eval_exports: "the run writes drafters to evaluate there",
+            self.plan: "plan and train rewrite it",
+            self.tensorboard: overwrite,
+            self.report: overwrite,
+        }
 
     def is_marked(self) -> bool:
         return self.marker.is_file()

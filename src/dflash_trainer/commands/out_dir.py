@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.rundir import owned_folder_problem
 
 
-def checked_out_dir(out: str | Path, *, flag: str = "--out") -> Path:
-    """`out` as a Path, when it is a directory or can become one and this process can write there; else a
-    ConfigError naming the path, why, and the fix. Nothing is created: a probe file in the nearest existing
-    folder is removed at once."""
+def checked_out_dir(out: str | Path, *, flag: str = "--out", owned_ok: Optional[Path] = None) -> Path:
+    """`out` as a Path, when it is a directory or can become one, this process can write there, and no run will
+    rewrite or delete it (not inside a run's checkpoints, export, plan...; `owned_ok`: the one run folder this
+    command writes for the run); else a ConfigError naming the path, why, and the fix. Nothing is created: a probe
+    file in the nearest existing folder is removed at once."""
     path = Path(out).expanduser()
+    problem = owned_folder_problem(path, allowed=owned_ok)
+    if problem is not None:
+        raise ConfigError(f"{flag} {out}: {problem}")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{flag} {out} is a file; give a directory")
     existing = path

@@ -19,7 +19,7 @@ def run(config: Optional[Config], args) -> int:
     if not layout.metrics.is_file() and not layout.summary.is_file():
         raise ConfigError(f"{run_dir} holds no metrics.jsonl or summary.json: not a training run directory")
     out = getattr(args, "out", None)
-    checked_out_dir(out or layout.report, flag="--out" if out else "the report folder")
+    checked_out_dir(out or layout.report, flag="--out" if out else "the report folder", owned_ok=layout.report)
     start = time.perf_counter()
     index = write_report(run_dir, out)
     print(f"report: {index} (and one PNG per figure) [{time.perf_counter() - start:.1f}s]")

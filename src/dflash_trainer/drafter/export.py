@@ -216,10 +216,23 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
     return spec, state
 
 
+def shape_mismatches(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> list[str]:
+    """`key: (state's shape) vs (own shape)` for each weight of `state` whose shape differs from `own`'s."""
+    return [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+            if k in own and v.shape != own[k].shape]
+
+
 def load_drafter(path: str | os.PathLike, *, attention: str = "auto") -> DFlashDrafter:
-    """A drafter rebuilt from an export directory, on CPU in the exported dtype."""
+    """A drafter rebuilt from an export directory, on CPU in the exported dtype. Weights whose shapes differ from
+    what config.json describes (a config edited by hand, or from another export) are named, not a traceback."""
     spec, state = read_export(path)
     model = DFlashDrafter(spec, attention=attention).to(state["fc.weight"].dtype)
+    wrong = shape_mismatches(model.state_dict(), state)
+    if wrong:
+        root = Path(path)
+        raise ConfigError(f"{root / WEIGHTS_NAME} does not fit {root / CONFIG_NAME} (the weights' shape vs the "
+                          f"config's: {wrong[:4]}): the config was edited or belongs to another export; restore it "
+                          "or export the drafter again")
     model.load_state_dict(state, strict=True)
     return model
 
@@ -245,7 +258,7 @@ def warm_start(model: DFlashDrafter, state: dict[str, torch.Tensor], *, variant:
             f"{list(model.spec.tap_layer_ids)}; set drafter.tap_layer_ids to match"
         )
     own = model.state_dict()
-    wrong = [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items() if v.shape != own[k].shape]
+    wrong = shape_mismatches(own, state)
     if wrong:
         raise ConfigError(f"{where} has shapes that do not fit this drafter: {wrong[:4]}")
     with torch.no_grad():

@@ -23,24 +23,32 @@ from dflash_trainer.eval.proposers import DFlashBatchProposer
 from dflash_trainer.rundir import RunDir
 from dflash_trainer.target.checks import check_target
 from dflash_trainer.target.head import TargetHead
-from dflash_trainer.target.load import find_decoder_layers
+from dflash_trainer.target.load import find_decoder_layers, text_config
 from dflash_trainer.target.stop_tokens import stop_token_ids
 
 log = logging.getLogger(__name__)
 
 
 def check_drafter_fits(spec: DrafterSpec, target: nn.Module, *, where: str) -> None:
-    """The drafter can run on this target: same hidden size, mask id a row of the target's embedding, taps
-    on existing layers other than the last. `where` names the drafter (an export directory) in the error."""
+    """The drafter can run on this target and was made for one like it: the same hidden size, vocabulary and
+    depth (its taps were chosen for that depth), the mask id a row of the target's embedding, taps on existing
+    layers other than the last. `where` names the drafter (an export directory) in the error, which gives both
+    values: a drafter of another target would run and report a meaningless tau."""
     try:
         check_target(target, tap_layer_ids=spec.tap_layer_ids, drafter_hidden_size=spec.hidden_size,
                      mask_token_id=spec.mask_token_id)
     except ConfigError as e:
         raise ConfigError(f"drafter {where} does not fit the target: {e}") from None
-    num_layers = len(find_decoder_layers(target))
-    if spec.num_target_layers != num_layers:
-        log.warning("drafter %s was built for a %d-layer target, this target has %d layers; evaluating anyway",
-                    where, spec.num_target_layers, num_layers)
+    config = text_config(target.config)
+    made_for = {"vocabulary (vocab_size)": (spec.vocab_size, int(config.vocab_size)),
+                "decoder layers": (spec.num_target_layers, len(find_decoder_layers(target)))}
+    wrong = [f"{what} {drafter} vs {this}" for what, (drafter, this) in made_for.items() if drafter != this]
+    if wrong:
+        raise ConfigError(
+            f"drafter {where} was made for another target ({'; '.join(wrong)}: the drafter's, then this target's "
+            f"{getattr(config, 'name_or_path', '') or 'model'}): evaluate it with the target it was trained for "
+            "(target.path, or --config RUN_DIR/config.yaml), or train a drafter for this target"
+        )
 
 
 def eval_prompts_path(config: Config) -> Path:
