@@ -20,6 +20,7 @@ from dflash_trainer.data.config import DataConfig, RegenerateConfig
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.config import EvalConfig
+from dflash_trainer.readback import decode_problem
 from dflash_trainer.runtime.config import PipelineConfig
 from dflash_trainer.synth.config import SynthesizeConfig
 from dflash_trainer.target.config import TargetConfig
@@ -150,12 +151,16 @@ def _load_recipe(path: Path):
     import yaml
 
     try:
+        path.read_bytes().decode("utf-8")  # first, so that a byte that is not UTF-8 is named by its file offset
         layer = OmegaConf.load(path)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"recipe {path}: not valid YAML{at}: {problem}; fix the file") from None
+    except UnicodeDecodeError as e:  # a byte damaged on disk, or a file saved in another encoding
+        raise ConfigError(f"recipe {path}: {decode_problem(e)}; fix the file (save it as UTF-8; a run's config.yaml "
+                          "is written again from the recipe and overrides it was started with)") from None
     if not OmegaConf.is_dict(layer):
         raise ConfigError(f"recipe {path}: the top level must be a mapping of sections (run:, target:, ...), "
                           f"not a list")

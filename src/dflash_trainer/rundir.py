@@ -44,13 +44,13 @@ MARKER_FORMAT = "dflash-train-run/1"
 _CHECKPOINT_NAME = re.compile(r"step_(\d+)")
 
 
-def write_atomic(path: Path, text: str) -> Path:
-    """Write `text` to `path` so that a reader (or a crash) never sees a half-written file: a temporary file
-    beside it, then one rename."""
+def write_atomic(path: Path, text: str | bytes) -> Path:
+    """Write `text` (UTF-8, or bytes as they are) to `path` so that a reader (or a crash) never sees a
+    half-written file: a temporary file beside it, then one rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
     os.replace(tmp, path)
     return path
 
@@ -277,8 +277,9 @@ class RunClaim:
         self.layout = RunDir(path)
         self.created = created
         self._lock: Optional[IO] = lock
-        self.previous_config: Optional[str] = None
-        """`config.yaml` as it was before this claim wrote its own (a resume), for `restore_config`."""
+        self.previous_config: Optional[bytes] = None
+        """`config.yaml` as it was before this claim wrote its own (a resume), for `restore_config`: bytes, as they
+        were (a damaged file is put back as it was, not decoded)."""
 
     def restore_config(self) -> None:
         """Put back the `config.yaml` the run had before this claim (a resume that found nothing to do leaves the
@@ -338,7 +339,7 @@ def claim_run_dir(config: Config, purpose: Literal["train", "plan"]) -> RunClaim
             _writing(path, lambda: _mark(layout))
         resolved = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
         if config.train.resume and layout.config.is_file():
-            claim.previous_config = layout.config.read_text()
+            claim.previous_config = layout.config.read_bytes()
         _writing(path, lambda: save_config(resolved, path))
         if purpose == "train":
             _check_writable(layout.checkpoints)  # now, not at the first checkpoint after hours of training

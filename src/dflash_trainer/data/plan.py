@@ -23,6 +23,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.data.bucketing import assign_buckets, pack_first_fit_decreasing
 from dflash_trainer.data.types import Conversation, Job
 from dflash_trainer.errors import ConfigError, DataError
+from dflash_trainer.readback import damaged, parse_json, read_json_file, read_text_file
 from dflash_trainer.rundir import RunDir, write_atomic
 
 JOB_ID_STRIDE = 10**6
@@ -112,17 +113,26 @@ def write_epoch_plan(run_dir: str | os.PathLike, plan: EpochPlan) -> Path:
     return write_atomic(RunDir(run_dir).epoch_plan(plan.epoch), json.dumps(asdict(plan), separators=(",", ":")))
 
 
+PLAN_FIX = ("delete it and run again: `train` writes it anew from the config (drawn from run.seed: the same jobs "
+            "for the same data and dflash-train version, so a resume still trains only what its checkpoint has not)")
+
+
 def read_epoch_plan(run_dir: str | os.PathLike, epoch: int) -> EpochPlan:
+    """The epoch's plan as written; a damaged file (not UTF-8, cut short, not a plan) is a DataError naming it."""
     path = RunDir(run_dir).epoch_plan(epoch)
     if not path.is_file():
         raise DataError(f"no epoch plan {path}; run `dflash-train plan` or start training to write it")
-    d = json.loads(path.read_text())
-    return EpochPlan(
-        epoch=d["epoch"], seed=d["seed"], token_budget=d["token_budget"], max_seqs=d["max_seqs"],
-        buckets=tuple(BucketInfo(**b) for b in d["buckets"]),
-        jobs=tuple(Job(job_id=j["job_id"], epoch=j["epoch"], bucket_id=j["bucket_id"],
-                       sequence_ids=tuple(j["sequence_ids"]), num_tokens=j["num_tokens"]) for j in d["jobs"]),
-    )
+    d = read_json_file(path, what="epoch plan", fix=PLAN_FIX)
+    try:
+        return EpochPlan(
+            epoch=d["epoch"], seed=d["seed"], token_budget=d["token_budget"], max_seqs=d["max_seqs"],
+            buckets=tuple(BucketInfo(**b) for b in d["buckets"]),
+            jobs=tuple(Job(job_id=j["job_id"], epoch=j["epoch"], bucket_id=j["bucket_id"],
+                           sequence_ids=tuple(j["sequence_ids"]), num_tokens=j["num_tokens"]) for j in d["jobs"]),
+        )
+    except (KeyError, TypeError) as e:
+        raise damaged(path, what="epoch plan", problem=f"not the plan we write: {type(e).__name__} {e}",
+                      fix=PLAN_FIX) from None
 
 
 # ---------------------------------------------------------------------------------------- eval slice
@@ -163,9 +173,24 @@ def write_eval_conversations(run_dir: str | os.PathLike, conversations: Sequence
     return write_atomic(RunDir(run_dir).eval_conversations, text)
 
 
+EVAL_FIX = "delete it: the next `train` or `plan` writes it again from the tokenized cache"
+
+
 def read_eval_conversations(run_dir: str | os.PathLike) -> list[Conversation]:
+    """The held-out conversations as written; a damaged line is a DataError naming the file and line."""
     path = RunDir(run_dir).eval_conversations
-    return [Conversation.from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    text = read_text_file(path, what="held-out conversations", fix=EVAL_FIX)
+    held = []
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        row = parse_json(line, path, what="held-out conversations", fix=EVAL_FIX, line=lineno)
+        try:
+            held.append(Conversation.from_json(row))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise damaged(f"{path}:{lineno}", what="held-out conversations", fix=EVAL_FIX,
+                          problem=f"not a conversation we write: {type(e).__name__} {e}") from None
+    return held
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:

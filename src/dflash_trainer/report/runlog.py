@@ -2,11 +2,14 @@
 
 Every file may be missing or partial (a killed run has no summary, a cut last metrics line); the metrics are
 read as resume reads them (`train/metrics.py: read_metrics`), so a resumed run's repeated steps appear once.
+A damaged file (not UTF-8, cut short, not what we write) is left out with a warning naming it: the report shows
+what the other files hold, rather than nothing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +18,8 @@ import yaml
 
 from dflash_trainer.rundir import RunDir
 from dflash_trainer.train.metrics import read_metrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,11 +48,33 @@ class RunLog:
 
 
 def _json(path: Path) -> Optional[dict[str, Any]]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+    """The JSON object in `path`: None when missing, or damaged (with a warning naming it)."""
+    if not path.is_file():
         return None
-    return value if isinstance(value, dict) else None
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        log.warning("left %s out of the report: unreadable or damaged (%s: %s)", path, type(e).__name__, e)
+        return None
+    if not isinstance(value, dict):
+        log.warning("left %s out of the report: a JSON %s, not the object we write", path, type(value).__name__)
+        return None
+    return value
+
+
+def _config(path: Path) -> dict[str, Any]:
+    """The run's resolved config: {} when missing, or damaged (with a warning naming it)."""
+    if not path.is_file():
+        return {}
+    try:
+        config = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except (OSError, ValueError, yaml.YAMLError) as e:  # UnicodeDecodeError is a ValueError
+        log.warning("left %s out of the report: unreadable or damaged (%s)", path, str(e).splitlines()[0])
+        return {}
+    if not isinstance(config, dict):
+        log.warning("left %s out of the report: not the mapping we write", path)
+        return {}
+    return config
 
 
 MARKERS = ("loss", "eval_tau", "val_walk_tau")
@@ -70,14 +97,10 @@ def _typed(row: dict[str, Any]) -> dict[str, Any]:
 def read_run(run_dir: str | Path) -> RunLog:
     run_dir = Path(run_dir)
     layout = RunDir(run_dir)
-    try:
-        config = yaml.safe_load(layout.config.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        config = {}
     rows = [_typed(r) for r in read_metrics(layout.metrics)]
     return RunLog(
         run_dir=run_dir,
-        config=config if isinstance(config, dict) else {},
+        config=_config(layout.config),
         summary=_json(layout.summary) or {},
         steps=[r for r in rows if "loss" in r],
         evals=[r for r in rows if "eval_tau" in r or "val_walk_tau" in r],

@@ -125,11 +125,22 @@ def continuation(run_dir: Path) -> list[str]:
 
 
 def _read_marker(run_dir: Path) -> dict:
+    """`RUN/.elastic.json`, or {} when there is none yet or it is damaged (a warning names it: the restarts it
+    counted are then missing from the summary, and the next incarnation writes it anew)."""
+    path = RunDir(run_dir).restarts
     try:
-        record = json.loads(RunDir(run_dir).restarts.read_text())
-    except (OSError, ValueError):
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
         return {}
-    return record if isinstance(record, dict) else {}
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        log.warning("ignoring the damaged restart record %s (%s: %s): the earlier restarts it counted are left out; "
+                    "it is written anew at the next restart", path, type(e).__name__, e)
+        return {}
+    if not isinstance(record, dict):
+        log.warning("ignoring the damaged restart record %s (a JSON %s, not the object we write)", path,
+                    type(record).__name__)
+        return {}
+    return record
 
 
 def set_aside_summary(incarnation: Incarnation, run_dir: Path) -> None:

@@ -38,6 +38,8 @@ def check_sees_token(run_dir: Path, token: str, *, timeout_s: float, poll_s: flo
             seen = path.read_text().strip()
         except OSError:
             seen = None
+        except ValueError:  # not UTF-8: damaged, or another tool's file
+            seen = "(unreadable)"
         if seen == token or time.monotonic() >= deadline:
             break
         time.sleep(poll_s)

@@ -90,12 +90,21 @@ def write_failed_summary(run_dir: Optional[Path], rank: int, cause: str, *, keep
     if run_dir is None or not Path(run_dir).is_dir():
         return
     path = RunDir(run_dir).summary
+    if keep_existing and _status(path) == "failed":
+        return
     try:
-        if keep_existing and path.is_file() and json.loads(path.read_text()).get("status") == "failed":
-            return
         write_summary_file(run_dir, {"status": "failed", "failed_rank": rank, "cause": cause})
     except (OSError, ValueError):
         pass
+
+
+def _status(path: Path) -> Optional[str]:
+    """The `status` of a summary file, or None when it is missing or damaged (then it is written anew)."""
+    try:
+        summary = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    return summary.get("status") if isinstance(summary, dict) else None
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:

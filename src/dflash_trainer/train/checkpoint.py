@@ -6,6 +6,11 @@ signature, data fingerprint) and `COMPLETE`, which records each file's size and 
 written into a temporary directory and renamed into place only after `COMPLETE` is on disk, so a crash while
 saving never leaves a directory that looks valid; resume and export check the sizes and checksums, so bytes
 damaged later are found too, and `train.resume=latest` falls back to the newest intact checkpoint.
+
+A damaged `COMPLETE` or `state.json` (not UTF-8, cut short, not the JSON we write) is damage like any other: the
+checkpoint is skipped by `train.resume=latest` with a warning naming it (the one before it is complete in itself:
+weights, optimizer, ledger and step agree, and the metrics are cut back to its step), and is a ConfigError naming
+the file where it was asked for by path. Never a decoding traceback.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.errors import ConfigError, StorageError
+from dflash_trainer.readback import damaged, decode_problem, read_json_file
 from dflash_trainer.rundir import RunDir
 
 COMPLETE = "COMPLETE"
@@ -45,30 +51,71 @@ def _crc32(path: Path) -> str:
 
 
 def checkpoint_problem(path: Path) -> Optional[str]:
-    """Why the checkpoint at `path` cannot be used (a file missing, cut short or changed since it was saved),
-    or None when it is intact."""
+    """Why the checkpoint at `path` cannot be used (a file missing, cut short or changed since it was saved, its
+    `COMPLETE` or `state.json` damaged), or None when it is intact. Never raises on damage: `resolve_resume`
+    skips a damaged checkpoint for the one before it."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         return f"no {COMPLETE} file (not a finished checkpoint)"
-    marker = (path / COMPLETE).read_text()
+    try:
+        marker = (path / COMPLETE).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"its {COMPLETE} file is damaged ({decode_problem(e)})"
     if marker == LEGACY_MARKER:
         log.warning("checkpoint %s has the legacy %s marker, written before checkpoints recorded their files' "
                     "sizes and checksums: damage to its files cannot be detected; using it unchecked. Resume from "
                     "(or export) a checkpoint written since, where there is one", path, COMPLETE)
-        return None
-    try:
-        files = json.loads(marker)["files"]
-    except (ValueError, KeyError, TypeError):
-        return f"its {COMPLETE} file is unreadable"
-    for name, want in files.items():
+        return _state_problem(path)
+    files = _listed_files(marker)
+    if files is None:
+        return f"its {COMPLETE} file is unreadable (cut short or damaged)"
+    for name, (size, crc) in files.items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
-        if f.stat().st_size != want["bytes"]:
-            return f"{name} has {f.stat().st_size} bytes, {want['bytes']} were saved"
-        if _crc32(f) != want["crc32"]:
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were saved"
+        if _crc32(f) != crc:
             return f"{name} does not match its checksum (its bytes changed after saving)"
+    return _state_problem(path)
+
+
+def _listed_files(marker: str) -> Optional[dict[str, tuple[int, str]]]:
+    """The files a `COMPLETE` marker lists, name: (bytes, crc32), or None when it is not the JSON we write."""
+    try:
+        files = json.loads(marker)["files"]
+        return {str(name): (int(want["bytes"]), str(want["crc32"])) for name, want in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _state_problem(path: Path) -> Optional[str]:
+    """Why `state.json` cannot be read (checksummed with the rest, so this finds only the damage of a legacy
+    checkpoint or a hand edit that rewrote `COMPLETE`), or None."""
+    try:
+        read_state(path)
+    except ConfigError as e:
+        return f"its state.json is damaged ({getattr(e, 'damage', e)})"
     return None
+
+
+def state_fix(path: Path) -> str:
+    """What to do about a damaged checkpoint: use the one before it (what `train.resume=latest` does by itself)."""
+    return (f"delete {Path(path)} and resume from the checkpoint before it (train.resume=latest skips a damaged "
+            "checkpoint by itself)")
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's `state.json`; damaged (not UTF-8, cut short, not the object we write, a key missing) is a
+    ConfigError naming it, with `state_fix`."""
+    file = Path(path) / "state.json"
+    fix = state_fix(path)
+    state = read_json_file(file, what="checkpoint state", fix=fix, error=ConfigError)
+    missing = [k for k in ("step", "epoch", "ledger", "model_signature", "data_fingerprint") if k not in state]
+    if missing or not isinstance(state["ledger"], dict) or not isinstance(state["model_signature"], dict):
+        problem = f"no {', '.join(missing)}" if missing else "ledger or model_signature is not an object"
+        raise damaged(file, what="checkpoint state", problem=problem, fix=fix, error=ConfigError)
+    return state
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,18 +284,22 @@ def resolve_resume(run_dir: Path, resume: str) -> Path:
 
 def read_ledger(path: Path) -> dict[int, list[int]]:
     """The job ledger of a complete checkpoint alone (target ranks need nothing else to resume)."""
-    state = json.loads((Path(path) / "state.json").read_text())
-    return {int(e): list(ids) for e, ids in state["ledger"].items()}
+    state = read_state(path)
+    try:
+        return {int(e): [int(i) for i in ids] for e, ids in state["ledger"].items()}
+    except (ValueError, TypeError):
+        raise damaged(Path(path) / "state.json", what="checkpoint state", problem="its job ledger is not ours",
+                      fix=state_fix(path), error=ConfigError) from None
 
 
 def read_step(path: Path) -> int:
     """The optimizer steps a complete checkpoint had done."""
-    return int(json.loads((Path(path) / "state.json").read_text())["step"])
+    return int(read_state(path)["step"])
 
 
 def read_time_spent_s(path: Path) -> float:
     """The training time (seconds, every session) a complete checkpoint had spent; 0 for one that did not say."""
-    extra = json.loads((Path(path) / "state.json").read_text()).get("extra") or {}
+    extra = read_state(path).get("extra") or {}
     return float(extra.get("time_spent_s", 0.0))
 
 
@@ -265,7 +316,7 @@ class LoadedCheckpoint:
 def check_fits(path: Path, *, model_signature: dict[str, Any], data_fingerprint: str) -> dict[str, Any]:
     """The checkpoint's `state.json`, once it is known to fit the config: the same drafter shape, the same data and
     plan settings (else a ConfigError naming the difference)."""
-    payload = json.loads((Path(path) / "state.json").read_text())
+    payload = read_state(path)
     if payload["model_signature"] != model_signature:
         diff = {
             k: (payload["model_signature"].get(k), v)
@@ -318,7 +369,7 @@ def read_checkpoint_drafter(path: Path) -> CheckpointDrafter:
     problem = checkpoint_problem(path)
     if problem is not None:
         raise ConfigError(f"drafter.init_from={path} is damaged: {problem}; start from another checkpoint")
-    signature = json.loads((path / "state.json").read_text())["model_signature"]
+    signature = read_state(path)["model_signature"]
     raw, averaged = split_averaged(load_file(str(path / "drafter.safetensors")))
     weights = raw | {k[len(PREFIX):]: v for k, v in averaged.items()}
     return CheckpointDrafter(weights=weights, variant=signature.get("variant", "dflash"),

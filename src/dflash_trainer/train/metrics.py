@@ -103,19 +103,30 @@ def build_sinks(run_dir: Path, *, tensorboard: bool, wandb: bool, enabled: bool,
 def read_metrics(path: Path, *, upto: int | None = None) -> list[dict[str, Any]]:
     """The rows of a `metrics.jsonl` as a run's history: a cut last line (a killed run) is left out, and where a
     resumed run wrote a step again, the later row replaces the earlier one and the rows after it (the steps
-    that resume trained again). `upto`: only rows of steps <= upto."""
+    that resume trained again). `upto`: only rows of steps <= upto.
+
+    Damaged lines (not UTF-8, not JSON) are left out and counted in one warning naming the file: the rest of
+    the history is still good, and resume rewrites the file without them. Only the last line, cut by a kill
+    mid-write, is left out without a warning."""
     if not path.is_file():
         return []
     rows: list[dict[str, Any]] = []
     last_step = 0  # of the training rows so far
-    foreign = 0
-    for line in path.read_text().split("\n"):
-        if not line.strip():
+    foreign = damaged = 0
+    first_damaged = None
+    lines = path.read_bytes().split(b"\n")
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line a killed run was writing
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            if lineno == len(lines):  # no newline after it: the line a killed run was writing
+                log.info("left out the cut last line of %s (a run stopped while writing it)", path)
+            else:
+                damaged += 1
+                first_damaged = first_damaged or lineno
+            continue
         step = row.get("step", 0) if isinstance(row, dict) else None
         if not isinstance(step, int) or isinstance(step, bool):
             foreign += 1  # not an object with an integer step: not a row we wrote
@@ -127,6 +138,9 @@ def read_metrics(path: Path, *, upto: int | None = None) -> list[dict[str, Any]]
                 rows = [r for r in rows if r.get("step", 0) < step]
             last_step = step
         rows.append(row)
+    if damaged:
+        log.warning("left out %d damaged line%s of %s (not UTF-8 or not JSON; the first is line %d): their steps "
+                    "are missing from the history", damaged, "s" if damaged > 1 else "", path, first_damaged)
     if foreign:
         log.warning("left out %d rows of %s that are not objects with an integer step (not rows we wrote)",
                     foreign, path)

@@ -1,0 +1,1 @@
+"""Long sequences on one GPU: chunked drafter steps, flex attention's kernel options, FlashAttention-4."""

@@ -1,0 +1,1 @@
+"""Acceptance length of a drafter served by vLLM and SGLang against dflash-train eval."""

@@ -1,0 +1,1 @@
+"""Self-made prompts (dflash-train synthesize): their diversity against a reference set."""

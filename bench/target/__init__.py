@@ -1,0 +1,1 @@
+"""The target forward: early exit, tap capture, padded batches, shapes seen for the first time."""
