@@ -2,7 +2,10 @@
 
 Chat replies are `re:<last user content>`. Behaviour is keyed by the last user message, so tests can make
 some prompts fail, fail a few times first, or be slow on their first attempts. Text completions are words drawn
-from the request's seed (or what `Behaviour.completion` says).
+from the request's seed (or what `Behaviour.completion` says). Server-wide faults: `fault` (every request on the
+`fault_on` endpoints answers wrongly: an HTTP error, malformed JSON, no choices, no content), `die_after` (the
+server stops answering after that many requests: each later connection is closed unanswered) and `reply_model`
+(replies name another model).
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ class Behaviour:
     """/v1/completions: the request body -> (text, finish_reason)."""
     completions_404: bool = False
     """Serve no /v1/completions (a server with the chat endpoint only)."""
+    fault: str = ""
+    """Every request on `fault_on` answers: `http_NNN` (that status), `malformed_json` (200, not JSON),
+    `no_choices` (200, a JSON object without choices), `null_content` / `empty_content` (a message or text of
+    null / ""), `whitespace_content`."""
+    fault_on: frozenset[str] = frozenset({"chat", "completions"})
+    die_after: int | None = None
+    """After this many POSTs (both endpoints), every connection is closed without an answer (a dead server)."""
+    reply_model: str | None = None
+    """The `model` replies name (None: the one asked for)."""
+    posts: int = 0
     attempts: Counter = field(default_factory=Counter)
     requests: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -57,15 +70,7 @@ def _handler(behaviour: Behaviour):
             pass
 
         def _send(self, code: int, obj) -> None:
-            data = json.dumps(obj).encode()
-            try:
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
-                pass
+            self._send_raw(code, json.dumps(obj).encode())
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
@@ -73,14 +78,59 @@ def _handler(behaviour: Behaviour):
             else:
                 self._send(404, {"error": "not found"})
 
+        def _send_raw(self, code: int, data: bytes) -> None:
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def _dead(self) -> bool:
+            """Counts the POST; True (and the connection closed unanswered) once the server is dead."""
+            with behaviour.lock:
+                behaviour.posts += 1
+                dead = behaviour.die_after is not None and behaviour.posts > behaviour.die_after
+            if dead:
+                self.close_connection = True
+            return dead
+
+        def _faulted(self, endpoint: str) -> bool:
+            """Answers with `behaviour.fault` (True) when it applies to `endpoint`; content faults are left to the
+            caller (False)."""
+            fault = behaviour.fault
+            if not fault or endpoint not in behaviour.fault_on or fault.endswith("_content"):
+                return False
+            if fault.startswith("http_"):
+                self._send(int(fault[5:]), {"error": "injected"})
+            elif fault == "malformed_json":
+                self._send_raw(200, b'{"choices": [{"message": ')
+            elif fault == "no_choices":
+                self._send(200, {"object": "chat.completion", "model": behaviour.models[0]})
+            else:
+                raise ValueError(f"unknown fault {fault!r}")
+            return True
+
+        def _content(self, endpoint: str, text: str) -> str | None:
+            if endpoint not in behaviour.fault_on:
+                return text
+            return {"null_content": None, "empty_content": "", "whitespace_content": " \n "}.get(behaviour.fault, text)
+
         def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self._dead():
+                return
             if self.path == "/v1/completions" and not behaviour.completions_404:
-                self._complete_text(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                if not self._faulted("completions"):
+                    self._complete_text(body)
                 return
             if self.path != "/v1/chat/completions":
                 self._send(404, {"error": "not found"})
                 return
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self._faulted("chat"):
+                return
             prompt = body["messages"][-1]["content"]
             with behaviour.lock:
                 behaviour.requests.append(body)
@@ -97,16 +147,19 @@ def _handler(behaviour: Behaviour):
             elif attempt <= behaviour.fail_first:
                 self._send(503, {"error": "overloaded"})
             else:
-                message = {"role": "assistant", "content": f"re:{prompt}"}
+                message = {"role": "assistant", "content": self._content("chat", f"re:{prompt}")}
                 if behaviour.reasoning:
                     message["reasoning_content"] = f"thinking about {prompt}"
-                self._send(200, {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
+                self._send(200, {"model": behaviour.reply_model or body.get("model"),
+                                 "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
 
         def _complete_text(self, body: dict) -> None:
             with behaviour.lock:
                 behaviour.requests.append(body)
             text, finish = behaviour.completion(body)
-            self._send(200, {"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+            self._send(200, {"model": behaviour.reply_model or body.get("model"),
+                             "choices": [{"index": 0, "text": self._content("completions", text),
+                                          "finish_reason": finish}]})
 
     return Handler
 

@@ -249,7 +249,9 @@ def test_http_retries_then_fails(tmp_path):
     with FakeServer(behaviour) as server:
         summary = regenerate(simple(6), backend=http_backend(server.url, max_retries=2), out_dir=tmp_path,
                              settings=SETTINGS, progress=False)
-    assert (summary.rows_done, summary.rows_failed, summary.complete) == (4, 2, True)
+    # q3's server fault leaves the output incomplete (a rerun may write it); q4's refusal does not
+    assert (summary.rows_done, summary.rows_failed, summary.complete) == (4, 2, False)
+    assert summary.failures == {"HTTP 500": 1, "HTTP 400": 1} and summary.rows_missing == 1
     assert sorted(shard_ids(tmp_path)) == ["src:0", "src:1", "src:2", "src:5"]
     assert behaviour.attempts["q0"] == 3 and behaviour.attempts["q3"] == 3
     reasons = {f["id"]: f["reason"] for f in map(json.loads, (tmp_path / "failed.jsonl").read_text().splitlines())}
@@ -326,14 +328,14 @@ def test_crash_resume_truncated_line_and_failed_retry(tmp_path):
                              shard_rows=3, progress=False)
     ids = shard_ids(tmp_path)
     assert sorted(ids) == sorted(f"src:{i}" for i in range(9)) and len(ids) == len(set(ids))
-    assert (summary.rows_done, summary.rows_failed, summary.complete) == (9, 1, True)
+    assert (summary.rows_done, summary.rows_failed, summary.complete) == (9, 1, False)  # q9: HTTP 500, retryable
     for path in tmp_path.glob("shard_*.jsonl"):
         assert path.read_text().endswith("\n") and len(path.read_text().splitlines()) <= 3
     # the failed row is tried again on the next run and leaves the failure log when it succeeds
     with FakeServer() as server:
         summary = regenerate(convs, backend=http_backend(server.url), out_dir=tmp_path, settings=SETTINGS,
                              progress=False)
-    assert (summary.rows_done, summary.rows_failed, summary.rows_new) == (10, 0, 1)
+    assert (summary.rows_done, summary.rows_failed, summary.rows_new, summary.complete) == (10, 0, 1, True)
     assert (tmp_path / "failed.jsonl").read_text() == ""
     assert sorted(shard_ids(tmp_path)) == sorted(f"src:{i}" for i in range(10))
 
@@ -527,7 +529,8 @@ def test_prompts_over_max_prompt_tokens_are_skipped_and_counted_and_no_row_is_an
     assert cli.main(["regenerate", "--out", str(tmp_path / "a"), *tiny, "regenerate.max_prompt_tokens=40"]) == 0
     out = capsys.readouterr().out
     limit = "prompt over regenerate.max_prompt_tokens=40"
-    assert f"2 rows done (2 new), 1 skipped ({limit}) (reasons in" in out and "failed" not in out.split("reasons")[0]
+    assert f"2 rows done (2 new) of 3 conversations, 1 skipped ({limit}) (reasons in" in out
+    assert "failed" not in out.split("reasons")[0]
     manifest = read_manifest(tmp_path / "a")
     assert manifest["rows_failed"] == 0 and manifest["rows_skipped"] == {limit: 1} and manifest["complete"]
     (entry,) = map(json.loads, (tmp_path / "a" / "failed.jsonl").read_text().splitlines())
@@ -538,6 +541,7 @@ def test_prompts_over_max_prompt_tokens_are_skipped_and_counted_and_no_row_is_an
     assert "Train on it" not in captured.out
     one = limit.replace("40", "1")
     assert f"wrote no row to {tmp_path / 'b'}: of 3 conversations, 3 skipped ({one})" in captured.err
+    assert "Raise the limit, then rerun the same command" in captured.err
 
 
 def test_a_later_turn_over_max_prompt_tokens_ends_the_conversation_and_keeps_the_answered_turns(tmp_path, capsys):
@@ -561,8 +565,8 @@ def test_a_later_turn_over_max_prompt_tokens_ends_the_conversation_and_keeps_the
     assert cli.main(["regenerate", "--out", str(out), *tiny]) == 0
     limit = "prompt over regenerate.max_prompt_tokens=60"
     printed = capsys.readouterr().out
-    assert f"2 rows done (2 new; 1 of them cut short before a later turn ({limit})), 1 skipped ({limit}) (reasons in" \
-        in printed
+    assert (f"2 rows done (2 new; 1 of them cut short before a later turn ({limit})) of 3 conversations, 1 skipped "
+            f"({limit}) (reasons in") in printed
     rows = {r["id"]: r for r in read_rows(out)}
     cut, full = rows[f"{data}:0"], rows[f"{data}:1"]
     assert [m["role"] for m in cut["messages"]] == ["user", "assistant"] and cut["cut"] == limit

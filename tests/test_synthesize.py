@@ -398,7 +398,9 @@ def test_a_server_without_the_completions_endpoint_is_an_error(tmp_path):
     with FakeServer(Behaviour(completions_404=True)) as server:
         config = load_config(None, [*TINY, "regenerate.backend=openai", f"regenerate.url={server.url}",
                                     "regenerate.model=tiny-model", "synthesize.num_prompts=3"])
-        with pytest.raises(DataError, match=r"every request of the last 30 attempts failed .*HTTP 404"):
+        with pytest.raises(DataError, match=r"wrote no conversation .*: of 30 openings sampled, dropped none; 30 failed "
+                                            r"\(HTTP 404: 30; details in .*failed.jsonl\).*regenerate.url and "
+                                            r"regenerate.model"):
             command.run(config, argparse.Namespace(out=str(tmp_path)))
 
 
@@ -429,8 +431,8 @@ def test_the_diversity_bench_prints_distinct_n_and_duplicate_rates(tmp_path):
     reference = tmp_path / "reference.jsonl"
     reference.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n"
                                  for p in ("a b c", "A b, c!", "a b d")))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "synthesize_diversity.py"), str(synth), str(reference)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "synthesize" / "synthesize_diversity.py"), str(synth),
+                           str(reference)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     ours, ref = result["sets"]

@@ -1,6 +1,8 @@
 """`dflash-train regenerate --out DIR`: answer the data's prompts again with the target.
 
-Train on the result with `data.path=DIR`. Rerun the same command to resume after a crash or Ctrl-C.
+Train on the result with `data.path=DIR`. Rerun the same command to resume after a crash or Ctrl-C. The command
+fails (exit 2) when it wrote no row, or when rows are missing (failed on a server fault): the rows written are
+kept, and the message names what failed, per kind, and how to finish.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 from dflash_trainer.commands.out_dir import checked_out_dir
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError, DataError
-from dflash_trainer.regen.runner import Backend, regenerate
+from dflash_trainer.regen.failures import Failures, what_to_do
+from dflash_trainer.regen.runner import Backend, RegenSummary, regenerate
 from dflash_trainer.regen.settings import settings_from_config
 from dflash_trainer.regen.turns import limit_turns
 
@@ -125,23 +128,39 @@ def run(config: Config, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"regenerate: interrupted; the rows written are kept in {out}. Rerun the same command to resume.")
         return 130
-    cut = "".join(f"; {n} of them cut short before a later turn ({limit})" for limit, n in summary.rows_cut.items())
-    left_out = "".join(f", {n} skipped ({limit})" for limit, n in summary.rows_skipped.items())
-    if summary.rows_failed:
-        left_out += f", {summary.rows_failed} failed"
-    if left_out:
-        left_out += f" (reasons in {summary.failed_log})"
-    samples = config.regenerate.num_samples
-    total = f"{summary.rows_total} conversations"
-    if samples > 1:  # a row per reply
-        total = f"{summary.rows_total} rows ({summary.rows_total // samples} conversations x {samples} replies)"
-    if summary.rows_done == 0:
-        raise DataError(f"regenerate wrote no row to {summary.out_dir}: of {total}"
-                        f"{left_out}; nothing to train on. Fix the cause (raise the limit) and rerun the same command")
-    print(
-        f"regenerate: {summary.rows_done} rows done ({summary.rows_new} new{cut}){left_out} of {total}; "
-        f"output in {summary.out_dir}. Train on it with data.path={summary.out_dir}"
-    )
-    if not summary.complete:
-        print("regenerate: not every conversation was answered; rerun the same command to finish.")
+    print(_report(summary, config.regenerate.num_samples))
     return 0
+
+
+def _left_out(skipped: dict[str, int], failed: Failures) -> str:
+    """`, 2 skipped (LIMIT), 30 failed (HTTP 500: 28, timeout: 2; details in FILE)`: the rows not written, each
+    count with its reason (a failure per kind); empty when every row was written."""
+    text = "".join(f", {n} skipped ({limit})" for limit, n in skipped.items())
+    if failed.total:
+        return f"{text}, {failed.line()}"
+    return f"{text} (reasons in {failed.log})" if text else ""
+
+
+def _total(summary: RegenSummary, samples: int) -> str:
+    if samples > 1:  # a row per reply
+        return f"{summary.rows_total} rows ({summary.rows_total // samples} conversations x {samples} replies)"
+    return f"{summary.rows_total} conversations"
+
+
+def _report(summary: RegenSummary, samples: int) -> str:
+    """The line that says what was written; a DataError when nothing was, or when rows are missing."""
+    failed, total = summary.failed_requests(), _total(summary, samples)
+    cut = "".join(f"; {n} of them cut short before a later turn ({limit})" for limit, n in summary.rows_cut.items())
+    out_of = _left_out(summary.rows_skipped, failed)
+    fix = what_to_do(failed, limit_fix="raise the limit" if summary.rows_skipped else "")
+    if summary.rows_done == 0:
+        raise DataError(f"regenerate wrote no row to {summary.out_dir}: of {total}{out_of}; nothing to train on. "
+                        f"{fix}, then rerun the same command")
+    done = f"regenerate: {summary.rows_done} rows done ({summary.rows_new} new{cut}) of {total}{out_of}"
+    if not summary.complete:
+        print(f"{done}; output in {summary.out_dir}")
+        raise DataError(f"{summary.out_dir} is partial: {summary.rows_missing} of {total} missing, {failed.line()}. "
+                        f"{fix}, then rerun the same command to finish: the {summary.rows_done} rows written are kept "
+                        "and only the missing ones are asked for")
+    advice = f"\nregenerate: for the {failed.total} failed: {failed.fix()}" if failed.total else ""
+    return f"{done}; output in {summary.out_dir}. Train on it with data.path={summary.out_dir}{advice}"

@@ -2,7 +2,9 @@
 
 Train on the result with `data.path=DIR` (or mix it with other data through `data.sources`); with
 `synthesize.answer=false`, answer it first with `dflash-train regenerate data.path=DIR --out ANSWERS`. Rerun the
-same command to resume after a crash or Ctrl-C, or with a larger `synthesize.num_prompts` to add to it.
+same command to resume after a crash or Ctrl-C, or with a larger `synthesize.num_prompts` to add to it. The
+command fails (exit 2) when it kept no conversation, or when failed requests stopped it short of
+`num_prompts` (the conversations written are kept; the message names the failures per kind and how to finish).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dflash_trainer.commands.out_dir import checked_out_dir
 from dflash_trainer.commands.regenerate import build_backend
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError, DataError
+from dflash_trainer.regen.failures import what_to_do
 from dflash_trainer.synth.runner import SynthSummary, synthesize
 from dflash_trainer.synth.store import synth_seed, synth_settings
 from dflash_trainer.synth.template import UserTurns, find_user_turns
@@ -81,16 +84,28 @@ def run(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+LOOSEN = "loosen the filters (synthesize.min_chars, max_new_tokens, keep_truncated) or check the target"
+
+
 def _report(s: SynthSummary, *, answered: bool) -> str:
+    """What was written; a DataError when nothing was, or when failed requests stopped the run short."""
     dropped = ", ".join(f"{reason} {n}" for reason, n in sorted(s.dropped.items(), key=lambda kv: -kv[1]))
     cut = ", ".join(f"{reason} {n}" for reason, n in s.cut.items())
+    failed = s.failed_requests()
+    failures = f"; {failed.line()}" if failed.total else ""
     if s.kept == 0:
-        raise DataError(f"synthesize wrote no conversation to {s.out_dir}: {s.attempts} openings sampled, dropped "
-                        f"{dropped or 'none'}, {s.failed} failed. Loosen the filters (synthesize.min_chars, "
-                        "max_new_tokens, keep_truncated) or check the target, and rerun")
-    lines = [f"synthesize: {s.kept} conversations kept ({s.new} new) of {s.wanted} wanted, from {s.attempts} openings "
-             f"sampled; dropped: {dropped or 'none'}" + (f"; {s.failed} failed" if s.failed else "")
-             + (f"; cut short: {cut}" if cut else "") + f". Output in {s.out_dir}",
+        fix = what_to_do(failed, limit_fix=LOOSEN if s.dropped or not failed.total else "")
+        raise DataError(f"synthesize wrote no conversation to {s.out_dir}: of {s.attempts} openings sampled, dropped "
+                        f"{dropped or 'none'}{failures}; nothing to train on. {fix}, then rerun the same command")
+    done = (f"synthesize: {s.kept} conversations kept ({s.new} new) of {s.wanted} wanted, from {s.attempts} openings "
+            f"sampled; dropped: {dropped or 'none'}{failures}" + (f"; cut short: {cut}" if cut else "")
+            + f". Output in {s.out_dir}")
+    if not s.complete:
+        print(done)
+        raise DataError(f"{s.out_dir} is partial: {s.wanted - s.kept} of {s.wanted} conversations missing, "
+                        f"{failed.line()}. {what_to_do(failed)}, then rerun the same command to finish: the {s.kept} "
+                        "conversations written are kept")
+    lines = [done,
              f"synthesize: {s.new} new in {s.seconds:.1f} s ({s.new / max(s.seconds, 1e-9):.1f} conversations/s)"]
     if s.kept < s.wanted:
         lines.append(f"synthesize: stopped at synthesize.max_attempts={s.max_attempts}; raise it, or loosen the "

@@ -4,7 +4,10 @@
 Stdlib only (`urllib`). `concurrency` daemon worker threads each take a whole conversation and answer
 its user turns in order; a bounded number of conversations is in flight, so a Ctrl-C loses only those.
 Requests time out after `request_timeout_s` and are retried with exponential backoff (and jitter) on
-5xx / 408 / 429, timeouts and connection errors; other 4xx answers fail the row at once.
+5xx / 408 / 429, timeouts, connection errors and malformed replies; other 4xx answers fail the row at once, and so
+does a chat reply with no content (it would be an empty assistant turn; asked again, the same request gets the
+same). Each failure has a kind (`regen/failures.py`) that the commands count. A reply naming another model than
+the one asked for is taken (proxies rename models) and warned about once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from dflash_trainer.data.types import Conversation, Message
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.regen.failures import (BAD_SHAPE, CONNECTION, EMPTY_REPLY, MALFORMED_JSON, NO_CHOICES, OTHER,
+                                           REFUSED, STOPPED, TIMEOUT, http_kind)
 from dflash_trainer.regen.turns import Continuation, RegenOutcome, TurnState, as_dicts, failed, start
 
 log = logging.getLogger(__name__)
@@ -36,10 +41,15 @@ QUEUE_POLL_S = 0.5
 class RequestFailed(Exception):
     """A request failed for good (not retryable, or out of retries); the row is logged as failed."""
 
-    def __init__(self, message: str, *, refused: bool = False) -> None:
+    def __init__(self, message: str, *, kind: str) -> None:
         super().__init__(message)
-        self.refused = refused
+        self.kind = kind
+        """Why, short (`regen/failures.py`): counted per kind in the commands' summaries."""
+
+    @property
+    def refused(self) -> bool:
         """The server refused this request (HTTP 400: e.g. a prompt over its context length), not failed."""
+        return self.kind == REFUSED
 
 
 REFUSED_LATER_TURN = "HTTP 400 from the server at a later turn (e.g. over its context length)"
@@ -47,7 +57,9 @@ REFUSED_LATER_TURN = "HTTP 400 from the server at a later turn (e.g. over its co
 
 
 class _Retryable(Exception):
-    pass
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 T = TypeVar("T")
@@ -59,12 +71,28 @@ def request_seed(seed: int, request_key: str) -> int:
 
 
 def _message(payload: dict[str, Any]) -> str:
-    return reply_text(payload["choices"][0]["message"])
+    """The reply; a reply with no content is a failure, never an empty assistant turn in the data."""
+    message = payload["choices"][0]["message"]
+    if not isinstance(message.get("content") or "", str):  # content parts, or another shape: not a chat reply
+        raise TypeError("content is not text")
+    text = reply_text(message)
+    if not text.strip():
+        raise RequestFailed(f"the server answered with no content (message: {str(message)[:200]})",
+                            kind=EMPTY_REPLY)
+    return text
 
 
 def _continuation(payload: dict[str, Any]) -> Continuation:
     choice = payload["choices"][0]
+    if not isinstance(choice["text"], str):  # null: no text at all (an empty string is a turn the filters judge)
+        raise TypeError("no text")
     return Continuation(text=choice["text"], finished=choice.get("finish_reason") != "length")
+
+
+def _shape_kind(payload: dict[str, Any]) -> str:
+    """Why a reply could not be read: it has no choices, or its choice lacks the message or text."""
+    choices = payload.get("choices")
+    return NO_CHOICES if not isinstance(choices, list) or not choices else BAD_SHAPE
 
 
 def base_url(url: str) -> str:
@@ -115,6 +143,9 @@ class OpenAIBackend:
         self.max_retries = max_retries
         self.backoff = retry_backoff_s
         self._stop = threading.Event()
+        self._renamed = False
+        """A reply named another model (warned about once)."""
+        self._renamed_lock = threading.Lock()
 
     def check_model(self) -> None:
         """Refuse to start when the server is unreachable or does not serve `model`."""
@@ -183,22 +214,38 @@ class OpenAIBackend:
         """POST `request` to `endpoint` and `parse` the answer, retrying transient errors (a malformed answer is
         one); raises RequestFailed when it cannot be had."""
         body = json.dumps(request).encode()
-        last = ""
+        last, kind = "", OTHER
         for attempt in range(self.max_retries + 1):
             if attempt:
                 delay = self.backoff * 2 ** (attempt - 1) * (0.5 + random.random())
                 if self._stop.wait(delay):
-                    raise RequestFailed("stopped")
+                    raise RequestFailed("stopped", kind=STOPPED)
             try:
                 payload = self._post(endpoint, body)
+                self._note_model(payload)
                 try:
                     return parse(payload)
                 except (KeyError, IndexError, TypeError):
-                    raise _Retryable(f"unexpected {endpoint} response: {str(payload)[:300]}") from None
+                    raise _Retryable(f"unexpected {endpoint} response: {str(payload)[:300]}",
+                                     kind=_shape_kind(payload)) from None
             except _Retryable as e:
-                last = str(e)
+                last, kind = str(e), e.kind
                 log.debug("request attempt %d failed: %s", attempt + 1, last)
-        raise RequestFailed(f"gave up after {self.max_retries + 1} attempts; last error: {last}")
+        raise RequestFailed(f"gave up after {self.max_retries + 1} attempts; last error: {last}", kind=kind)
+
+    def _note_model(self, payload: dict[str, Any]) -> None:
+        """Warn once when the reply names another model than the one asked for: a proxy may rename a model, but
+        a server answering with another one writes another target's replies."""
+        answered = payload.get("model")
+        if not isinstance(answered, str) or answered == self.model or self._renamed:
+            return
+        with self._renamed_lock:  # the worker threads may all see it at once
+            if self._renamed:
+                return
+            self._renamed = True
+        log.warning("the server at %s answered as model %r, not %r as asked (further replies are not checked): "
+                    "fine if a proxy renames the model; otherwise the data holds another model's replies. Point "
+                    "regenerate.url at a server of %r", self.url, answered, self.model, self.model)
 
     def _post(self, endpoint: str, body: bytes) -> dict[str, Any]:
         request = urllib.request.Request(
@@ -210,16 +257,20 @@ class OpenAIBackend:
         except urllib.error.HTTPError as e:
             detail = e.read()[:300].decode("utf-8", errors="replace")
             if e.code >= 500 or e.code in RETRY_STATUS:
-                raise _Retryable(f"HTTP {e.code}: {detail}") from None
-            raise RequestFailed(f"HTTP {e.code}: {detail}", refused=e.code == 400) from None
+                raise _Retryable(f"HTTP {e.code}: {detail}", kind=http_kind(e.code)) from None
+            raise RequestFailed(f"HTTP {e.code}: {detail}", kind=http_kind(e.code)) from None
         except (TimeoutError, socket.timeout) as e:
-            raise _Retryable(f"timed out after {self.timeout}s ({e})") from None
-        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as e:
-            raise _Retryable(f"connection error: {e}") from None
+            raise _Retryable(f"timed out after {self.timeout}s ({e})", kind=TIMEOUT) from None
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, (TimeoutError, socket.timeout)):  # the connection itself timed out
+                raise _Retryable(f"timed out after {self.timeout}s ({e.reason})", kind=TIMEOUT) from None
+            raise _Retryable(f"connection error: {e}", kind=CONNECTION) from None
+        except (ConnectionError, http.client.HTTPException, OSError) as e:
+            raise _Retryable(f"connection error: {e}", kind=CONNECTION) from None
         except ValueError as e:
-            raise _Retryable(f"malformed JSON response: {e}") from None
+            raise _Retryable(f"malformed JSON response: {e}", kind=MALFORMED_JSON) from None
         if not isinstance(payload, dict):
-            raise _Retryable(f"unexpected {endpoint} response: {str(payload)[:300]}")
+            raise _Retryable(f"unexpected {endpoint} response: {str(payload)[:300]}", kind=NO_CHOICES)
         return payload
 
     def _answer(self, conversation: Conversation) -> RegenOutcome:
@@ -235,7 +286,7 @@ class OpenAIBackend:
                 if e.refused and state.replied:  # the conversation ends before the turn the server refused
                     log.debug("row %s cut before user turn %d: %s", state.row_id, turn, e)
                     return state.outcome(cut=REFUSED_LATER_TURN)
-                return failed(state.row_id, f"user turn {turn}: {e}")
+                return failed(state.row_id, f"user turn {turn}: {e}", e.kind)
             turn += 1
         return state.outcome()
 

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator, Protocol
 from tqdm.auto import tqdm
 
 from dflash_trainer.data.types import Conversation
+from dflash_trainer.regen.failures import Failures, failures
 from dflash_trainer.regen.settings import RegenSettings
 from dflash_trainer.regen.shards import FAILED, RegenStore
 from dflash_trainer.regen.turns import RegenOutcome, row_id
@@ -35,18 +36,28 @@ class RegenSummary:
     """Rows in the shards (earlier runs included)."""
     rows_failed: int
     """Rows whose latest attempt failed (reasons in `failed.jsonl`)."""
+    failures: dict[str, int]
+    """`rows_failed` per kind (`regen/failures.py`: `HTTP 500`, `timeout`, `empty reply`, ...)."""
     rows_skipped: dict[str, int]
     """Rows left out by a limit (a prompt over `regenerate.max_prompt_tokens`), per limit; not failures."""
     rows_cut: dict[str, int]
     """Rows written short: a limit ended the conversation before its last user turn (per limit)."""
     rows_new: int
     """Rows written by this run."""
+    rows_missing: int
+    """Rows not settled: not written, not skipped, and not failed for a reason a rerun would meet again (0 when
+    `complete`); a rerun asks for them."""
     complete: bool
-    """Every input conversation is written, failed or skipped."""
+    """Every input conversation is written, skipped, or failed for a reason a rerun would meet again (a refusal,
+    an unusable conversation): False while a server fault left rows a rerun can write."""
 
     @property
     def failed_log(self) -> str:
         return str(Path(self.out_dir) / FAILED)
+
+    def failed_requests(self) -> Failures:
+        """The failures, per kind, with what fixes them."""
+        return failures(self.failures, self.failed_log)
 
 
 def _distinct(conversations: Iterable[Conversation]) -> list[Conversation]:
@@ -106,7 +117,8 @@ def regenerate(
                     store.add_row(outcome.row_id, outcome.messages, cut=outcome.cut)
                     new += 1
                 else:
-                    store.add_failed(outcome.row_id, outcome.error or "unknown error", skipped=outcome.skipped)
+                    store.add_failed(outcome.row_id, outcome.error or "unknown error", skipped=outcome.skipped,
+                                     kind=outcome.kind)
                 bar.update(1)
                 bar.set_postfix(failed=store.rows_failed, skipped=len(store.skipped), cut=len(store.cut),
                                 refresh=False)
@@ -117,8 +129,10 @@ def regenerate(
         rows_total=len(store.expected_ids),
         rows_done=store.rows_done,
         rows_failed=store.rows_failed,
+        failures=store.failure_counts,
         rows_skipped=store.skip_counts,
         rows_cut=store.cut_counts,
         rows_new=new,
+        rows_missing=store.rows_missing,
         complete=store.complete,
     )

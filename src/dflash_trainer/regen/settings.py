@@ -14,10 +14,13 @@ from typing import Any, Optional
 
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.regen.failures import failures
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+FAILED_LOG = "failed.jsonl"
+"""Where a regenerate output logs its failed rows (`regen/shards.py` writes it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,12 +126,23 @@ def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: floa
             "that match how the target will answer."
         )
     if not manifest.get("complete", False):
-        command = "synthesize" if "synthesize" in manifest else "regenerate"  # the writer's own block says which
-        warnings.append(
-            f"{data_dir} is a partial {command} output ({manifest.get('rows_done', '?')} rows done of "
-            f"{manifest.get('rows_total', '?')}); rerun the same `dflash-train {command} --out {data_dir}` to finish."
-        )
+        warnings.append(_partial_warning(data_dir, manifest))
     return warnings
+
+
+def _partial_warning(data_dir: str | Path, manifest: dict[str, Any]) -> str:
+    """Training on `data_dir` trains on part of it: how much is missing, why, and the command that finishes it."""
+    command = "synthesize" if "synthesize" in manifest else "regenerate"  # the writer's own block says which
+    done, total = manifest.get("rows_done"), manifest.get("rows_total")
+    missing = manifest.get("rows_missing")
+    if not isinstance(missing, int):  # a manifest written before it was recorded
+        missing = total - done if isinstance(done, int) and isinstance(total, int) else "some"
+    counts = manifest.get("failures")
+    failed = failures(counts if isinstance(counts, dict) else {}, str(Path(data_dir) / FAILED_LOG))
+    why = f"; {failed.line()}" if failed.total else ""
+    return (f"{data_dir} is a partial {command} output ({done if done is not None else '?'} rows done of "
+            f"{total if total is not None else '?'}, {missing} missing{why}): training on it now trains on part of the "
+            f"data. Rerun the same `dflash-train {command} --out {data_dir}` to finish.")
 
 
 def regen_temperature(data_dir: str | Path) -> Optional[float]:
@@ -144,7 +158,7 @@ def warn_regen_mismatch(config: Config) -> list[str]:
     than evaluation (and serving) will.
 
     Sources sampled at another temperature beside a source regenerated at the evaluation's are extra replies
-    on purpose (more distinct labels per prompt; bench/RESULTS.md "Sampled replies against memorising"):
+    on purpose (more distinct labels per prompt; bench/RESULTS.md section 5, the practice recipe):
     logged as such, not warned about.
     """
     temperature = float(config.eval.temperature)

@@ -4,9 +4,12 @@ Layout of DIR:
 - `shard_00000.jsonl`, ...: one row per line, `{"messages": [{"role", "content"}, ...], "id": "<source>:<index>"}`,
   plus `"cut": LIMIT` when a limit ended the conversation before its last user turn (the answered turns are kept).
   Only the last shard is ever appended to; each row is one write of one line, flushed.
-- `failed.jsonl`: `{"id", "reason"}` per failed row (latest attempt); a row left out by a limit (a prompt over
-  `regenerate.max_prompt_tokens`) is skipped, not failed: its entry adds `"skipped": LIMIT`.
-- `manifest.json`: settings, source info and counts, written atomically (tmp + os.replace).
+- `failed.jsonl`: `{"id", "reason", "kind"}` per failed row (latest attempt; `kind`: why, short, counted in the
+  manifest's `failures`); a row left out by a limit (a prompt over `regenerate.max_prompt_tokens`) is skipped, not
+  failed: its entry has `"skipped": LIMIT` instead of a kind.
+- `manifest.json`: settings, source info and counts, written atomically (tmp + os.replace). `complete` is true
+  once every row is written, skipped, or failed for a reason a rerun would meet again (`failures.PERMANENT`): a
+  row that failed on a server fault leaves it false until a rerun writes it.
 
 The shards are the truth: on resume their ids are skipped, a partially written last line (a crash or
 Ctrl-C mid-write) is truncated, and the manifest's counts are recomputed. Rows that failed or were skipped
@@ -26,14 +29,15 @@ from typing import Any
 from dflash_trainer.data.shard_files import complete_lines, parse_row, shard_name, shard_paths
 from dflash_trainer.data.types import Message
 from dflash_trainer.errors import DataError
-from dflash_trainer.regen.settings import MANIFEST, RegenSettings, read_manifest, settings_differences
+from dflash_trainer.regen.failures import OTHER, PERMANENT, kind_of_reason
+from dflash_trainer.regen.settings import FAILED_LOG, MANIFEST, RegenSettings, read_manifest, settings_differences
 from dflash_trainer.regen.turns import as_dicts
 from dflash_trainer.rundir import lock_exclusive
 
 log = logging.getLogger(__name__)
 
 FORMAT = "dflash-regenerate/1"
-FAILED = "failed.jsonl"
+FAILED = FAILED_LOG
 LOCK = ".lock"
 MANIFEST_EVERY_S = 10.0
 """Rewrite the manifest at least this often while rows arrive (and at every shard boundary)."""
@@ -74,6 +78,8 @@ class RegenStore:
         self.failed: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
         """Rows left out by a limit: id -> the limit (their reasons are in `failed`)."""
+        self.kinds: dict[str, str] = {}
+        """Failed rows (not skipped): id -> the kind of the failure (`regen/failures.py`)."""
         self.cut: dict[str, str] = {}
         """Rows written short, ended by a limit before their last user turn: id -> the limit."""
         self._shard_counts: list[int] = []
@@ -162,12 +168,10 @@ class RegenStore:
         if failed_path.is_file():
             for lineno, line in enumerate(complete_lines(failed_path, repair=True), 1):
                 entry = parse_row(failed_path, lineno, line)
-                self.failed[entry["id"]] = entry.get("reason", "")
-                if entry.get("skipped"):
-                    self.skipped[entry["id"]] = entry["skipped"]
+                self._note_failed(entry["id"], entry.get("reason", ""), entry.get("skipped"),
+                                  entry.get("kind") or kind_of_reason(entry.get("reason", "")))
         for rid in self.done_ids:
-            self.failed.pop(rid, None)
-            self.skipped.pop(rid, None)
+            self._forget_failed(rid)
         if self.done_ids:
             log.info("%s: resuming with %d rows already written", self.out_dir, len(self.done_ids))
 
@@ -191,8 +195,23 @@ class RegenStore:
         return dict(Counter(self.cut.values()))
 
     @property
+    def failure_counts(self) -> dict[str, int]:
+        """Failed rows per kind."""
+        return dict(Counter(self.kinds.values()))
+
+    def settled(self, rid: str) -> bool:
+        """Written, skipped, or failed for a reason a rerun would meet again: nothing left to do for it."""
+        return rid in self.done_ids or rid in self.skipped or self.kinds.get(rid) in PERMANENT
+
+    @property
     def complete(self) -> bool:
-        return all(i in self.done_ids or i in self.failed for i in self.expected_ids)
+        """Every row is settled: a row failed on a server fault is missing until a rerun writes it."""
+        return all(self.settled(i) for i in self.expected_ids)
+
+    @property
+    def rows_missing(self) -> int:
+        """Rows not settled yet: a rerun asks for them."""
+        return sum(not self.settled(i) for i in self.expected_ids)
 
     def add_row(self, rid: str, messages: tuple[Message, ...], cut: str | None = None) -> None:
         """A regenerated row; `cut`: the limit that ended it before its last user turn, if one did."""
@@ -207,8 +226,7 @@ class RegenStore:
         self._file.write(line)  # one write of one whole line: a crash leaves at most this line partial
         self._file.flush()
         self.done_ids.add(rid)
-        self.failed.pop(rid, None)
-        self.skipped.pop(rid, None)
+        self._forget_failed(rid)
         if cut:
             self.cut[rid] = cut
         self._shard_counts[-1] += 1
@@ -217,23 +235,33 @@ class RegenStore:
             self.write_manifest()
         self._maybe_write_manifest()
 
-    def add_failed(self, rid: str, reason: str, skipped: str | None = None) -> None:
-        """A row that failed, or was `skipped` by that limit."""
+    def add_failed(self, rid: str, reason: str, skipped: str | None = None, kind: str | None = None) -> None:
+        """A row that failed (`kind`: why, short), or was `skipped` by that limit."""
+        kind = None if skipped else kind or OTHER
         if self._failed_file is None:
             self._failed_file = open(self.out_dir / FAILED, "a", encoding="utf-8")
-        self._failed_file.write(json.dumps(self._failed_entry(rid, reason, skipped), ensure_ascii=False) + "\n")
+        self._failed_file.write(json.dumps(self._failed_entry(rid, reason, skipped, kind), ensure_ascii=False) + "\n")
         self._failed_file.flush()
+        self._note_failed(rid, reason, skipped, kind)
+        log.debug("row %s %s: %s", rid, "skipped" if skipped else "failed", reason)
+        self._maybe_write_manifest()
+
+    def _note_failed(self, rid: str, reason: str, skipped: str | None, kind: str | None) -> None:
+        self._forget_failed(rid)
         self.failed[rid] = reason
         if skipped:
             self.skipped[rid] = skipped
         else:
-            self.skipped.pop(rid, None)
-        log.debug("row %s %s: %s", rid, "skipped" if skipped else "failed", reason)
-        self._maybe_write_manifest()
+            self.kinds[rid] = kind or OTHER
+
+    def _forget_failed(self, rid: str) -> None:
+        self.failed.pop(rid, None)
+        self.skipped.pop(rid, None)
+        self.kinds.pop(rid, None)
 
     @staticmethod
-    def _failed_entry(rid: str, reason: str, skipped: str | None) -> dict[str, str]:
-        return {"id": rid, "reason": reason} | ({"skipped": skipped} if skipped else {})
+    def _failed_entry(rid: str, reason: str, skipped: str | None, kind: str | None) -> dict[str, str]:
+        return {"id": rid, "reason": reason} | ({"skipped": skipped} if skipped else {"kind": kind or OTHER})
 
     def _close_shard(self) -> None:
         if self._file is not None:
@@ -256,6 +284,8 @@ class RegenStore:
             "rows_total": len(self.expected_ids),
             "rows_done": self.rows_done,
             "rows_failed": self.rows_failed,
+            "failures": self.failure_counts,
+            "rows_missing": self.rows_missing,
             "rows_skipped": self.skip_counts,
             "rows_cut": self.cut_counts,
             "complete": self.complete,
@@ -280,7 +310,7 @@ class RegenStore:
                 tmp = failed_path.with_name(FAILED + ".tmp")
                 with open(tmp, "w", encoding="utf-8") as f:
                     for rid, reason in self.failed.items():
-                        entry = self._failed_entry(rid, reason, self.skipped.get(rid))
+                        entry = self._failed_entry(rid, reason, self.skipped.get(rid), self.kinds.get(rid))
                         f.write(json.dumps(entry, ensure_ascii=False) + "\n")
                 os.replace(tmp, failed_path)
             self.write_manifest()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dflash_trainer.data.rules import REASONS, REGENERATE, conversation_problem
 from dflash_trainer.data.types import Conversation, Message
+from dflash_trainer.regen.failures import UNUSABLE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +32,8 @@ class RegenOutcome:
     cut: str | None = None
     """Set when a limit ended the conversation before its last user turn (the limit, short): `messages` holds
     the turns answered before it."""
+    kind: str | None = None
+    """Set when the row failed: why, short enough to count (`regen/failures.py`: `HTTP 500`, `timeout`, ...)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,12 +109,13 @@ def start(conversation: Conversation) -> TurnState | RegenOutcome:
     """A `TurnState` for a usable conversation, else its failed outcome."""
     reason = structure_error(conversation)
     if reason is not None:
-        return failed(row_id(conversation), reason)
+        return failed(row_id(conversation), reason, UNUSABLE)
     return TurnState(conversation)
 
 
-def failed(rid: str, reason: str) -> RegenOutcome:
-    return RegenOutcome(row_id=rid, messages=None, error=reason)
+def failed(rid: str, reason: str, kind: str) -> RegenOutcome:
+    """A row that failed: `reason` in full (logged), `kind` short (counted)."""
+    return RegenOutcome(row_id=rid, messages=None, error=reason, kind=kind)
 
 
 def skipped(rid: str, limit: str, detail: str) -> RegenOutcome:

@@ -5,7 +5,8 @@ user-turn prefix, the filters judge it, and the target answers the turns kept (n
 `synthesize.answer` is false). A dropped opening drops the attempt (counted by reason); a later turn dropped,
 or not answered, ends its conversation before it (counted as cut). The chunk's outcomes are recorded in attempt
 order when it ends, up to the last conversation wanted: the attempts after it are not recorded, so a later run
-that wants more makes them again.
+that wants more makes them again. A chunk whose every attempt failed (the server is down or answers nothing
+usable) ends the run: the summary says so, and the command names the failures per kind.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from tqdm.auto import tqdm
 
 from dflash_trainer.data.shard_files import read_rows
 from dflash_trainer.data.types import Message
-from dflash_trainer.errors import DataError
+from dflash_trainer.regen.failures import Failures, failures
+from dflash_trainer.regen.shards import FAILED
 from dflash_trainer.regen.turns import RegenOutcome, skipped
 from dflash_trainer.synth.config import SynthesizeConfig
 from dflash_trainer.synth.filters import Deduplicator, Drop, TurnFilter
@@ -50,10 +52,19 @@ class SynthSummary:
     """Openings dropped, by reason (`filters.REASONS`, or a length limit)."""
     failed: int
     """Attempts whose requests failed (reasons in failed.jsonl)."""
+    failures: dict[str, int]
+    """`failed` per kind (`regen/failures.py`: `HTTP 500`, `timeout`, `empty reply`, ...)."""
+    complete: bool
+    """`wanted` conversations are kept, or the filters used up `max_attempts`; False when failed requests
+    stopped the run (a rerun continues)."""
     cut: dict[str, int]
     """Conversations ended before `num_turns` user turns, by reason."""
     seconds: float
     """Wall time of this run's writing (the target loaded before it): `new / seconds` is its throughput."""
+
+    def failed_requests(self) -> Failures:
+        """The failures, per kind, with what fixes them."""
+        return failures(self.failures, str(Path(self.out_dir) / FAILED))
 
 
 class _Chunk:
@@ -147,7 +158,7 @@ def synthesize(
         with bar:
             while not store.complete:
                 first = store.next_attempt
-                size = min(config.batch_size, config.attempts_cap - first)
+                size = min(config.batch_size, store.attempts_left)
                 outcomes = write_chunk(range(first, first + size), writer=writer, turns=turns,
                                        turn_filter=turn_filter, dedup=dedup, config=config)
                 for outcome in outcomes:
@@ -158,18 +169,18 @@ def synthesize(
                         new += 1
                         bar.update(1)
                     else:
-                        store.add_failed(outcome.row_id, outcome.error or "unknown error", skipped=outcome.skipped)
+                        store.add_failed(outcome.row_id, outcome.error or "unknown error", skipped=outcome.skipped,
+                                         kind=outcome.kind)
                 bar.set_postfix(attempts=store.next_attempt, dropped=len(store.skipped), refresh=False)
-                errors = [o.error for o in outcomes if o.messages is None and o.skipped is None]
-                if len(errors) == len(outcomes):
-                    raise DataError(f"synthesize: every request of the last {len(outcomes)} attempts failed (the "
-                                    f"first: {errors[0]}); fix the backend (regenerate.url, the server's log) and "
-                                    "rerun the same command to resume")
+                if all(o.messages is None and o.skipped is None for o in outcomes):
+                    log.warning("synthesize: every request of the last %d attempts failed; stopping", len(outcomes))
+                    break
     finally:
         store.close()
     summary = SynthSummary(out_dir=str(out_dir), wanted=config.num_prompts, kept=store.rows_done, new=new,
                            attempts=store.next_attempt, max_attempts=config.attempts_cap, dropped=store.skip_counts,
-                           failed=store.rows_failed, cut=store.cut_counts, seconds=time.perf_counter() - start)
+                           failed=store.rows_failed, failures=store.failure_counts, complete=store.complete,
+                           cut=store.cut_counts, seconds=time.perf_counter() - start)
     log.info("synthesize: %d kept of %d attempts; dropped %s; failed %d; cut %s; %d new in %.1f s (%.1f/s)",
              summary.kept, summary.attempts, summary.dropped or "none", summary.failed, summary.cut or "none",
              summary.new, summary.seconds, summary.new / max(summary.seconds, 1e-9))

@@ -4,7 +4,9 @@
 Each sampled opening is an attempt with the row id `synth:<k>`. A kept conversation is a row of the shards; a
 dropped opening is a skipped row of `failed.jsonl` under its drop reason (the manifest's `rows_skipped` counts
 them by reason), a failed request a failed row. On resume the attempts already made, kept or not, are not made
-again: sampling continues at the next k, and the kept openings are read back for deduplication.
+again: sampling continues at the next k, and the kept openings are read back for deduplication. A failed attempt
+does not count toward `synthesize.max_attempts` (the server failed, not the filters), so a rerun after a server
+fault can still reach `num_prompts`; until then the manifest says `complete: false`.
 """
 
 from __future__ import annotations
@@ -73,9 +75,19 @@ class SynthStore(RegenStore):
         return max(made, default=-1) + 1
 
     @property
+    def attempts_left(self) -> int:
+        """Attempts still allowed: those made count, except the failed ones."""
+        return self.max_attempts - (self.next_attempt - self.rows_failed)
+
+    @property
     def complete(self) -> bool:
         """Enough conversations are kept, or no attempt is left."""
-        return self.rows_done >= self.wanted or self.next_attempt >= self.max_attempts
+        return self.rows_done >= self.wanted or self.attempts_left <= 0
+
+    @property
+    def rows_missing(self) -> int:
+        """Conversations a rerun would still try to write (none once the attempts are used up by the filters)."""
+        return 0 if self.complete else self.wanted - self.rows_done
 
     def manifest(self) -> dict[str, Any]:
         return super().manifest() | {

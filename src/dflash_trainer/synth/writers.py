@@ -130,4 +130,4 @@ class OpenAIWriter:
 def _no_reply(key: str, error: RequestFailed) -> RegenOutcome:
     if error.refused:
         return skipped(key, REFUSED, str(error))
-    return failed(key, str(error))
+    return failed(key, str(error), error.kind)
