@@ -85,9 +85,9 @@ def test_truncated_sharegpt_file_keeps_complete_records(tmp_path):
 
 
 def test_json_array_with_records_larger_than_the_read_buffer(tmp_path, monkeypatch):
-    import dflash_trainer.data.sources as sources
+    import dflash_trainer.data.json_records as json_records
 
-    monkeypatch.setattr(sources, "_CHUNK_CHARS", 64)
+    monkeypatch.setattr(json_records, "_CHUNK_CHARS", 64)
     rows = [sharegpt_row(i) | {"pad": "x" * 500} for i in range(6)]
     path = tmp_path / "big.json"
     path.write_text(json.dumps(rows))

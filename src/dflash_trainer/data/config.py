@@ -9,6 +9,11 @@ from dflash_trainer.errors import ConfigError
 
 DATA_FORMATS = ("auto", "sharegpt", "messages", "hf_disk")
 
+DEFAULT_MAX_RECORD_BYTES = 8 << 20
+"""8 MiB: about two million tokens of English text, far beyond any context a drafter trains on, while a hostile
+row is refused before it costs seconds and gigabytes to parse and tokenize."""
+MIN_RECORD_BYTES = 1 << 10
+
 
 @dataclass
 class DataSourceConfig:
@@ -56,6 +61,16 @@ class DataConfig:
     first conversations; a pool slower than the main process is stopped and the main process goes on; None: one
     per CPU, at most 16; 1: always the main process). The result is the same for any value, so it is not part of
     the cache key."""
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    """Largest row read: a JSONL line in bytes, a JSON-array record in characters (both before they are parsed),
+    the text of a Parquet / `datasets` row in characters (all its turns). A larger one is dropped and counted as
+    `record_too_large`; raise it for very long-context data."""
+    escape_special_tokens: bool = False
+    """Special-token text inside user and system turns (`<|im_end|>`, `<|im_start|>assistant`, `<think>`, ...):
+    False (default) tokenizes it into the real structure tokens, as vLLM and SGLang do when they serve a chat
+    request (they render the template, then tokenize the whole text), so training matches serving; True keeps it
+    plain text (like transformers' `apply_chat_template(..., sanitize_control_tokens=True)`): only the template
+    writes structure tokens. Assistant replies are never escaped (their think tags are the target's own)."""
 
     def __post_init__(self) -> None:
         if self.max_length < 8:
@@ -68,6 +83,9 @@ class DataConfig:
             raise ConfigError(f"data.num_buckets must be >= 1, got {self.num_buckets}")
         if self.num_workers is not None and self.num_workers < 1:
             raise ConfigError(f"data.num_workers must be >= 1 or null (one per CPU), got {self.num_workers}")
+        if self.max_record_bytes < MIN_RECORD_BYTES:
+            raise ConfigError(f"data.max_record_bytes must be >= {MIN_RECORD_BYTES} (1 KiB), got {self.max_record_bytes}; "
+                              f"the default is {DEFAULT_MAX_RECORD_BYTES} (8 MiB)")
         if self.path is not None and self.sources:
             raise ConfigError("set either data.path or data.sources, not both")
 

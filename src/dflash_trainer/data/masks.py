@@ -15,12 +15,25 @@ drops) are supervised as rendered. Every span is checked to contain the reply's 
 be located, or whose boundary falls inside a token, drops the conversation with a reason: never a wrong mask.
 An assistant turn that opens the conversation (ShareGPT's continuation parts) answers no prompt: it stays in
 the sequence as context and is not supervised.
+
+Bounded cost: a text is tokenized no further than `data.max_length * MAX_CHARS_PER_TOKEN` characters (cut at a
+whitespace, so the kept tokens are the ones the whole text gives), however long its turns; tokens past that are
+counted by estimate past `COUNT_REST_CHARS`, not tokenized. Plain data never reaches the bound (2-5 characters a
+token is typical).
+
+Special-token text in user and system turns (`<|im_end|>\n<|im_start|>assistant`) becomes the real structure
+tokens by default, as vLLM and SGLang tokenize a served chat (the template's text, tokenized whole). A tokenizer
+from `escaping_tokenizer` (`data.escape_special_tokens`) keeps it plain text instead: only the template writes
+structure tokens (the idea of transformers' `sanitize_control_tokens`, with character offsets kept for the mask).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +43,19 @@ from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
 from dflash_trainer.errors import ConfigError
 
 _PROBE = "PROBE7f3aREPLY"
+
+MAX_CHARS_PER_TOKEN = 64
+"""Characters a token covers on average, generously (text averages 2-5, long code indentation or repeated
+punctuation tokens ~16): `max_length` tokens never need more than `max_length` times this many characters, so a
+text is never tokenized further (a huge turn is cut there cheaply rather than tokenized whole)."""
+
+COUNT_REST_CHARS = 1 << 20
+"""The text past the kept tokens is tokenized to count its tokens (`truncated_tokens`, a report figure) when it is
+at most this long (about 0.3 s of tokenizing); a longer rest is estimated from the kept part's characters per
+token."""
+
+ESCAPE_ATTRIBUTE = "dflash_escape_special_tokens"
+"""Set on a tokenizer by `escaping_tokenizer`; it travels with the tokenizer to the tokenizing worker processes."""
 
 
 class Unmaskable(Exception):
@@ -138,46 +164,212 @@ def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
     return spans
 
 
-def _encode_head(tokenizer: PreTrainedTokenizerFast, text: str, *, end_of_turn: str, max_length: int
-                 ) -> tuple[list[int], np.ndarray, int]:
+# ------------------------------------------------------------------------------------ special-token text
+
+
+def escaping_tokenizer(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """A shallow copy of `tokenizer` with which `tokenize_conversation` keeps special-token text of user and system
+    turns plain (`data.escape_special_tokens`); the original is left as it is."""
+    escaping = copy.copy(tokenizer)
+    setattr(escaping, ESCAPE_ATTRIBUTE, True)
+    return escaping
+
+
+def control_tokens(tokenizer: PreTrainedTokenizerFast) -> tuple[str, ...]:
+    """The added tokens that structure a chat: every special one, and the others the chat template writes (Qwen3's
+    `<think>`, `<tool_call>`); not whitespace tokens (Gemma's newline), which templates write as plain text."""
+    template = str(tokenizer.chat_template or "")
+    return tuple(sorted((t.content for t in tokenizer.added_tokens_decoder.values()
+                         if t.content.strip() and (t.special or t.content in template)), key=len, reverse=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _control_pattern(tokens: tuple[str, ...]) -> re.Pattern:
+    return re.compile("|".join(map(re.escape, tokens)) or "(?!)")  # longest first: a token before its parts
+
+
+def escaped_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], text: str, *,
+                  thinking: bool) -> list[tuple[int, int]]:
+    """Character spans of `text` (the rendered `messages`) that hold special-token text of a user or system turn:
+    the conversation is rendered again with each such text wrapped in two characters found nowhere in it, so the
+    ones the template wrote stay apart from the ones the turns brought. A template that changes the marked text
+    (splits or strips around it) cannot be escaped: the conversation is dropped, never tokenized half escaped."""
+    pattern = _control_pattern(control_tokens(tokenizer))
+    if not any(m.role != "assistant" and pattern.search(m.content) for m in messages):
+        return []
+    seen = set(text).union(*(m.content for m in messages))
+    markers = next(((a, b) for a, b in zip(map(chr, range(0xE000, 0xF8FF, 2)), map(chr, range(0xE001, 0xF8FF, 2)))
+                    if a not in seen and b not in seen), None)
+    if markers is None:  # every private-use character is in the text: nothing can mark it
+        raise Unmaskable("special_text_not_escapable", "the conversation uses every private-use character")
+    start, end = markers
+    marked = tuple(m if m.role == "assistant" else Message(role=m.role, content=pattern.sub(
+        lambda t: f"{start}{t.group()}{end}", m.content)) for m in messages)
+    rendered = render(tokenizer, marked, thinking=thinking)
+    spans, plain, length = [], [], 0
+    for piece in re.split(f"({re.escape(start)}(?:{pattern.pattern}){re.escape(end)})", rendered):
+        if piece.startswith(start) and piece.endswith(end) and len(piece) > 2:
+            piece = piece[1:-1]
+            spans.append((length, length + len(piece)))
+        plain.append(piece)
+        length += len(piece)
+    if "".join(plain) != text:
+        raise Unmaskable("special_text_not_escapable", "the chat template changes the special-token text of a "
+                         "user or system turn (it splits or strips around it); set data.escape_special_tokens=false, "
+                         "or remove that text from the data")
+    return spans
+
+
+def _plain_ids(tokenizer: PreTrainedTokenizerFast, piece: str) -> list[int]:
+    """Tokens of `piece` as plain text: the tokenizer's normalizer, pre-tokenizer and model, without its added
+    tokens (so special-token text is spelt out)."""
+    backend = tokenizer.backend_tokenizer
+    text = backend.normalizer.normalize_str(piece) if backend.normalizer is not None else piece
+    words = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer is not None else [text]
+    return [t.id for w in words for t in backend.model.tokenize(w)]
+
+
+def _encode_piece(tokenizer: PreTrainedTokenizerFast, text: str, start: int, end: int, *, plain: bool
+                  ) -> tuple[list[int], np.ndarray]:
+    """Ids and (n, 2) character offsets in `text` of `text[start:end]`, tokenized alone (`plain`: as plain text,
+    every token spanning the whole piece). A piece that does not open the text is tokenized after a newline that
+    is then removed, so SentencePiece tokenizers add no word-start marker there (as transformers does)."""
+    piece = text[start:end]
+    if plain:
+        ids = _plain_ids(tokenizer, piece)
+        newline = _plain_ids(tokenizer, "\n")
+        with_newline = _plain_ids(tokenizer, "\n" + piece)
+        if start > 0 and with_newline[: len(newline)] == newline:
+            ids = with_newline[len(newline):]
+        return ids, np.tile(np.asarray([start, end], dtype=np.int64), (len(ids), 1)).reshape(-1, 2)
+    if start > 0:
+        newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+        enc = tokenizer("\n" + piece, add_special_tokens=False, return_offsets_mapping=True)
+        if enc["input_ids"][: len(newline)] == newline:
+            offsets = np.asarray(enc["offset_mapping"][len(newline):], dtype=np.int64).reshape(-1, 2)
+            return enc["input_ids"][len(newline):], offsets - 1 + start
+    enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) + start
+
+
+def _encode(tokenizer: PreTrainedTokenizerFast, text: str, end: int, escaped: Sequence[tuple[int, int]] = (),
+            start: int = 0) -> tuple[list[int], np.ndarray]:
+    """Ids and (n, 2) character offsets (in `text`) of `text[start:end]`; the `escaped` spans in it are tokenized as
+    plain text, each apart from the text around it. Without escaped spans: one call of the tokenizer."""
+    inside = [(a, b) for a, b in escaped if start <= a and b <= end]
+    if not inside:
+        enc = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) + start
+    ids: list[int] = []
+    offsets = []
+    edges = [start, *(x for span in inside for x in span), end]
+    for i, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        if a < b:
+            piece_ids, piece_offsets = _encode_piece(tokenizer, text, a, b, plain=i % 2 == 1)
+            ids += piece_ids
+            offsets.append(piece_offsets)
+    return ids, np.concatenate(offsets) if offsets else np.zeros((0, 2), dtype=np.int64)
+
+
+def _find_structure(text: str, marker: str, start: int, escaped: Sequence[tuple[int, int]]) -> int:
+    """`text.find(marker, start)`, skipping occurrences inside escaped spans (text of a turn, not structure)."""
+    found = text.find(marker, start)
+    while found >= 0 and any(a <= found < b for a, b in escaped):
+        found = text.find(marker, found + 1)
+    return found
+
+
+# ------------------------------------------------------------------------------------------ sequences
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Head:
+    """The tokens of a prefix of a conversation's text."""
+
+    ids: list[int]
+    offsets: np.ndarray
+    """(n, 2) int64 character [start, end) of each token."""
+    limit: int
+    """Characters of the text the tokens cover."""
+
+
+def _encode_head(tokenizer: PreTrainedTokenizerFast, text: str, *, end_of_turn: str, max_length: int,
+                 escaped: Sequence[tuple[int, int]] = ()) -> _Head:
     """Token ids and offsets of a prefix of `text` holding at least `max_length` tokens (all of it if shorter),
     and that prefix's length in characters.
 
-    The prefix always ends right after an end-of-turn special token: special tokens are split off before
+    The prefix ends right after an end-of-turn special token: special tokens are split off before
     pre-tokenization, so its tokens are exactly the first tokens of the whole text. Long conversations are
-    not tokenized (or searched for replies) past what `max_length` keeps."""
+    not tokenized (or searched for replies) past what `max_length` keeps; when the next end of turn lies past
+    `max_length * MAX_CHARS_PER_TOKEN` characters, the prefix ends at a whitespace before that (`_bounded_head`)."""
     guess = max_length * 4  # characters; most tokenizers average 2-5 per token, and the loop doubles it
     while True:
         cut = len(text)
         if guess < len(text):
-            found = text.find(end_of_turn, guess)
+            found = _find_structure(text, end_of_turn, guess, escaped)
             cut = len(text) if found < 0 else found + len(end_of_turn)
-        enc = tokenizer(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
-        if len(enc["input_ids"]) >= max_length or cut == len(text):
-            offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # (n, 2) char [start, end)
-            return enc["input_ids"], offsets, cut
+        if cut > max_length * MAX_CHARS_PER_TOKEN:
+            return _bounded_head(tokenizer, text, max_length=max_length, escaped=escaped)
+        ids, offsets = _encode(tokenizer, text, cut, escaped)
+        if len(ids) >= max_length or cut == len(text):
+            return _Head(ids=ids, offsets=offsets, limit=cut)
         guess *= 2
 
 
+def _bounded_head(tokenizer: PreTrainedTokenizerFast, text: str, *, max_length: int,
+                  escaped: Sequence[tuple[int, int]]) -> _Head:
+    """The tokens of the first `max_length * MAX_CHARS_PER_TOKEN` characters of `text`, cut at the last whitespace
+    in its second half: the tokens before a whitespace do not depend on what follows it, so the first
+    `max_length` are the whole text's (a half-bound without whitespace is cut where it stands). Fewer than
+    `max_length` tokens there: the text is not language; the conversation is dropped."""
+    bound = max_length * MAX_CHARS_PER_TOKEN
+    cut = max(text.rfind(c, bound // 2, bound) for c in " \n\t")
+    cut = bound if cut < 0 else cut
+    cut = next((a for a, b in escaped if a < cut < b), cut)  # never inside an escaped span
+    ids, offsets = _encode(tokenizer, text, cut, escaped)
+    if len(ids) <= max_length:
+        raise Unmaskable("too_many_chars_per_token",
+                         f"{len(ids)} tokens in the first {cut} characters of a {len(text)}-character conversation, "
+                         f"more than {MAX_CHARS_PER_TOKEN} characters a token: not text to train on")
+    return _Head(ids=ids, offsets=offsets, limit=cut)
+
+
+def _rest_tokens(tokenizer: PreTrainedTokenizerFast, text: str, head: _Head, *, max_length: int,
+                 escaped: Sequence[tuple[int, int]]) -> int:
+    """Tokens of `text` past the head: counted up to `COUNT_REST_CHARS` characters (or the tokenizing bound, if
+    larger), else estimated from the head's characters per token (a report figure; it never decides what is
+    trained)."""
+    rest = len(text) - head.limit
+    if rest <= 0:
+        return 0
+    if rest <= max(COUNT_REST_CHARS, max_length * MAX_CHARS_PER_TOKEN):  # after an end of turn or a whitespace
+        return len(_encode(tokenizer, text, len(text), escaped, start=head.limit)[0])
+    return round(rest * len(head.ids) / max(head.limit, 1))
+
+
 def tokenize_conversation(conversation: Conversation, tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
-                          end_of_turn: str, max_length: int, min_supervised: int) -> TokenizedSequence:
-    """Token ids + assistant-only loss mask, truncated to `max_length`; raises `Unmaskable(reason)`."""
+                          end_of_turn: str, max_length: int, min_supervised: int,
+                          escape_special_tokens: Optional[bool] = None) -> TokenizedSequence:
+    """Token ids + assistant-only loss mask, truncated to `max_length`; raises `Unmaskable(reason)`.
+    `escape_special_tokens` (None: whether `tokenizer` comes from `escaping_tokenizer`): keep special-token text of
+    user and system turns plain text (see the module docstring)."""
+    if escape_special_tokens is None:
+        escape_special_tokens = getattr(tokenizer, ESCAPE_ATTRIBUTE, False)
     text = render(tokenizer, conversation.messages, thinking=thinking)
-    token_ids, offsets, limit = _encode_head(tokenizer, text, end_of_turn=end_of_turn, max_length=max_length)
+    escaped = escaped_spans(tokenizer, conversation.messages, text, thinking=thinking) if escape_special_tokens else []
+    head = _encode_head(tokenizer, text, end_of_turn=end_of_turn, max_length=max_length, escaped=escaped)
     spans = reply_spans(tokenizer, conversation.messages, text, thinking=thinking, end_of_turn=end_of_turn,
-                        limit=limit)
-    starts, ends = offsets[:, 0], offsets[:, 1]
+                        limit=head.limit)
+    starts, ends = head.offsets[:, 0], head.offsets[:, 1]
     mask = np.zeros(len(starts), dtype=bool)
     for span in spans:
         straddles = ((starts < span.start) & (ends > span.start)) | ((starts < span.end) & (ends > span.end))
         if straddles.any():
             raise Unmaskable("reply_boundary_inside_token")
         mask |= (starts >= span.start) & (ends <= span.end) & (ends > starts)
-    ids = torch.tensor(token_ids[:max_length], dtype=torch.long)  # (n,)
+    ids = torch.tensor(head.ids[:max_length], dtype=torch.long)  # (n,)
     loss_mask = torch.from_numpy(mask[:max_length].copy())  # (n,) bool
     if int(loss_mask.sum()) < min_supervised:
         raise Unmaskable("too_few_supervised_tokens")
-    cut = len(token_ids) - len(ids)
-    if limit < len(text):  # the rest starts after an end-of-turn special token: its tokens are the text's own
-        cut += len(tokenizer(text[limit:], add_special_tokens=False)["input_ids"])
+    cut = len(head.ids) - len(ids) + _rest_tokens(tokenizer, text, head, max_length=max_length, escaped=escaped)
     return TokenizedSequence(input_ids=ids, loss_mask=loss_mask, truncated_tokens=cut)

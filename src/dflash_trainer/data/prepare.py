@@ -21,6 +21,7 @@ from dflash_trainer.data.sources import load_conversations
 from dflash_trainer.data.tokenize_pool import default_num_workers
 from dflash_trainer.data.tokenized import (
     TokenizedDataset,
+    cache_entry_id,
     cache_key,
     cache_lock,
     cache_root,
@@ -117,13 +118,17 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
 
         tokenizer = load_tokenizer(config.target, config.data.chat_template)
     parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer)
+    if config.data.escape_special_tokens:  # carried to the tokenizing workers with the tokenizer
+        tokenizer = masks.escaping_tokenizer(tokenizer)
     code = code_fingerprint([__file__, masks.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__])
     path = cache_root(config.data.cache_dir) / cache_key(parts, code)
     cached = load_cache(path)  # an entry is renamed into place whole: reading it needs no lock
     built = None
     if cached is None:
+        seen = cache_entry_id(path)
         with cache_lock(path):  # a process preparing the same data at once waits, then reads the cache
-            cached = load_cache(path)
+            # what that process wrote (a damaged entry left as it was is not read, nor warned about, twice)
+            cached = load_cache(path) if cache_entry_id(path) != seen else None
             if cached is None:
                 built = _build(config, tokenizer)
                 if len(built[0]):

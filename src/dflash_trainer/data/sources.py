@@ -13,15 +13,26 @@ Rows are normalised, never repaired: a row with an unknown speaker, a missing fi
 that breaks the usable-conversation rule of its purpose (`rules.py`: training needs an assistant turn,
 regeneration accepts prompt-only rows) is dropped whole and counted by reason in a `LoadReport` (turns are
 never merged or reordered).
+
+Hostile rows are bounded before they cost time or memory (`data.max_record_bytes`, default 8 MiB), each dropped,
+counted by reason and warned about:
+- JSONL: a line is read at most `max_record_bytes` bytes at a time; a longer one is read past in pieces, never
+  held or parsed whole (`record_too_large`). A line whose brackets nest deeper than `MAX_JSON_DEPTH` is found
+  without recursion before `json` parses it (`too_deeply_nested`; json's decoder recurses once per level).
+- JSON array: a record not decoded within `max_record_bytes` characters, or too deeply nested to decode, is
+  skipped to its end by a scanner that keeps none of it and does not recurse (`record_too_large`,
+  `too_deeply_nested`; a complete but undecodable record is `invalid_json`).
+- Parquet and `datasets` folders: their rows come whole from the columnar file (whose schema bounds the nesting);
+  a row whose turns hold more than `max_record_bytes` characters is dropped (`record_too_large`), and so is any
+  row of the other formats that does.
+Tokenizing is bounded separately (`masks.py`: no more characters than `data.max_length` tokens can need).
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import difflib
 import hashlib
-import json
 import logging
 import math
 import random
@@ -30,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from dflash_trainer.data.config import DataConfig, DataSourceConfig
+from dflash_trainer.data.config import DEFAULT_MAX_RECORD_BYTES, DataConfig, DataSourceConfig
+from dflash_trainer.data.json_records import HOSTILE, MAX_JSON_DEPTH, Drop, Truncated, iter_json_array, iter_jsonl
 from dflash_trainer.data.rules import TRAIN, conversation_problem
 from dflash_trainer.data.types import Conversation, Message
 from dflash_trainer.errors import DataError
@@ -51,7 +63,6 @@ ROLE_NAMES = {
 }
 """Speaker names of ShareGPT-style and OpenAI-style rows -> our roles. Anything else drops the row."""
 
-_CHUNK_CHARS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,12 +133,6 @@ class LoadedSource:
 # ---------------------------------------------------------------------------------------------- rows
 
 
-class _Drop(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
 def _text(value: Any) -> str:
     """Turn content: a string, or OpenAI-style text parts `[{"type": "text", "text": ...}]`."""
     if isinstance(value, str):
@@ -136,37 +141,37 @@ def _text(value: Any) -> str:
         if all(isinstance(p.get("text"), str) for p in value):
             return "".join(p["text"] for p in value)
     if value is None:
-        raise _Drop("missing_content")
-    raise _Drop("non_text_content")
+        raise Drop("missing_content")
+    raise Drop("non_text_content")
 
 
 def normalize_row(row: Any, *, source: str, index: int, purpose: Optional[str] = TRAIN) -> Conversation:
-    """One row -> a Conversation, or `_Drop(reason)`. Accepts `conversations` (from/value) or `messages`
+    """One row -> a Conversation, or `Drop(reason)`. Accepts `conversations` (from/value) or `messages`
     (role/content) turns. `purpose`: the rule the conversation must meet (`rules.py`; None: none)."""
     if not isinstance(row, dict):
-        raise _Drop("not_an_object")
+        raise Drop("not_an_object")
     turns = row.get("messages", row.get("conversations"))
     if not isinstance(turns, list) or not turns:
-        raise _Drop("missing_turns")
+        raise Drop("missing_turns")
     messages = []
     for turn in turns:
         if not isinstance(turn, dict):
-            raise _Drop("bad_turn")
+            raise Drop("bad_turn")
         speaker = turn.get("role", turn.get("from"))
         if not isinstance(speaker, str):
-            raise _Drop("missing_role")
+            raise Drop("missing_role")
         role = ROLE_NAMES.get(speaker.strip().lower())
         if role is None:
-            raise _Drop("unknown_role")
+            raise Drop("unknown_role")
         content = _text(turn["content"] if "content" in turn else turn.get("value"))
         if not content.strip():
-            raise _Drop("empty_turn")
+            raise Drop("empty_turn")
         if not _is_unicode(content):
-            raise _Drop("lone_surrogate")
+            raise Drop("lone_surrogate")
         messages.append(Message(role=role, content=content))
     problem = conversation_problem(messages, purpose) if purpose is not None else None
     if problem is not None:
-        raise _Drop(problem)
+        raise Drop(problem)
     return Conversation(messages=tuple(messages), source=source, source_index=index)
 
 
@@ -178,95 +183,6 @@ def _is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-# --------------------------------------------------------------------------------------------- files
-
-
-def _drop_cut_tail(error: UnicodeDecodeError):
-    """Decoding errors handler: drop a character that the end of the file cut in two; re-raise any other."""
-    if error.reason == "unexpected end of data":
-        return "", error.end
-    raise error
-
-
-_CUT_TAIL = "dflash_drop_cut_tail"
-codecs.register_error(_CUT_TAIL, _drop_cut_tail)
-
-
-def _iter_json_array(path: Path) -> Iterator[Any]:
-    """Records of a JSON array, decoded one at a time. A cut-off last record raises `_Truncated`."""
-    decoder = json.JSONDecoder()
-    # A file cut inside a multi-byte character must still decode up to the cut (any other bad byte raises).
-    with open(path, encoding="utf-8-sig", errors=_CUT_TAIL) as f:  # -sig: a byte-order mark is not text
-        buf = f.read(_CHUNK_CHARS)
-        pos = len(buf) - len(buf.lstrip())
-        if buf[pos : pos + 1] != "[":
-            raise DataError(f"{path}: expected a JSON array of conversations (first character is not '[')")
-        pos += 1
-        eof = False
-        want = _CHUNK_CHARS
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos >= len(buf) or buf[pos] != "]":
-                try:
-                    record, end = decoder.raw_decode(buf, pos) if pos < len(buf) else (None, -1)
-                    if end < 0:
-                        raise json.JSONDecodeError("need more", buf, pos)
-                except json.JSONDecodeError:
-                    if eof:
-                        if pos < len(buf):
-                            raise _Truncated() from None
-                        raise _Truncated(complete=False) from None
-                    more = f.read(want)
-                    want *= 2  # a record larger than the buffer: grow geometrically, not quadratically
-                    eof = not more
-                    buf = buf[pos:] + more
-                    pos = 0
-                    continue
-                want = _CHUNK_CHARS
-                yield record
-                pos = end
-                continue
-            return
-
-
-class _Truncated(Exception):
-    def __init__(self, complete: bool = True):
-        super().__init__("truncated")
-        self.partial_record = complete
-        """True when text of a cut-off record follows the last complete one."""
-
-
-def _iter_jsonl(path: Path) -> Iterator[Any]:
-    """Rows of a JSONL file, each line decoded alone: a line that is not UTF-8 is dropped (`not_utf8`, counted and
-    warned about with its line number), never decoded with replacement characters; a file with no UTF-8 row at
-    all is an error (it is in another encoding)."""
-    bad, good = [], 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if number == 1 and raw.startswith(codecs.BOM_UTF8):  # a byte-order mark would spoil the first row
-                raw = raw[len(codecs.BOM_UTF8):]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                bad.append(number)
-                yield _Drop("not_utf8")
-                continue
-            if line.strip():
-                good += 1
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    yield _Drop("invalid_json")
-    if bad and not good:
-        raise DataError(f"{path}: not UTF-8 text (line {bad[0]} and every other line with a non-ASCII byte); "
-                        f"convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > converted{path.suffix}`")
-    if bad:
-        log.warning("%s: %d lines are not UTF-8 (lines %s%s) and were left out; fix them, or convert the file if "
-                    "it is in another encoding throughout", path, len(bad), ", ".join(map(str, bad[:5])),
-                    ", ..." if len(bad) > 5 else "")
 
 
 def _iter_parquet(path: Path) -> Iterator[Any]:
@@ -318,20 +234,20 @@ def _detect_format(path: Path) -> str:
     raise DataError(f"{path}: unknown data file type {suffix!r}; use .json, .jsonl, .parquet or a directory")
 
 
-def _rows(path: Path, fmt: str) -> Iterator[Any]:
-    """Raw rows of one source path, in file order."""
+def _rows(path: Path, fmt: str, max_bytes: int) -> Iterator[Any]:
+    """Raw rows of one source path, in file order; rows of JSON text over `max_bytes` come as `Drop`s."""
     kind = _detect_format(path)
     if fmt == "hf_disk" or kind == "hf_disk":
         yield from _iter_hf_disk(path)
     elif kind == "regenerate":
         for shard in _regenerate_shards(path):
-            yield from _iter_jsonl(shard)
+            yield from iter_jsonl(shard, max_bytes)
     elif kind == "parquet":
         yield from _iter_parquet(path)
     elif kind == "jsonl":
-        yield from _iter_jsonl(path)
+        yield from iter_jsonl(path, max_bytes)
     else:
-        yield from _iter_json_array(path)
+        yield from iter_json_array(path, max_bytes)
 
 
 @contextlib.contextmanager
@@ -363,9 +279,11 @@ def source_path(source: DataSourceConfig) -> Iterator[Path]:
     yield path
 
 
-def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpose: Optional[str] = TRAIN) -> LoadedSource:
+def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpose: Optional[str] = TRAIN,
+                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> LoadedSource:
     """Conversations of one source in row order, stopping once `limit` (or the source's own
-    `max_conversations`) conversations are kept; `purpose`: see `normalize_row`."""
+    `max_conversations`) conversations are kept; `purpose`: see `normalize_row`; `max_record_bytes`: the largest
+    row read (`data.max_record_bytes`; the module docstring says where it applies)."""
     caps = [c for c in (limit, source.max_conversations) if c is not None]
     cap = min(caps) if caps else None
     name = source.path
@@ -378,12 +296,12 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
     read = 0
     stopped = False
     with source_path(source) as path, _named_decode_errors(path):
-        rows = _rows(path, source.format)
+        rows = _rows(path, source.format, max_record_bytes)
         try:
             for index, row in enumerate(rows):
                 read += 1
                 try:
-                    if isinstance(row, _Drop):
+                    if isinstance(row, Drop):
                         raise row
                     if len(row_keys) < 8:
                         row_keys[_keys(row)] += 1
@@ -394,14 +312,17 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
                             speakers.update(str(s) for s in named
                                             if s is not None and str(s).strip().lower() not in ROLE_NAMES)
                     if expected_key and isinstance(row, dict) and expected_key not in row:
-                        raise _Drop("missing_turns")
-                    kept.append(normalize_row(row, source=name, index=index, purpose=purpose))
-                except _Drop as d:
+                        raise Drop("missing_turns")
+                    conversation = normalize_row(row, source=name, index=index, purpose=purpose)
+                    if sum(len(m.content) for m in conversation.messages) > max_record_bytes:  # Parquet, datasets
+                        raise Drop("record_too_large")
+                    kept.append(conversation)
+                except Drop as d:
                     dropped[d.reason] += 1
                 if cap is not None and len(kept) >= cap:
                     stopped = True
                     break
-        except _Truncated as t:
+        except Truncated as t:
             log.warning("%s: the file is cut off %s; read the %d complete records before it", name,
                         "inside a record" if t.partial_record else "before the closing ']'", read)
             if t.partial_record:
@@ -412,6 +333,9 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
                         layout_problem=problem)
     if problem:
         log.warning("%s", problem)
+    elif any(dropped[r] for r in HOSTILE):
+        log.warning("%s: kept %d of %d rows; dropped %s (data.max_record_bytes=%d, nesting depth <= %d)", name,
+                    len(kept), read, dict(dropped), max_record_bytes, MAX_JSON_DEPTH)
     elif dropped:
         log.info("%s: kept %d of %d rows; dropped %s", name, len(kept), read, dict(dropped))
     return LoadedSource(conversations=tuple(kept), report=report)
@@ -442,12 +366,14 @@ def load_conversations(data: DataConfig, *, seed: int, purpose: str = TRAIN) -> 
     if not sources:
         raise DataError("no data: set data.path (e.g. data.path=sharegpt) or data.sources")
     if len(sources) == 1:
-        loaded = load_source(sources[0], limit=data.max_conversations, purpose=purpose)
+        loaded = load_source(sources[0], limit=data.max_conversations, purpose=purpose,
+                             max_record_bytes=data.max_record_bytes)
         return LoadedSource(conversations=loaded.conversations, report=loaded.report)
     w_sum = sum(s.weight for s in sources)
     limits = [None if data.max_conversations is None else math.ceil(data.max_conversations * s.weight / w_sum)
               for s in sources]
-    loaded = [load_source(s, limit=lim, purpose=purpose) for s, lim in zip(sources, limits)]
+    loaded = [load_source(s, limit=lim, purpose=purpose, max_record_bytes=data.max_record_bytes)
+              for s, lim in zip(sources, limits)]
     counts = mix_counts([len(x.conversations) for x in loaded], [s.weight for s in sources], data.max_conversations)
     rng = random.Random(f"mix:{seed}")
     picked: list[Conversation] = []

@@ -8,7 +8,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -59,7 +59,7 @@ class EvalReport:
     prompt_lookup_per_prompt_steps: Optional[list[int]] = None
     setting_digest: Optional[str] = None
     """What the evaluation ran on (`setting_digest`): two evaluations with the same digest ran the same prompts,
-    decoding settings and target, so they can be compared prompt by prompt (`bench/compare.py`)."""
+    decoding settings and target, so they can be compared prompt by prompt (`bench/quality/compare.py`)."""
     seconds: float = 0.0
     """Wall time of the whole evaluation (every pass)."""
     note: str = TAU_NOTE
@@ -68,33 +68,51 @@ class EvalReport:
         return asdict(self)
 
 
+def _prompt_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-blank line, read one at a time and bounded like training rows (sources.py):
+    a line over `DEFAULT_MAX_RECORD_BYTES` or nested deeper than `MAX_JSON_DEPTH` is an error naming it, found
+    before it is held whole or parsed (json's decoder recurses once per level)."""
+    from dflash_trainer.data.config import DEFAULT_MAX_RECORD_BYTES
+    from dflash_trainer.data.json_records import MAX_JSON_DEPTH, bounded_lines, too_deeply_nested
+
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(bounded_lines(f, DEFAULT_MAX_RECORD_BYTES), 1):
+            if raw is None:
+                raise DataError(f"{path}:{line_no}: a line over {DEFAULT_MAX_RECORD_BYTES} bytes, far more than a "
+                                "prompt; remove it or shorten its turns")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"eval prompts file {path} is not UTF-8 text (line {line_no}: {e.reason}); convert "
+                                "it to UTF-8") from None
+            if not line.strip():
+                continue
+            if too_deeply_nested(line):
+                raise DataError(f"{path}:{line_no}: arrays or objects nested deeper than {MAX_JSON_DEPTH} levels, "
+                                "not a {\"messages\": [...]} row; remove the line")
+            yield line_no, line
+
+
 def load_prompt_messages(path: str | Path, num_prompts: int) -> list[list[dict]]:
     """Messages up to and including the last user turn of each JSONL row `{"messages": [...]}`."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"eval prompts file {path} not found; set eval.prompts to a JSONL of {{\"messages\": [...]}} rows")
     prompts: list[list[dict]] = []
-    with path.open(encoding="utf-8") as f:
+    for line_no, line in _prompt_lines(path):
         try:
-            lines = list(f)
-        except UnicodeDecodeError as e:
-            raise DataError(f"eval prompts file {path} is not UTF-8 text ({e.reason}); convert it to UTF-8") from None
-        for line_no, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                messages = json.loads(line)["messages"]
-                last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-            except (ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{path}:{line_no}: not a {{\"messages\": [...]}} row with a user turn ({e})") from None
-            prompt = [{"role": m["role"], "content": m.get("content")} for m in messages[: last_user + 1]]
-            bad = next((m for m in prompt if not isinstance(m["content"], str)), None)
-            if bad is not None:
-                raise DataError(f"{path}:{line_no}: a {bad['role']} turn's content is "
-                                f"{type(bad['content']).__name__}, not text; give each turn's content as a string")
-            prompts.append(prompt)
-            if len(prompts) >= num_prompts:
-                break
+            messages = json.loads(line)["messages"]
+            last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise DataError(f"{path}:{line_no}: not a {{\"messages\": [...]}} row with a user turn ({e})") from None
+        prompt = [{"role": m["role"], "content": m.get("content")} for m in messages[: last_user + 1]]
+        bad = next((m for m in prompt if not isinstance(m["content"], str)), None)
+        if bad is not None:
+            raise DataError(f"{path}:{line_no}: a {bad['role']} turn's content is "
+                            f"{type(bad['content']).__name__}, not text; give each turn's content as a string")
+        prompts.append(prompt)
+        if len(prompts) >= num_prompts:
+            break
     if not prompts:
         raise DataError(f"eval prompts file {path} holds no prompt")
     return prompts
