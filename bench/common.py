@@ -50,13 +50,15 @@ MODELS = {  # preset -> (tap layer ids or None for the default spread, mask toke
 SMOKE_MODELS = ("tiny", "tiny-moe", "tiny-gpt-oss")
 """The presets --smoke keeps when asked for (any other model becomes `tiny`)."""
 RESULTS = ROOT / "bench" / "results"
+"""Result files, one folder per claim (`bench/results/<claim>/`, the claim's scripts under `bench/<claim>/`)."""
 
 
 # --------------------------------------------------------------------------------------- the step's shape
 
 
-def add_shape_args(p: argparse.ArgumentParser) -> None:
-    """The packed step's shape (model preset, sequences, blocks, drafter depth), timing counts, --out, --smoke."""
+def add_shape_args(p: argparse.ArgumentParser, claim: str) -> None:
+    """The packed step's shape (model preset, sequences, blocks, drafter depth), timing counts, --out (default:
+    the claim's results folder, `bench/results/<claim>/`), --smoke."""
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
@@ -65,7 +67,7 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks-per-seq", type=int, default=512, help="num_blocks = seqs * blocks-per-seq")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
-    p.add_argument("--out", default=str(RESULTS), help="directory for the JSON result")
+    p.add_argument("--out", default=str(RESULTS / claim), help="directory for the JSON result")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny preset (or --model tiny-moe / tiny-gpt-oss), 2 x 128 tokens, 32 blocks, B=8, "
                    "2 drafter layers: proves the code paths")

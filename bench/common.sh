@@ -2,7 +2,7 @@
 # which runs CMD with a time limit, logs it to $LOGS/NAME.log and prints its tail. A suite ends with
 # `finish`: the logs and result JSONs go into $OUT/results.tar.gz (a device call brings back few files).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}
 SUITE_TMP=${SUITE_TMP:-/tmp}  # where the logs and result JSONs gather before `finish` packs them
 LOGS=$SUITE_TMP/suite-logs

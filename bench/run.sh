@@ -2,7 +2,7 @@
 # One bench script on the device machine with the carried wheels installed (carry .whl), for a run that no suite
 # names: its arguments follow the script; its JSON and log come back in $OUT/results.tar.gz. LIMIT_S (default 560)
 # bounds it. Any script built on bench/common.py's parser (it takes --out):
-#   bash bench/suites/run.sh bench/run.py --model qwen3-8b --workload mfu --seqs 1 --seq-len 3072 --no-baseline
+#   bash bench/run.sh bench/speed/run.py --model qwen3-8b --workload mfu --seqs 1 --seq-len 3072 --no-baseline
 source "$(dirname "$0")/common.sh"
 script=$1
 shift

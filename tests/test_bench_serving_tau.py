@@ -1,4 +1,4 @@
-"""bench/serving_engines.py on the CPU (the servers need a GPU): the acceptance length it reads from a fake vLLM's
+"""bench/serving/serving_engines.py on the CPU (the servers need a GPU): the acceptance length it reads from a fake vLLM's
 /metrics counters and a fake SGLang's replies, and the serving commands it starts (the README's)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the `bench` package
 
-from serving_engines import metric_sum, run_sglang, run_vllm, server_command  # noqa: E402
+from bench.serving.serving_engines import metric_sum, run_sglang, run_vllm, server_command  # noqa: E402
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 vllm:spec_decode_num_drafts_total{engine="0",model_name="T"} %d

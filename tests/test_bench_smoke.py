@@ -15,10 +15,10 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # the `bench` package
 
-from flops import drafter_step_flops, target_forward_flops, visible_pairs  # noqa: E402
-from quality import pack, read_arms, run_overrides, split_conversations, unpack  # noqa: E402
+from bench.flops import drafter_step_flops, target_forward_flops, visible_pairs  # noqa: E402
+from bench.quality.quality import pack, read_arms, run_overrides, split_conversations, unpack  # noqa: E402
 
 from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
@@ -31,7 +31,7 @@ REQUIRED = ("date", "commit", "gpu", "workload", "tokens_per_s", "samples_per_s"
 
 
 def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "speed" / "run.py"), "--smoke", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -57,7 +57,7 @@ def test_smoke_run_writes_json_with_the_report_keys(tmp_path):
 def test_run_set_overrides_our_side_and_prints_the_chunk_plan(tmp_path):
     """`--set` reaches the config our side runs (here its chunking, which the step then prints), and an unknown key
     is refused by name."""
-    run = [sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--no-baseline", "--out", str(tmp_path)]
+    run = [sys.executable, str(ROOT / "bench" / "speed" / "run.py"), "--smoke", "--no-baseline", "--out", str(tmp_path)]
     proc = subprocess.run([*run, "--set", "train.blocks_per_chunk=8"], capture_output=True, text=True, timeout=120,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -68,7 +68,7 @@ def test_run_set_overrides_our_side_and_prints_the_chunk_plan(tmp_path):
 
 
 def test_run_with_an_fp8_target_asks_for_it_and_is_refused_on_the_cpu_by_name():
-    import run
+    from bench.speed import run
 
     from dflash_trainer.errors import ConfigError
 
@@ -79,7 +79,7 @@ def test_run_with_an_fp8_target_asks_for_it_and_is_refused_on_the_cpu_by_name():
 def test_smoke_drafter_step_compares_variants_with_the_same_loss(tmp_path):
     """Named and free-form variants run the trainer's step on the same batch and head: a speed-only knob
     (chunk rows) leaves the loss unchanged; a bad variant is refused by name."""
-    cmd = [sys.executable, str(ROOT / "bench" / "drafter_step.py"), "--smoke", "--out", str(tmp_path),
+    cmd = [sys.executable, str(ROOT / "bench" / "speed" / "drafter_step.py"), "--smoke", "--out", str(tmp_path),
            "--variant", "ours", "--variant", "chunk 4096", "--variant", "tiny chunks: drafter.loss_chunk_rows=5",
            "--profile"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
@@ -92,7 +92,7 @@ def test_smoke_drafter_step_compares_variants_with_the_same_loss(tmp_path):
     assert all(abs(x - losses[0]) < 1e-4 for x in losses), losses
     assert all(r["step_ms"] > 0 and r["step_tflop"] > 0 and r["profile"]["steps"] == 1 for r in results.values())
     assert len(list(tmp_path.glob("*-drafter_step-tiny.json"))) == 1
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "drafter_step.py"), "--smoke", "--variant", "nosuch"],
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "speed" / "drafter_step.py"), "--smoke", "--variant", "nosuch"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode != 0 and "nosuch" in bad.stderr
 
@@ -164,7 +164,7 @@ def test_moe_flops_count_active_experts():
 def test_target_forward_smoke_runs_a_moe_target_and_counts_active_experts():
     from dflash_trainer.target.presets import preset_config
 
-    cmd = [sys.executable, str(ROOT / "bench" / "target_forward.py"), "--smoke", "--preset", "tiny-moe", "--profile"]
+    cmd = [sys.executable, str(ROOT / "bench" / "target" / "target_forward.py"), "--smoke", "--preset", "tiny-moe", "--profile"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -182,7 +182,7 @@ def test_target_forward_smoke_runs_a_moe_target_and_counts_active_experts():
 
 
 def test_moe_experts_smoke_variants_agree_with_transformers_experts():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_experts.py"), "--smoke"], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "large_targets" / "moe_experts.py"), "--smoke"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -192,7 +192,7 @@ def test_moe_experts_smoke_variants_agree_with_transformers_experts():
 
 
 def test_target_parallel_smoke_tp2_taps_equal_tp1_taps():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "target_parallel.py"), "--smoke"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "large_targets" / "target_parallel.py"), "--smoke"],
                           capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -201,7 +201,7 @@ def test_target_parallel_smoke_tp2_taps_equal_tp1_taps():
 
 
 def test_bench_scripts_take_the_moe_presets():
-    import run
+    from bench.speed import run
 
     for model, attention in (("tiny-moe", "sdpa"), ("tiny-gpt-oss", "eager")):
         args = run.parse_args(["--smoke", "--model", model])
@@ -213,7 +213,7 @@ def test_bench_scripts_take_the_moe_presets():
 
 
 def test_sharegpt_workload_packs_approximate_lengths_into_the_budget():
-    import run
+    from bench.speed import run
 
     args = run.parse_args(["--smoke", "--workload", "sharegpt"])
     config = run.bench_config(args, torch.device("cpu"))
@@ -234,7 +234,7 @@ def test_kernel_profile_kinds_and_idle_gaps():
     """Kernel names map to their kind; gaps are measured past the latest end (overlaps are not idle)."""
     from types import SimpleNamespace
 
-    from kernel_profile import idle_gaps, kind_of
+    from bench.kernel_profile import idle_gaps, kind_of
 
     assert kind_of("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN") == "gemm"
     assert kind_of("triton_tem_fused_flex_attention_backward_6") == "flex attention"
@@ -253,9 +253,9 @@ def test_kernel_profile_kinds_and_idle_gaps():
 
 
 def test_smoke_scaling_runs_colocated_and_split_training(tmp_path):
-    """bench/scaling.py drives real training runs (one process, then torchrun with 3 gloo ranks split 1:2)
+    """bench/multi_gpu/scaling.py drives real training runs (one process, then torchrun with 3 gloo ranks split 1:2)
     and reports steady-state tokens/s and the efficiency against N x the one-rank run."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scaling.py"), "--smoke", "--out", str(tmp_path),
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multi_gpu" / "scaling.py"), "--smoke", "--out", str(tmp_path),
                            "--work-dir", str(tmp_path / "runs")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -269,11 +269,11 @@ def test_smoke_scaling_runs_colocated_and_split_training(tmp_path):
 
 
 def test_smoke_context_parallel_trains_one_long_sequence_a_step_on_one_rank_and_a_cp_group(tmp_path):
-    """bench/context_parallel.py writes long conversations, then trains one rank and a CP=2 group (torchrun, gloo)
+    """bench/multi_gpu/context_parallel.py writes long conversations, then trains one rank and a CP=2 group (torchrun, gloo)
     on them: every step is one sequence cut at exactly --seq-len tokens, and the CP group's speed-up and efficiency
     are taken against the one-rank run."""
     runs = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "context_parallel.py"), "--smoke", "--out",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multi_gpu" / "context_parallel.py"), "--smoke", "--out",
                            str(tmp_path), "--work-dir", str(runs)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -292,9 +292,9 @@ def test_smoke_context_parallel_trains_one_long_sequence_a_step_on_one_rank_and_
 @pytest.mark.parametrize("argv", [["--seq-len", "131072", "--cp", "2,4", "--set",
                                    "drafter.flex_kernel_options.BACKEND=FLASH"], ["--smoke"]])
 def test_context_parallel_runs_are_valid_configs(argv, tmp_path):
-    """The GPU runs of bench/context_parallel.py are checked only on a multi-GPU machine: a misspelt or refused
+    """The GPU runs of bench/multi_gpu/context_parallel.py are checked only on a multi-GPU machine: a misspelt or refused
     override would fail there, after the data work."""
-    import context_parallel
+    from bench.multi_gpu import context_parallel
 
     args = context_parallel.parse_args(argv)
     target = context_parallel.long_target(tmp_path / "target", args.preset, args.seq_len)
@@ -305,7 +305,7 @@ def test_context_parallel_runs_are_valid_configs(argv, tmp_path):
 
 
 def test_context_parallel_plan_refuses_a_group_that_does_not_divide_the_sequence():
-    import context_parallel
+    from bench.multi_gpu import context_parallel
 
     plan = context_parallel.run_plan(context_parallel.parse_args(["--seq-len", "4096", "--cp", "2,4"]))
     assert [(name, ranks) for name, ranks, _ in plan] == [("1 rank", 1), ("CP=2", 2), ("CP=4", 4)]
@@ -316,7 +316,7 @@ def test_context_parallel_plan_refuses_a_group_that_does_not_divide_the_sequence
 
 
 def test_scaling_plan_runs_each_split_once_per_target_parallel_value():
-    import scaling
+    from bench.multi_gpu import scaling
 
     plan = scaling.run_plan(scaling.parse_args(["--gpus", "4", "--splits", "1,2", "--target-parallel", "1,2"]))
     # 2 groups of 2 would leave no drafter rank: skipped
@@ -328,7 +328,7 @@ def test_scaling_plan_runs_each_split_once_per_target_parallel_value():
 
 
 def test_smoke_data_prep_times_one_process_against_workers_with_equal_results():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "data_prep.py"), "--smoke"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "host" / "data_prep.py"), "--smoke"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -338,7 +338,7 @@ def test_smoke_data_prep_times_one_process_against_workers_with_equal_results():
 
 
 def test_smoke_target_padded_taps_match_each_sequence_alone_with_and_without_mask():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "target_padded.py"), "--smoke", "--steps", "1"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "target" / "target_padded.py"), "--smoke", "--steps", "1"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -350,7 +350,7 @@ def test_smoke_target_padded_taps_match_each_sequence_alone_with_and_without_mas
 
 
 def test_train_steady_counts_tokens_after_the_skipped_records(tmp_path):
-    import train_steady
+    from bench.speed import train_steady
 
     # One record per step, stamped when it ends: step 1 (compilation) ends at 110 s, then one every 2 s.
     rows = [{"step": i + 1, "time": 110.0 + 2.0 * i, "tokens": 1000 + i, "wait_time_s": 0.5} for i in range(6)]
@@ -365,7 +365,7 @@ def test_train_steady_counts_tokens_after_the_skipped_records(tmp_path):
 
 
 def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(tmp_path):
-    """bench/quality.py on a random tiny target: regenerate (held-out split of the bundled ShareGPT file; the
+    """bench/quality/quality.py on a random tiny target: regenerate (held-out split of the bundled ShareGPT file; the
     training prompts a second time, sampled), two arms in parallel processes trained on both sources, result
     JSONs with real tau beside prompt lookup and walk tau; the packed cache restores to the same data, and a rerun
     on it regenerates nothing."""
@@ -377,7 +377,7 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     common = ["--target", "tiny", "--eval-prompts", "3", "--train-conversations", "24", "--results",
               str(tmp_path / "results"), "--sampled-replies", "3", "--sampled-temperature", "0.7"]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c1"),
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "quality.py"), *common, "--cache", str(tmp_path / "c1"),
                            "--runs", str(tmp_path / "runs"), "--arms", str(arms), "--parallel", "2",
                            "--pack", str(tmp_path / "parts"), "regenerate.max_new_tokens=24"], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, env=env)
@@ -407,7 +407,7 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     weights = [(Path(s["path"]).name, s["weight"]) for s in config["data"]["sources"]]
     assert weights == [("train", 1.0), ("sampled", 3.0)]
     assert list((tmp_path / "parts").glob("quality-cache.tar.gz.part*"))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(tmp_path / "c2"),
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "quality.py"), *common, "--cache", str(tmp_path / "c2"),
                            "--unpack", str(tmp_path / "parts"), "--data-only"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -420,11 +420,11 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     c2 = tmp_path / "c2"
     shutil.rmtree(c2 / "eval")
     (c2 / "eval.jsonl").unlink()
-    subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--cache", str(c2), "--prompts-only",
+    subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "quality.py"), "--cache", str(c2), "--prompts-only",
                     "--eval-prompts", "5", "--eval-turns", "2", "--train-conversations", "24"], check=True,
                    timeout=120, cwd=ROOT, env=env)
     train_before = {f"{d}/{f.name}": f.read_bytes() for d in ("train", "sampled") for f in (c2 / d).iterdir()}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(c2),
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "quality.py"), *common, "--cache", str(c2),
                            "--data-only", "regenerate.batch_size=16", "regenerate.max_new_tokens=24", "run.device=cpu"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -438,21 +438,21 @@ def test_quality_bench_regenerates_trains_arms_in_parallel_and_packs_its_cache(t
     # the second turn's prompt holds the target's reply to the first, not ShareGPT's
     assert all(a[1]["role"] == "assistant" and a[1]["content"] != p[1]["content"] for a, p in zip(answered, prompts))
     # other sampling flags than the cache's: refused, with the flags that match
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common[:-4], "--cache", str(c2),
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "quality.py"), *common[:-4], "--cache", str(c2),
                            "--data-only"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "holds 3 replies a prompt sampled at temperature 0.7, not --sampled-replies 2" in proc.stderr
     assert "pass --sampled-replies 3 --sampled-temperature 0.7" in proc.stderr
     # a cache without the sampled replies: --no-regen names what is missing and how to train without it
     shutil.rmtree(c2 / "sampled")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), *common, "--cache", str(c2),
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "quality.py"), *common, "--cache", str(c2),
                            "--data-only", "--no-regen"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode != 0 and "no regenerated sampled data" in proc.stderr
     assert "--sampled-replies 0" in proc.stderr
 
 
 def test_quality_runs_read_the_greedy_folder_alone_or_both_whole(tmp_path):
-    """bench/quality.py's run overrides: `--sampled-replies 0` trains on the greedy folder; otherwise both folders,
+    """bench/quality/quality.py's run overrides: `--sampled-replies 0` trains on the greedy folder; otherwise both folders,
     the sampled one weighted by its rows per greedy row (data.sources cuts sources to their weights)."""
     import argparse
 
@@ -468,7 +468,7 @@ def test_quality_runs_read_the_greedy_folder_alone_or_both_whole(tmp_path):
 
 
 def test_unpack_restores_what_the_cache_lacks_and_keeps_what_it_has(tmp_path):
-    """bench/quality.py --unpack into a cache that holds the greedy replies already: the sampled ones and the
+    """bench/quality/quality.py --unpack into a cache that holds the greedy replies already: the sampled ones and the
     held-out set come from the parts, the greedy folder stays as it was."""
     packed = tmp_path / "packed"
     for name in ("train", "sampled", "eval"):
@@ -487,9 +487,9 @@ def test_unpack_restores_what_the_cache_lacks_and_keeps_what_it_has(tmp_path):
 
 
 def test_cpu_scaling_counts_every_process_loop_and_the_host_ticks():
-    """bench/cpu_scaling.py: K processes each run the loop once (aggregate rate = K x loops / wall), and the host's
+    """bench/host/cpu_scaling.py: K processes each run the loop once (aggregate rate = K x loops / wall), and the host's
     CPU ticks are read by kind (steal included) where /proc/stat exists."""
-    import cpu_scaling
+    from bench.host import cpu_scaling
 
     r = cpu_scaling.run(2, 200_000)
     assert r["processes"] == 2 and 0 < r["fastest_s"] <= r["slowest_s"] <= r["wall_s"]
@@ -500,10 +500,10 @@ def test_cpu_scaling_counts_every_process_loop_and_the_host_ticks():
 
 
 def test_peer_driver_template_shape_and_step_budget(tmp_path):
-    """bench/peers.py's pure parts: the answer-only template renders the target's text exactly and tags each
+    """bench/peers/peers.py's pure parts: the answer-only template renders the target's text exactly and tags each
     reply; a template it does not know is refused; the peer's drafter gets our shape and the target's head sizes
     and rope theta; the calibrated step count follows the measured rate after warm-up; the data keeps messages."""
-    from peers import drafter_overrides, generation_template, steps_for_budget, write_peer_data
+    from bench.peers.peers import drafter_overrides, generation_template, steps_for_budget, write_peer_data
     from transformers import AutoTokenizer
 
     practice = ROOT.parent / "shared" / "practice_target" / "model"
@@ -546,7 +546,7 @@ def test_peer_warm_start_loads_every_draft_tensor_or_refuses(tmp_path):
     refused before training, never half loaded. Also the peer's steady step time (warm-up left out)."""
     from types import SimpleNamespace
 
-    from peers import steady_step_s, step_time_summary
+    from bench.peers.peers import steady_step_s, step_time_summary
 
     assert steady_step_s([9.0, 9.5] + [10.0 + 0.25 * i for i in range(9)]) == pytest.approx(0.25)
     assert steady_step_s([1.0] * 6) is None
@@ -560,7 +560,7 @@ def test_peer_warm_start_loads_every_draft_tensor_or_refuses(tmp_path):
     assert step_time_summary([1.0, 2.0, 3.0]) == {}
 
     # its batches counted: real tokens from the attention mask, supervised ones from loss_mask, else labels
-    from peer_modelopt_run import count_batch
+    from bench.peers.peer_modelopt_run import count_batch
 
     counts = {"real": None, "padded": 0, "loss": None}
     attention = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
@@ -569,7 +569,7 @@ def test_peer_warm_start_loads_every_draft_tensor_or_refuses(tmp_path):
     assert (int(counts["real"]), counts["padded"], int(counts["loss"])) == (10, 16, 6)
 
     from drafter_helpers import tiny_drafter
-    from peer_modelopt_run import load_draft_weights
+    from bench.peers.peer_modelopt_run import load_draft_weights
     from safetensors.torch import load_file, save_file
 
     from dflash_trainer.drafter.export import export_drafter
@@ -605,7 +605,7 @@ def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):
     files = [result("a5", 100, 5, 3.0), result("a15", 100, 15, 3.6, during), result("b5", 300, 5, 3.3),
              result("b15", 300, 15, 3.7, no_lookup)]
     png = tmp_path / "curve.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "curve.py"), *files, "--regen", "100=1.5",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "curve.py"), *files, "--regen", "100=1.5",
                            "--out", str(png)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| 100 | a15 | abc1234 | 15.0 | 16.5 | 3.60 | 2.00 | 1.80x |" in proc.stdout
@@ -614,7 +614,7 @@ def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "| 300 | b15 (at step 1,500) | abc1234 | 7.5 | 7.5 + regeneration | 3.10 | - | -x |" in proc.stdout
     assert len(json.loads(proc.stdout.strip().splitlines()[-1])["points"]) == 6
-    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "curve.py"), *files, "--label", "many=x"],
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "curve.py"), *files, "--label", "many=x"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "--label 'many=x': expected ROWS=TEXT" in bad.stderr
 
@@ -631,7 +631,7 @@ def test_compare_pairs_the_prompts_and_refuses_other_prompts(tmp_path):
     better = result("better", [34, 21, 56, 13])  # +0.4, +0.1, +0.6, +0.3 on the same prompts
 
     def run(*files):
-        return subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), *files], capture_output=True,
+        return subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "compare.py"), *files], capture_output=True,
                               text=True, timeout=120, cwd=ROOT)
 
     proc = run(base, better)
@@ -685,22 +685,22 @@ def test_compare_pairs_the_prompts_and_refuses_other_prompts(tmp_path):
         assert json.loads(named.stdout.strip().splitlines()[-1])["rows"][1]["name"] == expected
 
 
-@pytest.mark.parametrize("arms", sorted(p.name for p in (ROOT / "bench" / "arms").glob("*.txt")))
+@pytest.mark.parametrize("arms", sorted(p.name for p in (ROOT / "bench" / "quality" / "arms").glob("*.txt")))
 def test_arms_files_are_valid_practice_configs(arms):
     """An arm with a misspelt key or a value its config refuses would fail only on the device, after its data."""
-    runs = read_arms(ROOT / "bench" / "arms" / arms)
+    runs = read_arms(ROOT / "bench" / "quality" / "arms" / arms)
     assert runs and len({name for name, *_ in runs}) == len(runs), f"{arms}: no arms, or two of one name"
     for name, *overrides in runs:
         load_config(ROOT / "configs" / "practice.yaml", overrides)  # raises ConfigError naming the bad override
 
 
-@pytest.mark.parametrize("cells", sorted(p.name for p in (ROOT / "bench" / "cells").glob("*.txt")))
+@pytest.mark.parametrize("cells", sorted(p.name for p in (ROOT / "bench" / "peers" / "cells").glob("*.txt")))
 def test_cells_files_are_valid_peer_options(cells):
-    """A peer cell ("NAME option ...", as bench/suites/peer_cells.sh runs it) whose option bench/peers.py refuses
+    """A peer cell ("NAME option ...", as bench/peers/peer_cells.sh runs it) whose option bench/peers/peers.py refuses
     would fail only on the device."""
-    from peers import parser
+    from bench.peers.peers import parser
 
-    lines = [line.split(maxsplit=1) for line in (ROOT / "bench" / "cells" / cells).read_text().splitlines()
+    lines = [line.split(maxsplit=1) for line in (ROOT / "bench" / "peers" / "cells" / cells).read_text().splitlines()
              if line.strip() and not line.startswith("#")]
     assert lines and len({name for name, *_ in lines}) == len(lines), f"{cells}: no cells, or two of one name"
     for name, *options in lines:
@@ -708,23 +708,22 @@ def test_cells_files_are_valid_peer_options(cells):
         assert args.max_steps > 0 or args.minutes > 0, name
 
 
-@pytest.mark.parametrize("suite", sorted(p.name for p in (ROOT / "bench" / "suites").glob("*.sh")))
+@pytest.mark.parametrize("suite", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench").rglob("*.sh")))
 def test_device_suites_parse(suite):
     """The suites run only on the device machine, whose time is scarce: a syntax error is caught here first."""
-    proc = subprocess.run(["bash", "-n", str(ROOT / "bench" / "suites" / suite)], capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(["bash", "-n", str(ROOT / suite)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_run_suite_brings_back_the_scripts_json_and_log(tmp_path):
-    """bench/suites/run.sh runs one bench script with its arguments and packs its JSON and log into
+    """bench/run.sh runs one bench script with its arguments and packs its JSON and log into
     $OUT/results.tar.gz, passing the script's exit status on."""
     import tarfile
 
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
            "SUITE_TMP": str(tmp_path / "suite"), "LIMIT_S": "120"}
-    suite = str(ROOT / "bench" / "suites" / "run.sh")
-    proc = subprocess.run(["bash", suite, "bench/run.py", "--smoke"], capture_output=True, text=True, env=env,
+    suite = str(ROOT / "bench" / "run.sh")
+    proc = subprocess.run(["bash", suite, "bench/speed/run.py", "--smoke"], capture_output=True, text=True, env=env,
                           timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
@@ -732,13 +731,13 @@ def test_run_suite_brings_back_the_scripts_json_and_log(tmp_path):
         assert "suite-logs/run.log" in names, names
         (result,) = [n for n in names if n.startswith("suite-results/") and n.endswith("-run-tiny-mfu.json")]
         assert json.load(tar.extractfile(result))["status"] == "ok"
-    failed = subprocess.run(["bash", suite, "bench/run.py", "--no-such-option"], capture_output=True, text=True,
+    failed = subprocess.run(["bash", suite, "bench/speed/run.py", "--no-such-option"], capture_output=True, text=True,
                             env=env, timeout=60)
     assert failed.returncode == 2, failed.stdout[-2000:]
 
 
 def test_held_out_prompts_leave_out_those_the_training_records_also_hold():
-    """bench/quality.py's split: a held-out record whose user turn (up to case and whitespace) is also a training
+    """bench/quality/quality.py's split: a held-out record whose user turn (up to case and whitespace) is also a training
     record's user turn is not an evaluation prompt; records open at their first user turn."""
     from dflash_trainer.data.types import Conversation, Message
 
@@ -766,7 +765,7 @@ def test_specforge_loader_gives_exactly_n_batches_over_passes_and_records_them(t
     each pass over the data, the real/padded/loss tokens of what it yielded recorded, and no second walk."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from peer_specforge_run import StepCappedLoader
+    from bench.peers.peer_specforge_run import StepCappedLoader
 
     rows = [{"index": torch.tensor(i), "attention_mask": torch.tensor([1] * (2 + i % 3) + [0] * (3 - i % 3)),
              "loss_mask": torch.tensor([0, 1, 1, 0, 0])} for i in range(5)]
@@ -790,7 +789,7 @@ def test_specforge_loader_gives_exactly_n_batches_over_passes_and_records_them(t
 
 def test_specforge_draft_config_is_the_targets_with_our_drafter_shape(tmp_path):
     """peer_specforge.py's draft config: the target's sizes, our depth, taps and block, a mask id it checks."""
-    from peer_specforge import draft_config
+    from bench.peers.peer_specforge import draft_config
 
     from dflash_trainer.target.checks import choose_tap_layer_ids
 
@@ -806,10 +805,10 @@ def test_specforge_draft_config_is_the_targets_with_our_drafter_shape(tmp_path):
 
 
 def test_long_context_figure_tables_each_series_by_length(tmp_path):
-    """bench/long_context_figure.py: drafter-alone points of each mode and whole-step points of one long sequence
+    """bench/long_context/long_context_figure.py: drafter-alone points of each mode and whole-step points of one long sequence
     (not batches of several, nor short ones) in one table, sorted by series and length, and a figure."""
-    from long_context_figure import main as figure_main
-    from long_context_figure import points
+    from bench.long_context.long_context_figure import main as figure_main
+    from bench.long_context.long_context_figure import points
 
     alone = {"bench": "long_context", "model": "qwen3-8b", "commit": "abc1234", "results": [
         {"length": 131072, "mode": "chunked", "peak_gpu_mem_gb": 90.0, "step_ms": 9000.0, "tokens_per_s": 14563.0,

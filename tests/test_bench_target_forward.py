@@ -1,4 +1,4 @@
-"""bench/target_forward.py: the FP8 speedup it derives, and --quantize fp8 refused without a GPU."""
+"""bench/target/target_forward.py: the FP8 speedup it derives, and --quantize fp8 refused without a GPU."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # the `bench` package
 
-from target_forward import summarize  # noqa: E402
+from bench.target.target_forward import summarize  # noqa: E402
 
 
 def rows_of(quantize, ms_by_mode, compiled=True, budget=8192):
@@ -34,6 +34,6 @@ def test_fp8_alone_has_no_speedup_to_report():
 
 
 def test_quantize_fp8_on_the_cpu_is_refused_before_loading():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "target_forward.py"), "--smoke", "--quantize", "fp8"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "target" / "target_forward.py"), "--smoke", "--quantize", "fp8"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]

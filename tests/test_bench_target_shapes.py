@@ -1,4 +1,4 @@
-"""bench/target_shapes.py: the padded batches its variants forward."""
+"""bench/target/target_shapes.py: the padded batches its variants forward."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the `bench` package
 
-from target_shapes import epoch_job_ids, job_inputs, rounded_length, shape_census, variant_length  # noqa: E402
+from bench.target.target_shapes import epoch_job_ids, job_inputs, rounded_length, shape_census, variant_length  # noqa: E402
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402

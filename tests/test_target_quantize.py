@@ -1,6 +1,6 @@
 """FP8 targets: `target.quantize` validation, the `from_pretrained` arguments chosen for plain and
 FP8 checkpoints, an FP8 checkpoint loaded dequantized, and random targets built one layer at a time.
-The FP8 matmuls themselves need a GPU with FP8 tensor cores (bench/target_forward.py --quantize fp8)."""
+The FP8 matmuls themselves need a GPU with FP8 tensor cores (bench/target/target_forward.py --quantize fp8)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """How CPU-bound work scales with processes on this host: the same pure-Python loop in K processes at once.
 
-    python bench/cpu_scaling.py [--processes 1,2,4,8,16] [--loops 5000000]
+    python bench/host/cpu_scaling.py [--processes 1,2,4,8,16] [--loops 5000000]
 
 Per K: the wall time of K processes each running the loop once (spawned and importing nothing heavy, so start-up is
 small), the aggregate loops/s against K=1's, and the CPU time the host's kernel counted as stolen by its

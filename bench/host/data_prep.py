@@ -1,9 +1,9 @@
 """Tokenizing a dataset on a cache miss: one process against worker processes, same conversations, same run.
 
-    python bench/data_prep.py                          # bundled ShareGPT, 3000 conversations, tiny tokenizer
-    python bench/data_prep.py --conversations 20000 --workers 1,4,16
-    python bench/data_prep.py --smoke                  # 300 conversations, workers 1 and 2 (checks the script)
-    python bench/data_prep.py data.path=FILE.jsonl target.path=DIR target.random_init=null target.tokenizer=null
+    python bench/host/data_prep.py                          # bundled ShareGPT, 3000 conversations, tiny tokenizer
+    python bench/host/data_prep.py --conversations 20000 --workers 1,4,16
+    python bench/host/data_prep.py --smoke                  # 300 conversations, workers 1 and 2 (checks the script)
+    python bench/host/data_prep.py data.path=FILE.jsonl target.path=DIR target.random_init=null target.tokenizer=null
                                                        # other data or tokenizer: the demo recipe's overrides
 
 Loads the conversations once (`data/sources.py`, the demo recipe's source), then times `tokenize_all` for each
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 

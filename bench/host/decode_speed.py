@@ -1,7 +1,7 @@
 """Batched decoding speed (`eval/batched.py`) on a target: ms per decode step at several batch sizes and
 prompt lengths, and a profile of one setting (where a step's time goes).
 
-    python bench/decode_speed.py --target DIR [--rows 256,1024] [--prompt 128,1024] [--new 64] [--profile]
+    python bench/host/decode_speed.py --target DIR [--rows 256,1024] [--prompt 128,1024] [--new 64] [--profile]
         [--pyprofile] [--threads N] [--repeat N]
 
 Each setting runs `--repeat` times (the first run of a shape can be far slower than the next: allocator
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 

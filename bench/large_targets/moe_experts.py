@@ -1,7 +1,7 @@
 """The experts of one MoE layer, compiled: transformers' `grouped_mm` forward against other ways to combine.
 
-    python bench/moe_experts.py                 # CUDA: the Qwen3-30B-A3B shape, 18,432 tokens (16K + padding)
-    python bench/moe_experts.py --smoke         # a tiny shape on the CPU: the variants agree (checks the script)
+    python bench/large_targets/moe_experts.py                 # CUDA: the Qwen3-30B-A3B shape, 18,432 tokens (16K + padding)
+    python bench/large_targets/moe_experts.py --smoke         # a tiny shape on the CPU: the variants agree (checks the script)
 
 The combine step of transformers' `grouped_mm` experts (each token's top-k expert outputs gathered back from
 expert order by the inverse permutation, then summed) is where the kernel profile of a MoE target's forward
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 

@@ -1,8 +1,8 @@
 """A TP=2 target group's taps on the GPU path (sharded, layers compiled) against the same target on one rank.
 
-    python bench/target_parallel.py             # CUDA: qwen3-1.7b shape, bf16, both ranks on cuda:0 (gloo)
-    python bench/target_parallel.py --eager     # the same with eager decoder layers
-    python bench/target_parallel.py --smoke     # tiny target on the CPU, no compile (checks the script)
+    python bench/large_targets/target_parallel.py             # CUDA: qwen3-1.7b shape, bf16, both ranks on cuda:0 (gloo)
+    python bench/large_targets/target_parallel.py --eager     # the same with eager decoder layers
+    python bench/large_targets/target_parallel.py --smoke     # tiny target on the CPU, no compile (checks the script)
 
 Where only one GPU is lent, both ranks of the group share it and talk over gloo (NCCL refuses two ranks on one
 device): this checks what a multi-GPU run would meet first, transformers' tensor-parallel plan on CUDA tensors
@@ -21,12 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from common import free_port  # noqa: E402  (bench/common.py)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import free_port  # noqa: E402  (bench/common.py)
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.target.capture import TapCapture, compile_decoder_layers, prepare_inputs  # noqa: E402

@@ -4,10 +4,10 @@ sampled as the trainer does, `FlexMaskBuilder`'s tile-level BlockMask and its ma
 the 8B drafter (32 query heads on 8 kv heads, head dim 128), bf16; forward output and the gradients of q, k and v
 compared with the Triton kernel's and, on a small problem, both with dense-mask SDPA in fp32.
 
-    python bench/fa4_check.py [--seq-len 4096] [--blocks-per-seq 682]
+    python bench/long_context/fa4_check.py [--seq-len 4096] [--blocks-per-seq 682]
 
 Exits 1, with the error, when the backend fails or disagrees. Needs CUDA and FA4's packages
-(bench/suites/fa4.sh installs them).
+(bench/long_context/fa4.sh installs them).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index  # noqa: E402

@@ -2,10 +2,10 @@
 # Flex attention's flash-attention backend (`drafter.flex_kernel_options.BACKEND=FLASH`, FlashAttention-4 in CuTeDSL)
 # for the device machine, whose image lacks it: its wheels (Python 3.12, CUDA 13, ~111 MB) are over one call's
 # 64 MiB carry, so this packs them into one tar split in two parts, `.fa4/1` and `.fa4/2` (git-ignored), each carried
-# by its own call to a warm machine (bench/suites/fa4.sh). Run on a machine with network:
-#   bash bench/fa4_wheels.sh
+# by its own call to a warm machine (bench/long_context/fa4.sh). Run on a machine with network:
+#   bash bench/long_context/fa4_wheels.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 W=.fa4/wheels
 rm -rf .fa4 && mkdir -p "$W" .fa4/1 .fa4/2

@@ -1,8 +1,8 @@
 """The drafter step at long context: chunked (`train.blocks_per_chunk`) against one pass over all blocks.
 
-    python bench/long_context.py                                  # CUDA, 8B shape, 32K / 64K / 128K tokens
-    python bench/long_context.py --lengths 16384,32768 --blocks-per-chunk 1024
-    python bench/long_context.py --smoke                          # tiny shapes on the CPU: code paths only
+    python bench/long_context/long_context.py                                  # CUDA, 8B shape, 32K / 64K / 128K tokens
+    python bench/long_context/long_context.py --lengths 16384,32768 --blocks-per-chunk 1024
+    python bench/long_context/long_context.py --smoke                          # tiny shapes on the CPU: code paths only
 
 Each length L is one packed batch of one sequence of L tokens (10% prompt) with the recipe's 512 blocks per 3,072
 tokens, random bf16 taps and a random frozen head, trained by the trainer's drafter step (`drafter_step.py`'s
@@ -24,11 +24,13 @@ import logging
 import sys
 import traceback
 from datetime import datetime, timezone
+from pathlib import Path
 
-from common import add_shape_args, bench_device, device_name, git_commit, log, reset_memory, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import add_shape_args, bench_device, device_name, git_commit, log, reset_memory, write_result
 import torch
-from drafter_step import run_variant
-from flops import PEAK_TFLOPS
+from bench.speed.drafter_step import run_variant
+from bench.flops import PEAK_TFLOPS
 
 BLOCKS_PER_TOKEN = (512, 3072)
 """The recipe's anchor density: 512 blocks per 3,072 tokens."""
@@ -47,7 +49,7 @@ class _LastPlan(logging.Handler):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_shape_args(p)
+    add_shape_args(p, "long_context")
     p.add_argument("--lengths", default="32768,65536,131072", help="comma-separated sequence lengths (tokens)")
     p.add_argument("--modes", default="chunked,one-pass", help="comma-separated: chunked, one-pass")
     p.add_argument("--blocks-per-chunk", type=int, default=0,

@@ -1,9 +1,9 @@
 """Memory and speed against sequence length at long context: a table and a figure from the JSONs of
-`bench/long_context.py` (the drafter step alone, chunked and in one pass) and `bench/run.py` (the whole step on
+`bench/long_context/long_context.py` (the drafter step alone, chunked and in one pass) and `bench/speed/run.py` (the whole step on
 one sequence: target forward, then the drafter step).
 
-    python bench/long_context_figure.py bench/results/*long_context*.json bench/results/*run-qwen3-8b-mfu.json \\
-        [--model qwen3-8b] [--out bench/results/long-context-memory.png]
+    python bench/long_context/long_context_figure.py bench/results/long_context/*long_context*.json bench/results/long_context/*run-qwen3-8b-mfu.json \\
+        [--model qwen3-8b] [--out bench/results/long_context/long-context-memory.png]
 
 Only `run.py` results of one sequence a batch (`--seqs 1`) of at least `--min-length` tokens are long-context
 points. Each point: its length, what ran, peak GPU memory, step time, tokens/s and MFU. The figure draws peak
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("results", nargs="+", type=Path)
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--min-length", type=int, default=16384, help="shortest run.py sequence counted as long")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "long-context-memory.png")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "long_context" / "long-context-memory.png")
     args = p.parse_args(argv)
     rows = points(args.results, args.model, args.min_length)
     if not rows:

@@ -1,16 +1,16 @@
 """Context parallel on one host's GPUs (issue 38): real `dflash-train train` runs on long sequences, one GPU
 (CP=1) against one context-parallel group of N GPUs (`pipeline.context_parallel=N`), in one call.
 
-    python bench/context_parallel.py --seq-len 65536 --cp 2,4                 # an x4 machine: 1 GPU, CP=2, CP=4
-    python bench/context_parallel.py --seq-len 262144 --cp 4 --no-baseline    # past what one GPU holds
-    python bench/context_parallel.py --smoke                                  # CPU + gloo, tiny target: CP=1, 2
+    python bench/multi_gpu/context_parallel.py --seq-len 65536 --cp 2,4                 # an x4 machine: 1 GPU, CP=2, CP=4
+    python bench/multi_gpu/context_parallel.py --seq-len 262144 --cp 4 --no-baseline    # past what one GPU holds
+    python bench/multi_gpu/context_parallel.py --smoke                                  # CPU + gloo, tiny target: CP=1, 2
 
 Each run trains --steps steps of one --seq-len-token sequence a step (`pipeline.token_budget` = --seq-len) on long
 conversations written first: a prompt of --source (default: the bundled ShareGPT), then its messages joined into
 one reply past --seq-len tokens (cut there by `data.max_length`), standing in for a reasoning target's long trace. The target has random
 weights and the Qwen3-8B shape, its `max_position_embeddings` raised to the length (the work per token does not
 change); the drafter is the 8B recipe's, its blocks chunked by the planner (`train.blocks_per_chunk: 0`).
-Throughput is steady state as in bench/scaling.py (the last half of the steps); a CP=N run's speed-up is its
+Throughput is steady state as in bench/multi_gpu/scaling.py (the last half of the steps); a CP=N run's speed-up is its
 tokens/s over the one-GPU run's, its efficiency that over N. `--set k=v` adds overrides to every run (for example
 drafter.flex_kernel_options.BACKEND=FLASH). The last line printed is JSON, also written to --out.
 """
@@ -24,9 +24,10 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common import ROOT, git_commit, or_dash, write_result
-import scaling
-from scaling import add_run_arguments, run_one
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import ROOT, git_commit, or_dash, write_result
+from bench.multi_gpu import scaling
+from bench.multi_gpu.scaling import add_run_arguments, run_one
 
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -39,7 +40,7 @@ CHARS_PER_TOKEN = 8
 
 GPU_OVERRIDES = [*scaling.GPU_OVERRIDES, "target.attn_implementation=sdpa", "drafter.loss_chunk_rows=4096",
                  "train.blocks_per_chunk=0"]
-"""bench/scaling.py's 8B runs, with the long-context recipe's attention and chunking (its lengths replaced later)."""
+"""bench/multi_gpu/scaling.py's 8B runs, with the long-context recipe's attention and chunking (its lengths replaced later)."""
 SMOKE_OVERRIDES = ["train.grad_accum=1"]
 COMMON_OVERRIDES = ["pipeline.colocated=true", "train.num_epochs=1", "train.checkpoint_interval=100000",
                     "eval.interval=0", "eval.at_end=false", "logging.progress=false"]
@@ -98,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=65536, help="tokens of each step's one sequence")
     p.add_argument("--cp", default="2", help="comma list of CP group sizes (each run uses that many GPUs)")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-GPU run (a length it cannot hold)")
-    p.add_argument("--preset", default="qwen3-8b", help="the target's shape (bench/run.py's presets)")
+    p.add_argument("--preset", default="qwen3-8b", help="the target's shape (bench/speed/run.py's presets)")
     p.add_argument("--source", default="sharegpt", help="data.path of the text the long conversations are made of "
                    "(the device machine has no ShareGPT package: a carried prompt file)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -1,9 +1,9 @@
 """N-GPU scaling of real training runs: split target:drafter ratios against N x one colocated GPU, same run.
 
-    python bench/scaling.py --gpus 8 --splits 3,4       # 8 GPUs: 1 GPU colocated, then 3:5 and 4:4 split
-    python bench/scaling.py --gpus 2 --splits 1 --colocated-n
-    python bench/scaling.py --gpus 4 --splits 1 --target-parallel 1,2   # 1:3 split, then one TP=2 group : 2
-    python bench/scaling.py --smoke                     # CPU + gloo, tiny target: 1 colocated, 1:2 split
+    python bench/multi_gpu/scaling.py --gpus 8 --splits 3,4       # 8 GPUs: 1 GPU colocated, then 3:5 and 4:4 split
+    python bench/multi_gpu/scaling.py --gpus 2 --splits 1 --colocated-n
+    python bench/multi_gpu/scaling.py --gpus 4 --splits 1 --target-parallel 1,2   # 1:3 split, then one TP=2 group : 2
+    python bench/multi_gpu/scaling.py --smoke                     # CPU + gloo, tiny target: 1 colocated, 1:2 split
 
 Each run is the real `dflash-train train` (one process for one GPU, `torchrun` on one host for N), on the
 bundled ShareGPT data, with a random-weight target of the chosen preset, the DFlash 8B drafter shape and
@@ -26,7 +26,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common import ROOT, free_port, git_commit, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import ROOT, free_port, git_commit, write_result
 
 GPU_OVERRIDES = [
     "run.device=cuda", "target.random_init=qwen3-8b", "target.dtype=bfloat16", "target.compile=true",
@@ -119,7 +120,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, steps: int, work_dir: str) 
     """The options of a bench made of `run_one` runs: their steps, time limit, result and run folders."""
     p.add_argument("--steps", type=int, default=steps, help="train.max_steps of every run")
     p.add_argument("--timeout-s", type=float, default=540.0, help="per run")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "multi_gpu"))
     p.add_argument("--work-dir", default=work_dir)
 
 

@@ -1,7 +1,7 @@
 """Run ModelOpt's DFlash training example (`main.py`, fetched into `.peer/`, not part of this repository) under
-a wall-clock budget, and record what it trained. Called by `bench/peers.py`; runs in the peer's Python.
+a wall-clock budget, and record what it trained. Called by `bench/peers/peers.py`; runs in the peer's Python.
 
-    python bench/peer_modelopt_run.py --example DIR --budget-s S --stats FILE.json [--init-weights FILE] \
+    python bench/peers/peer_modelopt_run.py --example DIR --budget-s S --stats FILE.json [--init-weights FILE] \
         -- --config RECIPE [k=v ...]
 
 What is added around the unchanged script, through the `transformers.Trainer` it builds:

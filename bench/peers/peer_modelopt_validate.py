@@ -1,9 +1,9 @@
 """The peer's own acceptance measurement on its trained model: ModelOpt's `validate_ar` (the example's
 `scripts/ar_validate.py`, online validation: the target's ground truth recomputed after each accepted draft token)
 on our held-out prompts instead of MT-Bench (the device machine has no hub). Runs in the peer's Python; called by
-`bench/peers.py --peer-validate N`.
+`bench/peers/peers.py --peer-validate N`.
 
-    python bench/peer_modelopt_validate.py --example DIR --model OUT_DIR --prompts eval.jsonl --out FILE.json \\
+    python bench/peers/peer_modelopt_validate.py --example DIR --model OUT_DIR --prompts eval.jsonl --out FILE.json \\
         [--num-samples 40] [--steps 15] [--osl 128]
 
 Writes the mean acceptance it reports (its AR: accepted draft tokens per step, as its script prints), the number of

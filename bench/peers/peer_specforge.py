@@ -1,7 +1,7 @@
 """Peer bake-off, the second peer: a DFlash drafter trained by SpecForge's own DFlash script on the same target,
 data and GPU as ours, for exactly N steps, measured by our evaluator on the same held-out prompts.
 
-    python bench/peer_specforge.py --max-steps N [--source .peer/specforge] [--cache DIR] [--target DIR] \\
+    python bench/peers/peer_specforge.py --max-steps N [--source .peer/specforge] [--cache DIR] [--target DIR] \\
         [--work DIR] [--peer-python PY] [--batch 16] [--no-eval] [-- SCRIPT ARGUMENTS, last: they win]
 
 The peer is sgl-project/SpecForge at 40d8fef (the last commit with `scripts/train_dflash.py` and its in-process
@@ -12,11 +12,11 @@ flex attention: CUDA only). This file and `peer_specforge_run.py` only drive it.
 - Imports: its argument parser imports one list from sglang (the choices of its sglang backend's attention flag),
   which the device does not have and the HF backend never runs: a module holding that list alone is written into
   the run's folder, first on the peer's path. Its other needs (datasets, pydantic, yunchang) come from `.whl`.
-- Data: the rows `bench/quality.py` regenerated into its cache (`CACHE/train`), written as the `conversations`
+- Data: the rows `bench/quality/quality.py` regenerated into its cache (`CACHE/train`), written as the `conversations`
   JSONL it reads. It renders them with the target's chat template; its `qwen` entry (`--chat-template`) marks the
   assistant replies for the loss and gives rows without a system turn its default system prompt.
 - Shape: ours (5 layers, B=16, the taps `choose_tap_layer_ids` gives, the mask token of `--mask-token-id`: the
-  practice target's reserved one, as bench/peers.py), with the rest of the draft config (head sizes, rope) the
+  practice target's reserved one, as bench/peers/peers.py), with the rest of the draft config (head sizes, rope) the
   target's own, written as the draft config it reads (`layer_types` cut to the drafter's layers).
 - Recipe: its DFlash recipe (lr 6e-4, cosine after 4% warm-up, gradient clipping at 1.0, up to 512 anchors a
   row, loss decay gamma 7, flex attention, bf16 weights with fp32 AdamW masters), `--batch` rows a step padded to
@@ -24,7 +24,7 @@ flex attention: CUDA only). This file and `peer_specforge_run.py` only drive it.
 - Steps: the script has no step cap (it trains whole epochs); `peer_specforge_run.py` hands it a loader of exactly
   N batches (passes over the data, each with its next epoch's shuffle), so its schedule ends at step N and it
   saves its checkpoint there; it also times every step and counts the real tokens. Counted from the first step.
-- Init: random (its own), or `--init target`: our step-0 drafter made from the target's layers (as bench/peers.py's
+- Init: random (its own), or `--init target`: our step-0 drafter made from the target's layers (as bench/peers/peers.py's
   `--init target`), written as its checkpoint `epoch_0_step_0` (the same DFlash layout) and taken up by its own
   `--resume`, which loads a checkpoint's weights and, with no optimizer state there, starts at step 0.
 - Evaluation: that checkpoint (config.json + model.safetensors, the z-lab DFlash layout our loader reads) through
@@ -43,8 +43,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common import ROOT, git_commit, write_result
-from peers import TABLE_HEADER, steady_step_s, step_time_summary, table_row, write_target_init
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import ROOT, git_commit, write_result
+from bench.peers.peers import TABLE_HEADER, steady_step_s, step_time_summary, table_row, write_target_init
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,7 +54,7 @@ RECIPE = ["--learning-rate", "6e-4", "--warmup-ratio", "0.04", "--max-grad-norm"
           "--loss-type", "dflash", "--loss-decay-gamma", "7.0", "--attention-backend", "flex_attention",
           "--chat-template", "qwen"]
 """Its DFlash recipe (examples/run_qwen3_8b_dflash_online.sh), as script arguments."""
-SGLANG_STUB = '''"""Written by dflash-train's bench/peer_specforge.py, not sglang: SpecForge's argument parser imports
+SGLANG_STUB = '''"""Written by dflash-train's bench/peers/peer_specforge.py, not sglang: SpecForge's argument parser imports
 this list for its sglang backend's attention flag; the in-process Hugging Face target backend never runs sglang."""
 ATTENTION_BACKEND_CHOICES = ["flashinfer"]
 '''
@@ -126,7 +127,7 @@ def run_peer(args, work: Path) -> dict:
     if args.init == "target":  # its --resume finds this as its last checkpoint: weights only, step 0
         write_target_init(args, out_dir / "epoch_0_step_0")
     cmd = [args.peer_python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-           str(ROOT / "bench" / "peer_specforge_run.py"), "--script", str(args.source / "scripts" / "train_dflash.py"),
+           str(ROOT / "bench" / "peers" / "peer_specforge_run.py"), "--script", str(args.source / "scripts" / "train_dflash.py"),
            "--max-steps", str(args.max_steps), "--stats", str(stats), "--", *script_args(args, work, out_dir)]
     log = work / "train.log"
     t0 = time.perf_counter()
@@ -215,16 +216,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-steps", type=int, required=True, help="train exactly this many steps")
     p.add_argument("--source", type=Path, default=ROOT / ".peer" / "specforge", help="SpecForge's source (40d8fef)")
-    p.add_argument("--target", type=Path, default=None, help="the target's model dir (default: as bench/quality.py)")
-    p.add_argument("--cache", type=Path, default=ROOT / ".cache" / "quality", help="bench/quality.py's data cache")
+    p.add_argument("--target", type=Path, default=None, help="the target's model dir (default: as bench/quality/quality.py)")
+    p.add_argument("--cache", type=Path, default=ROOT / ".cache" / "quality", help="bench/quality/quality.py's data cache")
     p.add_argument("--work", default=None, help="a new folder for the peer's data, run and evaluation")
     p.add_argument("--name", default=None, help="the result's name (default: specforge-STEPSsteps-sSEED)")
     p.add_argument("--no-eval", action="store_true", help="train only (its step times: a random-weight target of a "
-                   "real shape, bench/random_target.py), no evaluation; its checkpoint is deleted")
+                   "real shape, bench/peers/random_target.py), no evaluation; its checkpoint is deleted")
     p.add_argument("--eval-overrides", nargs="*", default=[], metavar="k=v",
                    help="extra `dflash-train eval` overrides, as the arms it is compared with (target.dtype=...)")
     p.add_argument("--peer-python", default=sys.executable)
-    p.add_argument("--batch", type=int, default=16, help="rows per step (bench/peers.py's ModelOpt runs: 16)")
+    p.add_argument("--batch", type=int, default=16, help="rows per step (bench/peers/peers.py's ModelOpt runs: 16)")
     p.add_argument("--max-length", type=int, default=3072, help="rows cut at this many tokens (its recipe's)")
     p.add_argument("--num-layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
@@ -234,12 +235,12 @@ def main(argv=None) -> int:
                    help="target: start from our step-0 drafter made from the target's layers")
     p.add_argument("--eval-prompts", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "peers")
     p.add_argument("--out", type=Path, help="also write the result JSON here")
     p.add_argument("peer_args", nargs="*", help="after --: more of the script's own arguments (--num-anchors 80 ...)")
     args = p.parse_args(argv)
     if args.target is None:
-        from quality import default_target
+        from bench.quality.quality import default_target
 
         args.target = default_target()
     args.target, args.source, args.cache = args.target.resolve(), args.source.resolve(), args.cache.resolve()

@@ -1,8 +1,8 @@
 """Run SpecForge's DFlash training script (`scripts/train_dflash.py` of its source, fetched into `.peer/specforge`,
-not part of this repository) for exactly N steps, and record what it trained. Started by `bench/peer_specforge.py`
+not part of this repository) for exactly N steps, and record what it trained. Started by `bench/peers/peer_specforge.py`
 under torchrun; runs in the peer's Python, with its source on the path.
 
-    torchrun --standalone --nproc_per_node 1 bench/peer_specforge_run.py --script SCRIPT --max-steps N \\
+    torchrun --standalone --nproc_per_node 1 bench/peers/peer_specforge_run.py --script SCRIPT --max-steps N \\
         --stats FILE.json -- SCRIPT'S OWN ARGUMENTS (with --num-epochs 1)
 
 The script has no step cap: it trains `--num-epochs` whole passes over its loader and sizes its schedule from

@@ -1,13 +1,13 @@
 """Peer bake-off: a DFlash drafter trained by another trainer, NVIDIA Model Optimizer (ModelOpt) 0.47, on the
 same target, data, GPU and wall time as ours, measured by our evaluator on the same held-out prompts.
 
-    python bench/peers.py modelopt --example .peer/modelopt/examples/speculative_decoding --minutes 5 \\
+    python bench/peers/peers.py modelopt --example .peer/modelopt/examples/speculative_decoding --minutes 5 \\
         [--cache DIR] [--target DIR] [--peer-python PY] [--calibrate-s 60]
-    python bench/peers.py table OURS.json PEER.json [--record]   # the side-by-side table (RESULTS.md)
+    python bench/peers/peers.py table OURS.json PEER.json [--record]   # the side-by-side table (RESULTS.md)
 
 The peer runs from its installed package (`nvidia-modelopt`) and its own example script, fetched into
 `.peer/` (git-ignored; bench/README.md says how): this file and `peer_modelopt_run.py` only drive it.
-- Data: the rows `bench/quality.py` regenerated into its cache (`CACHE/train`), written as the OpenAI
+- Data: the rows `bench/quality/quality.py` regenerated into its cache (`CACHE/train`), written as the OpenAI
   `messages` JSONL the example reads. Its answer-only loss needs `{% generation %}` tags in the chat
   template: `generation_template` writes the target's template with them and checks that it renders every
   row to the same text.
@@ -40,7 +40,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common import ROOT, append_table_rows, git_commit, or_dash, write_result
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import ROOT, append_table_rows, git_commit, or_dash, write_result
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,7 +144,7 @@ def run_peer(args, work: Path, name: str, max_steps: int, budget_s: float, init:
     out_dir, stats = work / name, work / f"{name}-stats.json"
     if out_dir.exists():
         raise SystemExit(f"{out_dir} exists: the example resumes from a checkpoint there; give a new --work")
-    cmd = [args.peer_python, str(ROOT / "bench" / "peer_modelopt_run.py"), "--example", str(args.example),
+    cmd = [args.peer_python, str(ROOT / "bench" / "peers" / "peer_modelopt_run.py"), "--example", str(args.example),
            "--budget-s", str(budget_s), "--stats", str(stats), *(["--init-weights", str(init)] if init else []), "--",
            "--config", "general/speculative_decoding/dflash", *recipe_overrides(args, work, out_dir, max_steps)]
     log = work / f"{name}.log"
@@ -221,7 +222,7 @@ def peer_validation(args, work: Path, trained: dict) -> dict | None:
     if not args.peer_validate:
         return None
     out = work / "peer-validation.json"
-    cmd = [args.peer_python, str(ROOT / "bench" / "peer_modelopt_validate.py"), "--example", str(args.example),
+    cmd = [args.peer_python, str(ROOT / "bench" / "peers" / "peer_modelopt_validate.py"), "--example", str(args.example),
            "--model", trained["out_dir"], "--prompts", str(Path(args.cache) / "eval.jsonl"), "--out", str(out),
            "--num-samples", str(args.peer_validate), "--steps", str(args.block_size - 1),
            "--osl", str(args.max_new_tokens)]
@@ -290,7 +291,7 @@ def table_row(r: dict) -> str:
 
 
 def from_quality(result: dict) -> dict:
-    """A `bench/quality.py` result (our trainer) in the peer table's terms."""
+    """A `bench/quality/quality.py` result (our trainer) in the peer table's terms."""
     return {"date": result["date"], "commit": result["commit"], "trainer": "dflash-train",
             "recipe": " ".join([Path(result["recipe"]).stem, *result["overrides"]]),
             "budget_minutes": result.get("budget_minutes") or 0, "steps": result["steps"],
@@ -313,17 +314,17 @@ def table(paths: list[Path], record: bool) -> None:
     print("|" + "---|" * TABLE_HEADER.count(" | ") + "---|")
     print("\n".join(rows))
     if record:
-        append_table_rows(RESULTS_MD, TABLE_HEADER, "Peer bake-off on the practice target (`bench/peers.py`)", rows)
+        append_table_rows(RESULTS_MD, TABLE_HEADER, "Peer bake-off on the practice target (`bench/peers/peers.py`)", rows)
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line: `modelopt` (a cell: the lines of bench/cells/ are its options) and `table`."""
+    """The command line: `modelopt` (a cell: the lines of bench/peers/cells/ are its options) and `table`."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("modelopt", help="train, export and evaluate a ModelOpt drafter")
     m.add_argument("--example", type=Path, default=ROOT / ".peer" / "modelopt" / "examples" / "speculative_decoding")
-    m.add_argument("--target", default=None, help="the practice target's model dir (default: as bench/quality.py)")
-    m.add_argument("--cache", default=str(ROOT / ".cache" / "quality"), help="bench/quality.py's data cache")
+    m.add_argument("--target", default=None, help="the practice target's model dir (default: as bench/quality/quality.py)")
+    m.add_argument("--cache", default=str(ROOT / ".cache" / "quality"), help="bench/quality/quality.py's data cache")
     m.add_argument("--work", default=None, help="a new folder for the peer's data, runs and export")
     m.add_argument("--minutes", type=float, default=5.0, help="training budget, from the first step")
     m.add_argument("--calibrate-s", type=float, default=60.0)
@@ -336,7 +337,7 @@ def parser() -> argparse.ArgumentParser:
                    help="more of the example's own overrides, last (its sweep: training.learning_rate=3e-4 "
                    "dflash.dflash_num_anchors=80 training.dataloader_num_workers=4 ...)")
     m.add_argument("--no-eval", action="store_true", help="train only (its step times: a random-weight target of a "
-                   "real shape, bench/random_target.py), no export or evaluation")
+                   "real shape, bench/peers/random_target.py), no export or evaluation")
     m.add_argument("--peer-validate", type=int, default=0, metavar="N",
                    help="also the peer's own acceptance measurement (its validate_ar) on the first N held-out prompts")
     m.add_argument("--eval-overrides", nargs="*", default=[], metavar="k=v",
@@ -351,9 +352,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--eval-prompts", type=int, default=40)
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--cpu", action="store_true", help="smoke test on the CPU")
-    m.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    m.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "peers")
     m.add_argument("--out", type=Path, help="also write the result JSON here")
-    t = sub.add_parser("table", help="the side-by-side table of result JSONs (ours from bench/quality.py)")
+    t = sub.add_parser("table", help="the side-by-side table of result JSONs (ours from bench/quality/quality.py)")
     t.add_argument("results", nargs="+", type=Path)
     t.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
     return p
@@ -365,7 +366,7 @@ def main(argv=None) -> int:
         table(args.results, args.record)
         return 0
     if args.target is None:
-        from quality import default_target
+        from bench.quality.quality import default_target
 
         args.target = default_target()
     args.target, args.example = Path(args.target).resolve(), args.example.resolve()

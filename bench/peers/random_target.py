@@ -1,7 +1,7 @@
 """A random-weight target checkpoint of a preset's shape with a given tokenizer, written to disk: for a trainer
 that only reads checkpoints (the peer's example), so that its step time can be measured at a real target's shape.
 
-    python bench/random_target.py --preset qwen3-8b --tokenizer .practice/model --out /tmp/qwen3-8b-random
+    python bench/peers/random_target.py --preset qwen3-8b --tokenizer .practice/model --out /tmp/qwen3-8b-random
 
 The weights are random (the model's own init), in bf16, built on the GPU when there is one; the tokenizer and
 chat template are copied from `--tokenizer` (its ids must lie below the preset's vocabulary). Speed only: such a
@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

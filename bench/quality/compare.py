@@ -1,9 +1,9 @@
 """Drafters evaluated on the same prompts, compared prompt by prompt: each one's real tau, and its difference from
 the first one's with the standard error of that difference (paired: what the prompts share cancels).
 
-    python bench/compare.py BASE.json OTHER.json ... [--first N]
+    python bench/quality/compare.py BASE.json OTHER.json ... [--first N]
 
-Each file is a `bench/quality.py` result or a run's `eval.json` (its `per_prompt_committed`, `per_prompt_steps`
+Each file is a `bench/quality/quality.py` result or a run's `eval.json` (its `per_prompt_committed`, `per_prompt_steps`
 and `setting_digest`: the same prompts, decoding settings and target). `--first N` compares on the first N prompts
 only (e.g. the usual 40 of a 200-prompt evaluation). When the evaluation kept prompt lookup's per-prompt counts,
 its tau on the same prompts and each run's ratio to it are printed too. Prints a markdown table (for
@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from common import or_dash  # noqa: E402  (bench/common.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import or_dash  # noqa: E402  (bench/common.py)
 
 from dflash_trainer.eval.stats import plus_minus, tau_difference_stderr, tau_stderr  # noqa: E402
 

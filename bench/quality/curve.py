@@ -1,6 +1,6 @@
-"""The scaling curve: real tau against GPU-minutes, one line per training set, from `bench/quality.py` results.
+"""The scaling curve: real tau against GPU-minutes, one line per training set, from `bench/quality/quality.py` results.
 
-    python bench/curve.py RESULT.json ... [--regen ROWS=MINUTES ...] [--label ROWS=TEXT ...] [--out curve.png]
+    python bench/quality/curve.py RESULT.json ... [--regen ROWS=MINUTES ...] [--label ROWS=TEXT ...] [--out curve.png]
 
 Each result is one run; its x is the minutes it trained (`train_loop_s`, else its budget) plus the minutes its
 data took to regenerate (`--regen`, keyed by the training set's row count, since a result made on a cached set
@@ -21,7 +21,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-from common import or_dash  # noqa: E402  (bench/common.py)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import or_dash  # noqa: E402  (bench/common.py)
 from matplotlib.figure import Figure  # noqa: E402
 
 

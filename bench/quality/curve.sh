@@ -2,16 +2,16 @@
 # One point of the scaling curve (real tau against GPU-minutes) on the practice target, longer than a device call:
 # the training runs in its own process session, so it outlives the call that starts it, and a second call made
 # while the machine is still warm (30 s) waits for it. Everything lives under /tmp/curve on the device.
-#   PHASE=start [MINUTES=15] [PROMPTS=.quality/turns4] [NAME=...] bash bench/suites/curve.sh [our overrides ...]
+#   PHASE=start [MINUTES=15] [PROMPTS=.quality/turns4] [NAME=...] bash bench/quality/curve.sh [our overrides ...]
 #       regenerates the replies to PROMPTS (train_prompts.jsonl[.gz], eval_prompts.jsonl; `regenerate.*` overrides
 #       apply) unless PROMPTS holds them already (quality-cache.tar.gz.part*, from an earlier call), packs the
 #       data cache into $OUT (DATA_ONLY=1: and stops), starts the training, then follows it until DEADLINE_S (570).
-#   PHASE=wait bash bench/suites/curve.sh
+#   PHASE=wait bash bench/quality/curve.sh
 #       follows the training to its end, evaluates each export alone (`dflash-train eval`, timed: the <= 20 s bar;
 #       EVAL_OVERRIDES="k=v ..." apply to it alone, e.g. target.quantize=null), and brings back results.tar.gz.
-# EVAL=DIR: evaluate on DIR/eval_prompts.jsonl instead (e.g. more held-out prompts, `bench/quality.py --prompts-only
+# EVAL=DIR: evaluate on DIR/eval_prompts.jsonl instead (e.g. more held-out prompts, `bench/quality/quality.py --prompts-only
 # --eval-prompts 200`): their replies are regenerated, the training set's are kept.
-# ARMS=FILE [PARALLEL=K] trains the arms of FILE (bench/arms/) instead, K at a time (default all) sharing the GPU,
+# ARMS=FILE [PARALLEL=K] trains the arms of FILE (bench/quality/arms/) instead, K at a time (default all) sharing the GPU,
 # each for MINUTES: levers compared at equal wall time over more than one call. EVAL_PARALLEL=K (kept for the
 # wait call, as EVAL_OVERRIDES) evaluates K exports at once: the same tau, but their `seconds` are not the alone
 # figure. DATA2=DIR unpacks a second data cache (DIR/quality-cache.tar.gz.part*) into /tmp/curve/data2, for arms
@@ -27,7 +27,7 @@
 # Carry .whl (omegaconf, datasets, dill, multiprocess), .practice/model and PROMPTS. DEVICE=cpu (with a small
 # pipeline.token_budget) checks the flow on a machine without a GPU.
 T0=$SECONDS
-source "$(dirname "$0")/common.sh"
+source "$(dirname "$0")/../common.sh"
 W=/tmp/curve; NAME=${NAME:-ours-${MINUTES:-15}min}
 [[ ${EVAL_PARALLEL:-1} =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_PARALLEL=$EVAL_PARALLEL: a count >= 1 expected"; exit 2; }
 follow() {  # follow the training log until the run ends or DEADLINE_S seconds into this call
@@ -79,8 +79,8 @@ if [ "${PHASE:-start}" = start ]; then
   export PYTHONPATH=$W/src:/tmp/site
   COMMON=(--target "$W/target" --cache "$W/cache" --sampled-replies 0)  # sampled replies: REGEN2 and the arms
   REGEN=(regenerate.batch_size=4096 "$@")
-  step data 400 python3 bench/quality.py "${COMMON[@]}" --data-only "${REGEN[@]}"
-  python3 bench/quality.py "${COMMON[@]}" --data-only --no-regen --pack "$OUT" > "$LOGS/pack.log" 2>&1
+  step data 400 python3 bench/quality/quality.py "${COMMON[@]}" --data-only "${REGEN[@]}"
+  python3 bench/quality/quality.py "${COMMON[@]}" --data-only --no-regen --pack "$OUT" > "$LOGS/pack.log" 2>&1
   grep -E "^data:|packed" "$LOGS/pack.log" | cut -c1-400
   if [ -n "${DATA_ONLY:-}" ]; then finish; exit 0; fi
   # A second source written within this call into $W/NAME/train (the training must start before the call ends),
@@ -89,7 +89,7 @@ if [ "${PHASE:-start}" = start ]; then
     local name=$1; shift
     local left=$(( ${DEADLINE_S:-570} - (SECONDS - T0) - 30 ))
     (( left > 0 )) || { echo "no time left in this call for $name (DEADLINE_S=${DEADLINE_S:-570})"; finish; exit 1; }
-    # its log is NAME-source.log: an arm may be named NAME too (bench/arms/synth.txt)
+    # its log is NAME-source.log: an arm may be named NAME too (bench/quality/arms/synth.txt)
     step "$name-source" "$left" python3 -m dflash_trainer "$1" --config practice --out "$W/$name/train" "${@:2}" \
       target.path="$W/target" logging.progress=false "run.device=${DEVICE:-cuda}"
     local rc=$?  # non-zero also when an earlier call's output (from PROMPTS) has other settings
@@ -111,7 +111,7 @@ if [ "${PHASE:-start}" = start ]; then
   if [ -n "${ARMS:-}" ]; then
     WHAT=(--arms "$ARMS" --parallel "${PARALLEL:-$(grep -cvE '^(#|[[:space:]]*$)' "$ARMS")}")
   else WHAT=(--name "$NAME"); fi
-  setsid bash -c 'echo $$ > "$0/train.pid"; exec "${@:1}"' "$W" python3 bench/quality.py "${COMMON[@]}" --no-regen \
+  setsid bash -c 'echo $$ > "$0/train.pid"; exec "${@:1}"' "$W" python3 bench/quality/quality.py "${COMMON[@]}" --no-regen \
     --runs "$W/runs" --results "$W/results" "${WHAT[@]}" "train.max_minutes=${MINUTES:-15}" "${EVAL_ARGS[@]}" "$@" \
     > "$W/train.log" 2>&1 < /dev/null &
   for _ in 1 2 3 4 5; do [ -s "$W/train.pid" ] && break; sleep 1; done

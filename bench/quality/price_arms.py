@@ -2,9 +2,9 @@
 
 Each arm named `<label>-<minutes>-<rest>` (e.g. `d2-5-s0`) gets `train.max_steps = minutes * 60 / step_s`, where
 step_s is the measured step of its drafter variant (`drafter.variant=...` on its line, else dflash) at the priced
-shape, read from `bench/run.py` JSONs (`--set drafter.variant=...` in their command names the variant):
+shape, read from `bench/speed/run.py` JSONs (`--set drafter.variant=...` in their command names the variant):
 
-    python bench/price_arms.py --arms bench/arms/dflash2-8b.txt --prices /tmp/suite-results --out /tmp/arms.txt
+    python bench/quality/price_arms.py --arms bench/quality/arms/dflash2-8b.txt --prices /tmp/suite-results --out /tmp/arms.txt
 
 A variant with no price keeps the arm's written step count (and says so): equal target tokens instead of equal time.
 """
@@ -47,7 +47,7 @@ def priced_line(line: str, prices: dict[str, float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", type=Path, required=True)
-    p.add_argument("--prices", type=Path, required=True, help="folder of bench/run.py JSONs")
+    p.add_argument("--prices", type=Path, required=True, help="folder of bench/speed/run.py JSONs")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     prices = step_prices(args.prices)

@@ -1,9 +1,9 @@
 """Drafter quality on the practice target: regenerate the data (cached), train a recipe for a fixed budget,
 then measure real tau on held-out prompts beside prompt lookup on the same prompts.
 
-    python bench/quality.py [--recipe practice] [--name NAME] [--target DIR] [--cache DIR] [override ...]
-    python bench/quality.py --arms FILE [--parallel N]   # several runs on one cache, N processes at a time
-    python bench/quality.py --record FILE.json   # append a result's row to bench/RESULTS.md
+    python bench/quality/quality.py [--recipe practice] [--name NAME] [--target DIR] [--cache DIR] [override ...]
+    python bench/quality/quality.py --arms FILE [--parallel N]   # several runs on one cache, N processes at a time
+    python bench/quality/quality.py --record FILE.json   # append a result's row to bench/RESULTS.md
 
 The practice target (`../shared/practice_target/`) was pretrained on the bundled ShareGPT file except its last
 500 records: training prompts come from the others, evaluation prompts (the first `--eval-prompts` first user
@@ -38,7 +38,9 @@ from datetime import datetime
 from pathlib import Path
 
 import yaml
-from common import ROOT, append_table_rows, git_commit, or_dash, write_result
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import ROOT, append_table_rows, git_commit, or_dash, write_result
 
 from dflash_trainer.eval.stats import plus_minus  # noqa: E402
 
@@ -275,7 +277,9 @@ def unpack(parts_dir: Path, cache: Path) -> list[str]:
 
 
 def run_overrides(args, run_dir: Path) -> list[str]:
-    """What every run on the cache sets: the target, the data, the held-out prompts."""
+    """What every run on the cache sets: the target, the data, the held-out prompts, and batches trained in the
+    order the target made them (`pipeline.deterministic`), so that a rerun of a seed trains the same batches
+    whatever the GPU's sharing or timing (an arm may set it false)."""
     cache = Path(args.cache)
     data = [f"data.path={cache / 'train'}"]
     if args.sampled_replies:  # weighted by their sizes, so both are read whole (data.sources cuts to the weights)
@@ -284,7 +288,7 @@ def run_overrides(args, run_dir: Path) -> list[str]:
         data = ["data.path=null", f"data.sources={json.dumps(sources)}"]
     return [*target_overrides(args.target), *data, f"eval.prompts={cache / 'eval.jsonl'}",
             "data.num_eval_conversations=0", f"eval.num_prompts={args.eval_prompts}", f"run.dir={run_dir}",
-            "logging.progress=false"]
+            "logging.progress=false", "pipeline.deterministic=true"]
 
 
 def tokenize(args, overrides: list[str]) -> float:
@@ -338,7 +342,7 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
 
 
 def read_arms(path: Path) -> list[list[str]]:
-    """A file of runs (bench/arms/): one `NAME override ...` a line; blank lines and # comments skipped."""
+    """A file of runs (bench/quality/arms/): one `NAME override ...` a line; blank lines and # comments skipped."""
     return [shlex.split(line) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
 
 
@@ -384,7 +388,7 @@ def row(result: dict, notes: str = "") -> str:
 
 
 def record(path: Path) -> None:
-    append_table_rows(RESULTS_MD, TABLE_HEADER, "Drafter quality on the practice target (`bench/quality.py`)",
+    append_table_rows(RESULTS_MD, TABLE_HEADER, "Drafter quality on the practice target (`bench/quality/quality.py`)",
                       [row(json.loads(path.read_text()))])
 
 
@@ -403,7 +407,7 @@ def main(argv=None) -> int:
                    "the first), their earlier turns answered by the target")
     p.add_argument("--train-conversations", type=int, default=None, help="regenerate at most this many (smoke)")
     p.add_argument("--out", type=Path, help="also write each result JSON here")
-    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="where result JSONs go")
+    p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "quality", help="where result JSONs go")
     p.add_argument("--pack", type=Path, help="write the data cache as parts into this directory")
     p.add_argument("--unpack", type=Path, help="restore the data cache from parts in this directory")
     p.add_argument("--data-only", action="store_true", help="prepare (and pack) the data, train nothing")

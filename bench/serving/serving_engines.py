@@ -1,4 +1,4 @@
-"""The served engines for bench/serving_tau.py: the server commands (the README's "Serving" ones), starting and
+"""The served engines for bench/serving/serving_tau.py: the server commands (the README's "Serving" ones), starting and
 stopping a server, greedy requests, and each engine's mean acceptance length from its own counters.
 
 Acceptance length here is ours (eval/evaluate.py's TAU_NOTE): tokens committed per target verification step, the

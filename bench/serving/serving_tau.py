@@ -1,13 +1,13 @@
 """Acceptance length of a drafter served by vLLM and SGLang, against `dflash-train eval` on the same prompts (GPU).
 
-    python bench/serving_tau.py --config RECIPE --drafter EXPORT [--speculators-drafter EXPORT2]
+    python bench/serving/serving_tau.py --config RECIPE --drafter EXPORT [--speculators-drafter EXPORT2]
         [--prompts eval_prompts.jsonl] [--num-prompts 40] [--max-new-tokens 128]
         [--engines vllm,sglang] [--vllm-python PY] [--sglang-python PY] [--out DIR] [--dry-run] [overrides ...]
 
 The recipe (a run's config.yaml, or configs/practice.yaml with `target.path=`) gives the target, the chat template
 and thinking mode, as `dflash-train eval` reads them. The prompts are rendered and tokenized once, as `dflash-train
 eval` does, and sent to each server as token ids, greedy, with the same stop tokens and budget; each server is
-started with the README's serving command (bench/serving_engines.py), one at a time, and its mean acceptance length
+started with the README's serving command (bench/serving/serving_engines.py), one at a time, and its mean acceptance length
 read from its own counters. Then `dflash-train eval` measures ours on the same prompts. A served drafter that
 matches our forward (scripts/serving-check.sh) should give about our tau: in bf16, verifying a block rounds
 differently from one-token steps, so near-tied argmaxes can flip and the figures differ a little.
@@ -27,8 +27,9 @@ import sys
 import types
 from pathlib import Path
 
-from common import RESULTS, ROOT, free_port, git_commit, write_result  # also puts src/ on sys.path
-from serving_engines import measure, optional_float, server_command
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import RESULTS, ROOT, free_port, git_commit, write_result  # also puts src/ on sys.path
+from bench.serving.serving_engines import measure, optional_float, server_command
 
 from dflash_trainer.config import load_config
 from dflash_trainer.data.tokenizer import load_tokenizer
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sglang-python", default=sys.executable)
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--ready-timeout", type=float, default=600, help="seconds a server may take to start")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS / "serving"))
     p.add_argument("--dry-run", action="store_true", help="render the prompts and print the commands only")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the recipe (e.g. target.path=...)")
     return p.parse_args(argv)

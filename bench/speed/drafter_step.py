@@ -1,8 +1,8 @@
 """The drafter's training step alone (no target), exactly as the trainer runs it, with A/B variants and a profile.
 
-    python bench/drafter_step.py                                  # CUDA, 8B shape, ~2 min
-    python bench/drafter_step.py --variant "eager ce" --profile   # compare variants, print kernel profiles
-    python bench/drafter_step.py --smoke                          # tiny shapes on the CPU: code paths only
+    python bench/speed/drafter_step.py                                  # CUDA, 8B shape, ~2 min
+    python bench/speed/drafter_step.py --variant "eager ce" --profile   # compare variants, print kernel profiles
+    python bench/speed/drafter_step.py --smoke                          # tiny shapes on the CPU: code paths only
 
 One step = the trainer's `StepLoop.step` on one packed batch: block sampling, mask building, the compiled
 drafter forward (flex attention), the chunked frozen-head loss, backward, gradient scaling and clipping,
@@ -30,12 +30,14 @@ import sys
 import time
 import traceback
 from datetime import datetime, timezone
+from pathlib import Path
 
-from common import (add_shape_args, apply_smoke, bench_config, bench_device, device_name, drafter_loop, git_commit,
-                    log, mfu_workload, peak_gb, reset_memory, synchronize, write_result)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import (add_shape_args, apply_smoke, bench_config, bench_device, device_name, drafter_loop, git_commit,
+                          log, mfu_workload, peak_gb, reset_memory, synchronize, write_result)
 import torch
-from flops import PEAK_TFLOPS, drafter_step_flops, mfu
-from kernel_profile import print_profile, profile_dict, profile_steps
+from bench.flops import PEAK_TFLOPS, drafter_step_flops, mfu
+from bench.kernel_profile import print_profile, profile_dict, profile_steps
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from dflash_trainer.drafter.anchors import plan_blocks
@@ -135,7 +137,7 @@ def run_variant(spec_text: str, args, device: torch.device) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_shape_args(p)
+    add_shape_args(p, "speed")
     p.add_argument("--variant", action="append",
                    help=f"repeatable; one of {sorted(VARIANTS)} or 'NAME: key=value ...' (config overrides on "
                         "the trainer's path); default: ours. The first one is the reference")

@@ -2,7 +2,7 @@
 # Training tokens/s of configs/practice.yaml alone on one GPU, by setting: on this small target one run leaves the
 # GPU part idle (arms sharing it trained more tokens/s together than one alone: bench/RESULTS.md, "Recipe levers at
 # a longer budget"), and faster steps are more quality per GPU-minute. Each variant trains STEPS (default 400) steps
-# on the practice target's multi-turn data, no evaluation; bench/train_steady.py then prints each one's steady
+# on the practice target's multi-turn data, no evaluation; bench/speed/train_steady.py then prints each one's steady
 # tokens/s (the first 100 steps, compile and warm-up, left out). VARIANTS picks them (default: all, base first).
 # ~9 minutes for all. Carry .whl .practice .quality/turns4.
 #   base             the recipe as it is (target eager, the drafter's forward compiled)
@@ -10,9 +10,9 @@
 #   cuda-graphs      train.compile_mode=reduce-overhead: the drafter's forward and backward in CUDA graphs
 #   both             the two together
 #   cudnn            target.cudnn_attention=true: SDPA may pick cuDNN's attention, which plans each new batch
-#                    shape (bench/target_shapes.py); these 400 steps are in the first epoch, where most shapes are new
+#                    shape (bench/target/target_shapes.py); these 400 steps are in the first epoch, where most shapes are new
 #   budget-32k       pipeline.token_budget=32768: twice the tokens (and blocks) a step, fewer launches per token
-source "$(dirname "$0")/common.sh"
+source "$(dirname "$0")/../common.sh"
 declare -A VARIANT=([base]="" [target-compiled]="target.compile=true"
   [cuda-graphs]="train.compile_mode=reduce-overhead"
   [both]="target.compile=true train.compile_mode=reduce-overhead" [cudnn]="target.cudnn_attention=true"
@@ -30,6 +30,6 @@ for v in $VARIANTS; do
     eval.at_end=false logging.report=false logging.progress=false run.device=cuda ${VARIANT[$v]}
   [ -f "/tmp/practice-runs/$v/metrics.jsonl" ] && dirs+=("/tmp/practice-runs/$v")
 done
-step steady 30 python3 bench/train_steady.py "${dirs[@]}" --skip 100
+step steady 30 python3 bench/speed/train_steady.py "${dirs[@]}" --skip 100
 for d in "${dirs[@]}"; do cp "$d/summary.json" "$RESULTS/practice-speed-$(basename "$d")-summary.json"; done
 finish

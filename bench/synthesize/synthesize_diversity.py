@@ -1,6 +1,6 @@
 """How diverse self-made prompts are against a reference prompt set: distinct n-gram ratios and duplicate rates.
 
-    python bench/synthesize_diversity.py SYNTH [REFERENCE ...] [--num N] [--threshold 0.7]
+    python bench/synthesize/synthesize_diversity.py SYNTH [REFERENCE ...] [--num N] [--threshold 0.7]
 
 Each input is what `data.path` takes (a `dflash-train synthesize` or `regenerate` output directory, a JSONL /
 JSON / Parquet file of `messages` or `conversations` rows, or `sharegpt`); its prompts are the first user turns.
@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from dflash_trainer.data.config import DataSourceConfig  # noqa: E402
 from dflash_trainer.data.rules import REGENERATE  # noqa: E402

@@ -1,12 +1,12 @@
 """Target forward benchmark: tokens/s and MFU of the tap-capture forward, early-exit savings, capture overhead.
 
-    python bench/target_forward.py                 # CUDA: Qwen3-8B shape, random bf16 weights made on the GPU
-    python bench/target_forward.py --preset qwen3-30b-a3b   # a MoE shape (FLOPs by active experts)
-    python bench/target_forward.py --smoke         # tiny target on the CPU (checks the script runs)
-    python bench/target_forward.py --quantize none,fp8             # bf16 and FP8 targets in the same run
-    python bench/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192,16384
-    python bench/target_forward.py --smoke --preset tiny-moe   # the same with a tiny MoE target
-    python bench/target_forward.py --preset qwen3-30b-a3b --budgets 16384 --profile   # GPU time by kernel kind
+    python bench/target/target_forward.py                 # CUDA: Qwen3-8B shape, random bf16 weights made on the GPU
+    python bench/target/target_forward.py --preset qwen3-30b-a3b   # a MoE shape (FLOPs by active experts)
+    python bench/target/target_forward.py --smoke         # tiny target on the CPU (checks the script runs)
+    python bench/target/target_forward.py --quantize none,fp8             # bf16 and FP8 targets in the same run
+    python bench/target/target_forward.py --preset llama3-70b --quantize fp8 --budgets 8192,16384
+    python bench/target/target_forward.py --smoke --preset tiny-moe   # the same with a tiny MoE target
+    python bench/target/target_forward.py --preset qwen3-30b-a3b --budgets 16384 --profile   # GPU time by kernel kind
 
 For each token budget, 3072-token sequences (the last one shorter) fill the budget exactly; they are
 right-padded into one batch as the target worker does. Modes, each eager and with compiled decoder layers:
@@ -32,12 +32,14 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
-from common import allocated_gb, peak_gb, reset_memory, target_attention  # noqa: E402  (bench/common.py)
-from flops import target_forward_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
-from kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402  (bench/kernel_profile.py)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import allocated_gb, peak_gb, reset_memory, target_attention  # noqa: E402  (bench/common.py)
+from bench.flops import target_forward_flops  # noqa: E402  (bench/flops.py: the FLOP formulas)
+from bench.kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402  (bench/kernel_profile.py)
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402

@@ -1,7 +1,7 @@
 """Why the target forward idles on mixed-length batches: one padded batch, profiled, under a few settings.
 
-    python bench/target_padded.py            # CUDA: Qwen3-8B shape, random bf16 weights, ~1 min
-    python bench/target_padded.py --smoke    # tiny target on the CPU (checks the script runs)
+    python bench/target/target_padded.py            # CUDA: Qwen3-8B shape, random bf16 weights, ~1 min
+    python bench/target/target_padded.py --smoke    # tiny target on the CPU (checks the script runs)
 
 The batch holds 12 sequences of mixed lengths (150 to 3072 tokens) right-padded to the longest, as the
 target worker does: a worst case for padding (2.9x the real tokens; the epoch plan's length buckets keep
@@ -25,11 +25,12 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
-from kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.kernel_profile import print_profile, profile_dict, profile_steps  # noqa: E402
 
 from dflash_trainer.data.types import TokenizedSequence  # noqa: E402
 from dflash_trainer.transport.wire import WireSpec, allocate  # noqa: E402

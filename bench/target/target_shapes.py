@@ -1,9 +1,9 @@
 """What the target forward costs the first time a job's batch shape is seen, and what would bound the shapes.
 
-    python bench/target_shapes.py --target .practice/model                # CUDA: the practice target, ~3 min
-    python bench/target_shapes.py --preset qwen3-8b --num-layers 10       # 8B layers, random weights
-    python bench/target_shapes.py --smoke                                 # tiny target on the CPU
-    python bench/target_shapes.py --census 6 --token-budget 12288 --max-length 3072   # no GPU: new shapes a run meets
+    python bench/target/target_shapes.py --target .practice/model                # CUDA: the practice target, ~3 min
+    python bench/target/target_shapes.py --preset qwen3-8b --num-layers 10       # 8B layers, random weights
+    python bench/target/target_shapes.py --smoke                                 # tiny target on the CPU
+    python bench/target/target_shapes.py --census 6 --token-budget 12288 --max-length 3072   # no GPU: new shapes a run meets
 
 cuDNN's attention builds an execution plan for every new shape, and almost every job of a first epoch has its own
 (rows, padded length): training's first epoch ran slower than later ones (bench/RESULTS.md, "The target forward on
@@ -36,12 +36,13 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import device_name, git_commit, synchronize, target_attention, write_result  # noqa: E402  (bench/common.py)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
+from bench.common import device_name, git_commit, synchronize, target_attention, write_result  # noqa: E402  (bench/common.py)
 
 from dflash_trainer.config import BatchShape  # noqa: E402
 from dflash_trainer.data.plan import build_epoch_plan  # noqa: E402

@@ -75,7 +75,7 @@ def _crop(cache: DynamicCache, keep: int) -> None:
 def decoding_kernels(fn):
     """Run a decoding function with the target eager and without cuDNN attention (`SDPA_WITHOUT_CUDNN`): cuDNN
     builds an execution plan for every new key length, and in decoding every step has a new one (bench/RESULTS.md,
-    "Host time on the device machine").
+    section 4).
 
     Eager also when the trainer compiled the target's layers for tap capture (`target.compile`): a compiled
     layer would recompile for every layer's cache state and every new length. The stance is process-wide: this

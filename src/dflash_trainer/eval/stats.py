@@ -1,6 +1,6 @@
 """The sampling error of tau: prompts are the sampled units (the verification steps of one prompt are not
 independent), and tau = sum(committed) / sum(steps) over them is a ratio, whose error is taken linearised:
-each prompt contributes (committed_i - tau * steps_i) / sum(steps). Pure Python: `bench/compare.py` and the run
+each prompt contributes (committed_i - tau * steps_i) / sum(steps). Pure Python: `bench/quality/compare.py` and the run
 report use it without torch."""
 
 from __future__ import annotations

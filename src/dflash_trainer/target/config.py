@@ -36,7 +36,7 @@ class TargetConfig:
     cudnn_attention: bool = True
     """Let SDPA pick cuDNN's attention (its first choice on Hopper) in the tap-capture forward. cuDNN builds an
     execution plan the first time it meets a batch shape, and nearly every job of a first epoch has its own; on a
-    small target that costs more than the forward (bench/RESULTS.md, "The target forward on new shapes"). false:
+    small target that costs more than the forward (bench/RESULTS.md section 4). false:
     flash attention instead, as evaluation's decoding always runs."""
     quantize: Optional[str] = None
     """`fp8`: the linear layers of the decoder layers in FP8 (e4m3, one scale per weight row and per token of

@@ -7,7 +7,7 @@ before the next, so only one chunk's activations are alive at a time; what stays
 (T tokens), not to the blocks. This module picks the chunk size: explicit, or the most blocks the free GPU memory
 holds by the estimates below. They count the tensors an eager step saves for its backward; a compiled step
 (`train.compile` on a GPU) saves fewer, about half per block (`COMPILED_BLOCK_SHARE`, fitted to the measured
-peak memory of the 8B shape's step at 32K in one pass and in two chunks: bench/RESULTS.md, "Long context").
+peak memory of the 8B shape's step at 32K in one pass and in two chunks: bench/RESULTS.md section 2).
 
 Per block of B tokens, with H hidden, q = heads*hd, kv = kv_heads*hd, I the MLP width, L layers, e the compute
 dtype's bytes (fp32 parts: the residual stream and every norm's input, as the norms compute in fp32):
@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 RESERVED_FRACTION = 0.15
 """Share of the device's memory the planner leaves alone."""
 COMPILED_BLOCK_SHARE = 0.6
-"""Share of `block_bytes` a compiled step keeps per block, with a margin (the fit: bench/RESULTS.md, "Long
-context")."""
+"""Share of `block_bytes` a compiled step keeps per block, with a margin (fitted to the 32K
+peaks of one pass and of two chunks, bench/RESULTS.md section 2)."""
 TRAINING_STATE_BYTES = 12
 """Bytes per drafter parameter allocated after planning: fp32 gradient and two fp32 Adam moments."""
 
