@@ -237,3 +237,24 @@ def test_a_shard_damaged_on_disk_is_repaired_by_a_rerun_which_asks_for_its_rows_
     assert "dropped 1 damaged line(s) (lines 2" in caplog.text
     assert sorted(r["id"] for r in read_rows(out)) == sorted(f"{data}:{i}" for i in range(5))
     assert read_manifest(out)["complete"] is True
+
+
+@pytest.mark.parametrize("damage", [b'{"format": "dflash-regen', b'\xff\xfe{}', b"[]"])
+def test_a_damaged_manifest_is_named_to_train_and_rewritten_by_a_rerun(tmp_path, caplog, damage):
+    """A cut, non-UTF-8 or foreign manifest: `train` on the folder warns naming it (never a JSONDecodeError or
+    UnicodeDecodeError), the rows still load, and the rerun of the same command keeps the rows and rewrites it."""
+    from dflash_trainer.data.sources import load_source
+    from dflash_trainer.data.config import DataSourceConfig
+
+    data, out = prompts(tmp_path, 4), tmp_path / "out"
+    with FakeServer() as server:
+        assert regenerate_cli(server, data, out) == 0
+    (out / "manifest.json").write_bytes(damage)
+    [warning] = warn_regen_mismatch(load_config(None, [*TINY, f"data.path={out}"]))
+    assert f"{out / 'manifest.json'} is damaged" in warning and "rerun the same" in warning
+    assert load_source(DataSourceConfig(path=str(out))).report.kept == 4
+    with FakeServer() as server, caplog.at_level(logging.WARNING):
+        assert regenerate_cli(server, data, out) == 0
+        assert server.behaviour.requests == []  # every row was kept
+    assert "manifest.json is damaged" in caplog.text
+    assert read_manifest(out)["complete"] is True and read_manifest(out)["rows_done"] == 4

@@ -6,14 +6,14 @@ warns when they differ from how the drafter will be evaluated (thinking on/off c
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
 from dflash_trainer.config import Config
-from dflash_trainer.errors import ConfigError
+from dflash_trainer.errors import ConfigError, DataError
+from dflash_trainer.readback import read_json_file
 from dflash_trainer.regen.failures import failures
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,24 @@ def settings_differences(stored: dict[str, Any], wanted: RegenSettings) -> list[
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any] | None:
-    """The manifest of a regenerate output directory, or None when `data_dir` is not one."""
+    """The manifest of a regenerate output directory, or None when `data_dir` is not one. A damaged manifest (cut
+    short, not UTF-8, not the object we write) is a DataError naming it: the rows beside it are intact, and a rerun
+    of the command rewrites it from them."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    return read_json_file(path, what="the manifest of a regenerate / synthesize output", fix=(
+        f"rerun the same `dflash-train regenerate` (or `synthesize`) command with --out {data_dir}: it rewrites the "
+        "manifest from the rows written, which are kept"))
+
+
+def damaged_manifest_warning(data_dir: str | Path) -> Optional[str]:
+    """A warning when `data_dir`'s manifest is damaged (what to do included), else None."""
+    try:
+        read_manifest(data_dir)
+    except DataError as e:
+        return f"{e} (until then its settings and completeness are not checked)"
+    return None
 
 
 def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: float, *,
@@ -108,6 +121,9 @@ def check_regen_settings(data_dir: str | Path, thinking: bool, temperature: floa
     Empty when `data_dir` is not a regenerate output (nothing to compare) or everything matches.
     `check_temperature=False` leaves the temperature out (a sampled source mixed with a matching one).
     """
+    damage = damaged_manifest_warning(data_dir)
+    if damage is not None:
+        return [damage]
     manifest = read_manifest(data_dir)
     if manifest is None:
         return []
@@ -147,7 +163,7 @@ def _partial_warning(data_dir: str | Path, manifest: dict[str, Any]) -> str:
 
 def regen_temperature(data_dir: str | Path) -> Optional[float]:
     """The temperature `data_dir` was regenerated at; None when it is not a regenerate output."""
-    manifest = read_manifest(data_dir)
+    manifest = None if damaged_manifest_warning(data_dir) else read_manifest(data_dir)
     if manifest is None or "temperature" not in manifest.get("settings", {}):
         return None
     return float(manifest["settings"]["temperature"])

@@ -125,7 +125,13 @@ class RegenStore:
             self._lock_file = None
 
     def _check_dir(self) -> None:
-        manifest = read_manifest(self.out_dir)
+        try:
+            manifest = read_manifest(self.out_dir)
+        except DataError as e:  # the rows are intact: resume from them, the manifest is written anew
+            log.warning("%s/%s is damaged (%s): resuming from the rows written; the manifest is written anew with "
+                        "this run's settings (the earlier run's could not be compared)", self.out_dir, MANIFEST,
+                        getattr(e, "damage", e))
+            return
         if manifest is None:
             others = [p.name for p in self.out_dir.iterdir() if p.name not in (LOCK, MANIFEST + ".tmp")]
             if others:
