@@ -834,3 +834,27 @@ def test_long_context_figure_tables_each_series_by_length(tmp_path):
     out = tmp_path / "fig.png"
     assert figure_main([*map(str, files), "--out", str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+def test_compare_by_seeds_gives_the_difference_of_means_with_its_seed_level_error(tmp_path):
+    def result(name, committed):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"name": name, "per_prompt_committed": committed,
+                                    "per_prompt_steps": [10] * len(committed), "setting_digest": "d"}))
+        return str(path)
+
+    base = [result(f"a-s{s}", c) for s, c in enumerate(([20, 30], [22, 30], [24, 30]))]  # taus 2.5, 2.6, 2.7
+    other = [result(f"b-s{s}", c) for s, c in enumerate(([30, 30], [30, 30], [36, 30]))]  # taus 3.0, 3.0, 3.3
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "compare.py"), "--seeds", "3", *base,
+                           *other], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    arms = {a["name"]: a for a in json.loads(proc.stdout.strip().splitlines()[-1])["arms"]}
+    b = arms["b-s0"]
+    assert b["taus"] == pytest.approx([3.0, 3.0, 3.3]) and b["mean"] == pytest.approx(3.1)
+    assert b["differences"] == pytest.approx([0.5, 0.4, 0.6]) and b["difference"] == pytest.approx(0.5)
+    assert b["seed_error"] == pytest.approx(0.1 / 3 ** 0.5)  # sd of (0.5, 0.4, 0.6) over sqrt(3)
+    assert arms["a-s0"]["sd"] == pytest.approx(0.1)
+    assert "| b-s0 | 3.000 / 3.000 / 3.300 | 3.100 (0.173) | +0.500 | 0.058 |" in proc.stdout
+    odd = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "compare.py"), "--seeds", "4", *base,
+                          *other], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert odd.returncode != 0 and "--seeds 4: give two or more arms of 4 results each (6 given)" in odd.stderr

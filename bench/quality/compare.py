@@ -2,18 +2,25 @@
 the first one's with the standard error of that difference (paired: what the prompts share cancels).
 
     python bench/quality/compare.py BASE.json OTHER.json ... [--first N]
+    python bench/quality/compare.py --seeds 3 BASE_s0 BASE_s1 BASE_s2 OTHER_s0 OTHER_s1 OTHER_s2 ...
 
 Each file is a `bench/quality/quality.py` result or a run's `eval.json` (its `per_prompt_committed`, `per_prompt_steps`
 and `setting_digest`: the same prompts, decoding settings and target). `--first N` compares on the first N prompts
 only (e.g. the usual 40 of a 200-prompt evaluation). When the evaluation kept prompt lookup's per-prompt counts,
 its tau on the same prompts and each run's ratio to it are printed too. Prints a markdown table (for
 bench/RESULTS.md); the last line printed is JSON.
+
+`--seeds N`: the files are arms of N seeds each, in the same seed order (the base arm first). Seed k of an arm is
+paired with seed k of the base; each arm gets its mean tau and spread (sd) over seeds, and its difference of means
+from the base with the seed-level error (the sd of the per-seed differences over sqrt(N)) beside the per-seed paired
+errors: the paired error leaves out the prompts' spread, the seed-level error the runs' spread too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Optional
@@ -106,12 +113,55 @@ def table(rows: list[dict], prompts: int, lookup: Optional[dict]) -> str:
     return "\n".join(lines)
 
 
+def by_seeds(runs: list[dict], seeds: int) -> list[dict]:
+    """Each arm (N consecutive runs, one a seed) against the base arm seed by seed: its taus, their mean and sd,
+    the per-seed differences with their paired errors, and the difference of means with its seed-level error."""
+    if seeds < 1 or len(runs) % seeds or len(runs) < 2 * seeds:
+        raise SystemExit(f"--seeds {seeds}: give two or more arms of {seeds} results each ({len(runs)} given)")
+    arms = [runs[i:i + seeds] for i in range(0, len(runs), seeds)]
+    rows = []
+    for arm in arms:
+        pairs = [compare([base, run])[0][1] for base, run in zip(arms[0], arm)]  # (base seed k, arm seed k)
+        taus = [pair["tau"] for pair in pairs]
+        diffs = [pair["difference"] for pair in pairs]
+        rows.append({
+            "name": arm[0]["name"], "taus": taus, "mean": statistics.fmean(taus),
+            "sd": statistics.stdev(taus) if seeds > 1 else None,
+            "differences": diffs, "paired_errors": [pair["difference_stderr"] for pair in pairs],
+            "difference": statistics.fmean(diffs),
+            "seed_error": statistics.stdev(diffs) / seeds ** 0.5 if seeds > 1 else None,
+        })
+    return rows
+
+
+def seeds_table(rows: list[dict], seeds: int) -> str:
+    base = rows[0]["name"]
+    lines = [f"| arm (first seed's name) | tau, seeds 0..{seeds - 1} | mean (sd over seeds) | difference of means from "
+             f"{base} | seed-level error | per-seed paired errors |", "|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows):
+        if i == 0:  # the base itself
+            lines.append(f"| {r['name']} | {' / '.join(f'{x:.3f}' for x in r['taus'])} | {r['mean']:.3f} "
+                         f"({or_dash(r['sd'], '{:.3f}')}) | - | - | - |")
+            continue
+        lines.append(f"| {r['name']} | {' / '.join(f'{x:.3f}' for x in r['taus'])} | {r['mean']:.3f} "
+                     f"({or_dash(r['sd'], '{:.3f}')}) | {r['difference']:+.3f} | {or_dash(r['seed_error'], '{:.3f}')} | "
+                     f"{' / '.join(or_dash(e, '{:.3f}') for e in r['paired_errors'])} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", type=Path, help="the first is the base")
     p.add_argument("--first", type=int, help="compare on the first N prompts only")
+    p.add_argument("--seeds", type=int, help="the results are arms of this many seeds each (see the docstring)")
     args = p.parse_args(argv)
     runs = [load(path, args.first) for path in args.results]
+    if args.seeds:
+        rows = by_seeds(runs, args.seeds)
+        print(seeds_table(rows, args.seeds))
+        print(json.dumps({"bench": "compare", "prompts": len(runs[0]["per_prompt_steps"]), "seeds": args.seeds,
+                          "arms": rows}))
+        return 0
     rows, lookup = compare(runs)
     print(table(rows, len(runs[0]["per_prompt_steps"]), lookup))
     print(json.dumps({"bench": "compare", "prompts": len(runs[0]["per_prompt_steps"]), "rows": rows,
