@@ -2,7 +2,8 @@
 
 Each arm named `<label>-<minutes>-<rest>` (e.g. `d2-5-s0`) gets `train.max_steps = minutes * 60 / step_s`, where
 step_s is the measured step of its drafter variant (`drafter.variant=...` on its line, else dflash) at the priced
-shape, read from `bench/speed/run.py` JSONs (`--set drafter.variant=...` in their command names the variant):
+shape, read from `bench/speed/run.py` JSONs (`--set drafter.variant=...` in their command names the variant), over
+`train.grad_accum` when the arm sets it (each of its steps trains that many priced batches):
 
     python bench/quality/price_arms.py --arms bench/quality/arms/dflash2-8b.txt --prices /tmp/suite-results --out /tmp/arms.txt
 
@@ -39,7 +40,8 @@ def priced_line(line: str, prices: dict[str, float]) -> str:
     if variant not in prices:
         print(f"{name}: no price for variant {variant}: keeps its written step count")
         return line
-    steps = round(minutes * 60 / prices[variant])
+    accum = re.search(r"train\.grad_accum=(\d+)", line)  # a step of N batches costs N priced steps
+    steps = round(minutes * 60 / (prices[variant] * (int(accum.group(1)) if accum else 1)))
     overrides = [f"train.max_steps={steps}" if o.startswith("train.max_steps=") else o for o in overrides]
     return " ".join([name, *overrides]) + "\n"
 
