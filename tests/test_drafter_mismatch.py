@@ -85,3 +85,21 @@ def test_a_hand_edited_export_config_is_named_not_a_traceback(tmp_path, field, v
         load_drafter(tmp_path)
     message = str(raised.value)
     assert str(tmp_path / "config.json") in message and "restore it or export the drafter again" in message
+
+
+@pytest.mark.parametrize("damage", [b"\xff\xfe not UTF-8", b'{"hidden_size": 64, "num_hid', b"[1, 2]"])
+def test_a_damaged_export_config_is_named_not_a_traceback(tmp_path, damage):
+    drafter, target = tiny_drafter()
+    export_drafter(drafter, tmp_path, target_config=target)
+    (tmp_path / "config.json").write_bytes(damage)
+    with pytest.raises(ConfigError, match=r"config.json is not a drafter export config .*export the drafter again"):
+        load_drafter(tmp_path)
+
+
+def test_a_cut_export_weights_file_is_named_not_a_traceback(tmp_path):
+    drafter, target = tiny_drafter()
+    export_drafter(drafter, tmp_path, target_config=target)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=r"model.safetensors is unreadable .*cut short or damaged; export the drafter"):
+        load_drafter(tmp_path)
