@@ -1,7 +1,7 @@
 """The package's layers: no module imports a higher layer, and the packages import each other without a circle.
 
 data < transport < target < drafter < eval < train < regen, report < synth, runtime < commands < cli. Below them all: the error
-types, the test fault hooks, the run directory on disk (`rundir.py`), and the configuration (each component's config section, and the root `config.py`
+types, the test fault hooks, the run directory on disk (`rundir.py`), reading our own files back (`readback.py`), and the configuration (each component's config section, and the root `config.py`
 that assembles them): any layer may read its config. Function-level imports count as much as top-level ones.
 """
 
@@ -14,11 +14,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dflash_trainer"
 
 LAYERS = {
-    "base": 0,  # errors, faults, config, rundir (the run dir on disk), resume (a resumed run's config), hub (an unreachable hub), the *.config sections
+    "base": 0,  # errors, faults, config, rundir (the run dir on disk), readback (reading our own files back), resume (a resumed run's config), hub (an unreachable hub), the *.config sections
     "data": 1, "transport": 2, "target": 3, "drafter": 4, "eval": 5, "train": 6, "regen": 7, "report": 7,
     "synth": 8, "runtime": 8, "commands": 9, "cli": 10, "__main__": 11,
 }
-BASE = {"errors", "faults", "config", "rundir", "resume", "hub", "__init__"}
+BASE = {"errors", "faults", "config", "rundir", "readback", "resume", "hub", "__init__"}
 
 
 def _unit(module: str) -> str:
