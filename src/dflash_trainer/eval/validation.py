@@ -123,37 +123,8 @@ class HeldOutValidator:
             with torch.no_grad():
                 batch, _ = forward_job(self.capture, self.dataset, job, self.buffers)
             taps = batch.taps.float() if fp32 else batch.taps
-            seq = token_seq_ids(batch.cu_seqlens, batch.input_ids.shape[0])  # (T,)
-            anchors = torch.nonzero(valid_anchor_mask(batch.loss_mask.bool(), seq)).flatten()  # (A,)
-            accept = torch.zeros(batch.input_ids.shape[0], dtype=torch.float32, device=device)  # (T,)
-            context = None
-            if chunked:
-                with autocast:
-                    context = model.train_context(taps, batch.cu_seqlens)  # per layer (T, nkv, hd), once a batch
-            for lo in range(0, anchors.numel(), size):
-                chunk = anchors[lo : lo + size]
-                n = chunk.numel()
-                padded = torch.zeros(size, dtype=torch.int64, device=device)  # (C,)
-                padded[:n] = chunk
-                plan = plan_from_anchors(
-                    anchors=padded, block_valid=torch.arange(size, device=device) < n,
-                    input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
-                    block_size=spec.block_size, mask_token_id=spec.mask_token_id,
-                )
-                with autocast:
-                    if context is None:
-                        hidden = model.forward_train(taps=taps, cu_seqlens=batch.cu_seqlens, plan=plan,
-                                                     embed_weight=embed)  # (C, B, H)
-                    else:
-                        hidden = model.forward_train_blocks(context=context, plan=plan, cu_seqlens=batch.cu_seqlens,
-                                                            embed_weight=embed)  # (C, B, H)
-                    out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
-                                       chunk_rows=self.chunk_rows, selector=selector)
-                sums += torch.stack([out.loss_sum.detach(), out.weight_sum, out.accept_sum, out.block_count]).double()
-                slots += torch.stack([out.slot_correct, out.slot_count]).double()
-                accept[chunk] = out.block_accept[:n].float()
-                del hidden, out  # this chunk's graph (grad mode is training's) goes before the next forward
-            del context
+            accept = self._score_blocks(model, batch, taps, size=size, chunked=chunked, embed=embed, lm_head=lm_head,
+                                        autocast=autocast, selector=selector, sums=sums, slots=slots)
             # host sync: the walk follows each reply's acceptance on the host
             mask = batch.loss_mask[: batch.num_tokens].tolist()
             acceptance = accept[: batch.num_tokens].round().long().tolist()
@@ -176,6 +147,46 @@ class HeldOutValidator:
             replies=replies,
             seconds=time.perf_counter() - start,
         )
+
+
+    def _score_blocks(self, model: DFlashDrafter, batch, taps: torch.Tensor, *, size: int, chunked: bool,
+                      embed: torch.Tensor, lm_head: torch.Tensor, autocast, selector, sums: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:
+        """One batch's every valid anchor drafted, `size` blocks at a time: adds its loss, weight, acceptance and
+        block count to `sums` (4,) and its slot hits and counts to `slots` (2, B-1); returns each anchor's accepted
+        length, (T,) fp32 (0 where no block starts)."""
+        spec, device = model.spec, taps.device
+        seq = token_seq_ids(batch.cu_seqlens, batch.input_ids.shape[0])  # (T,)
+        anchors = torch.nonzero(valid_anchor_mask(batch.loss_mask.bool(), seq)).flatten()  # (A,)
+        accept = torch.zeros(batch.input_ids.shape[0], dtype=torch.float32, device=device)  # (T,)
+        context = None
+        if chunked:
+            with autocast:
+                context = model.train_context(taps, batch.cu_seqlens)  # per layer (T, nkv, hd), once a batch
+        for lo in range(0, anchors.numel(), size):
+            chunk = anchors[lo : lo + size]
+            n = chunk.numel()
+            padded = torch.zeros(size, dtype=torch.int64, device=device)  # (C,)
+            padded[:n] = chunk
+            plan = plan_from_anchors(
+                anchors=padded, block_valid=torch.arange(size, device=device) < n,
+                input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
+                block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+            )
+            with autocast:
+                if context is None:
+                    hidden = model.forward_train(taps=taps, cu_seqlens=batch.cu_seqlens, plan=plan,
+                                                 embed_weight=embed)  # (C, B, H)
+                else:
+                    hidden = model.forward_train_blocks(context=context, plan=plan, cu_seqlens=batch.cu_seqlens,
+                                                        embed_weight=embed)  # (C, B, H)
+                out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
+                                   chunk_rows=self.chunk_rows, selector=selector)
+            sums += torch.stack([out.loss_sum.detach(), out.weight_sum, out.accept_sum, out.block_count]).double()
+            slots += torch.stack([out.slot_correct, out.slot_count]).double()
+            accept[chunk] = out.block_accept[:n].float()
+            del hidden, out  # this chunk's graph (grad mode is training's) goes before the next forward
+        return accept
 
 
 def build_validator(config: Config, *, capture: TapCapture, head: TargetHead, tokenizer, conversations_path,

@@ -92,17 +92,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
         pipeline=config.pipeline, num_devices=torch.cuda.device_count() if device.type == "cuda" else None,
     )
     check_target_groups(config)
-    if env.rank == 0:
-        claim = claim_run_dir(config, "train")
-        on_claim(claim)
-        run_dir = claim.path
-        control.set_value("run_dir_token", publish_token(run_dir))
-        control.set_value("run_dir", str(run_dir))
-    else:
-        run_dir = Path(control.wait_value("run_dir"))
-        if env.rank >= env.local_world_size:  # on another node than rank 0: the same run dir, not a local namesake
-            check_sees_token(run_dir, control.wait_value("run_dir_token"),
-                             timeout_s=min(SHARED_VIEW_TIMEOUT_S, config.pipeline.timeout_s))
+    run_dir = _shared_run_dir(config, env, control, on_claim)
     on_run_dir(run_dir)
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir)))
     # Before the data work: a wrong train.resume fails at once. Rank 0 checks the checkpoints (it reads them
@@ -143,15 +133,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
     ledger = read_ledger(resume_path) if resume_path else {}
     committed = {plan.epoch: set(ledger.get(plan.epoch, [])) for plan in plans}
     remaining = tuple(tuple(j for j in plan.jobs if j.job_id not in committed[plan.epoch]) for plan in plans)
-    group = target_group = context_group = None
-    if env.distributed:  # every rank takes part in creating every group, in the same order
-        group = dist.new_group(list(placement.drafter_ranks))
-        for ranks in placement.target_groups if placement.target_parallel > 1 else ():
-            created = dist.new_group(list(ranks))
-            target_group = created if env.rank in ranks else target_group
-        for ranks in placement.context_groups if placement.context_parallel > 1 else ():
-            created = dist.new_group(list(ranks))
-            context_group = created if env.rank in ranks else context_group
+    group, target_group, context_group = _process_groups(env, placement)
     log.info("rank %d: role %s, run dir %s, %d jobs to train", env.rank, placement.role.value, run_dir,
              sum(len(r) for r in remaining))
     return RunSetup(
@@ -160,6 +142,38 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
         target_group=target_group, context_group=context_group,
         finished=resume_path is not None and _finished(config, run_dir, resume_path, remaining),
     )
+
+
+def _shared_run_dir(config: Config, env: DistEnv, control: ControlPlane,
+                    on_claim: Callable[[RunClaim], None]) -> Path:
+    """The run dir: rank 0 claims it and publishes it; the others wait for it, and a rank on another node checks it
+    sees the same folder (a token rank 0 wrote), not a local namesake."""
+    if env.rank == 0:
+        claim = claim_run_dir(config, "train")
+        on_claim(claim)
+        control.set_value("run_dir_token", publish_token(claim.path))
+        control.set_value("run_dir", str(claim.path))
+        return claim.path
+    run_dir = Path(control.wait_value("run_dir"))
+    if env.rank >= env.local_world_size:
+        check_sees_token(run_dir, control.wait_value("run_dir_token"),
+                         timeout_s=min(SHARED_VIEW_TIMEOUT_S, config.pipeline.timeout_s))
+    return run_dir
+
+
+def _process_groups(env: DistEnv, placement: Placement) -> tuple[Optional[dist.ProcessGroup], ...]:
+    """(the drafters' group, this rank's target group, its context group): None where there is none. Every rank
+    takes part in creating every group, in the same order."""
+    group = target_group = context_group = None
+    if env.distributed:
+        group = dist.new_group(list(placement.drafter_ranks))
+        for ranks in placement.target_groups if placement.target_parallel > 1 else ():
+            created = dist.new_group(list(ranks))
+            target_group = created if env.rank in ranks else target_group
+        for ranks in placement.context_groups if placement.context_parallel > 1 else ():
+            created = dist.new_group(list(ranks))
+            context_group = created if env.rank in ranks else context_group
+    return group, target_group, context_group
 
 
 def check_target_groups(config: Config) -> None:
