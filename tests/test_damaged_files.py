@@ -291,3 +291,20 @@ def test_resume_into_a_run_whose_config_is_not_utf8_puts_it_back_as_it_was(tmp_p
         assert RunDir(run).config.read_bytes() == damaged
     finally:
         claim.release()
+
+
+def test_a_damaged_summary_on_resume_is_warned_about_and_the_run_resumed(tmp_path, caplog):
+    """A run whose summary.json is damaged is taken as not finished (a resume trains what is left, and its summary
+    replaces the damaged one), with a warning naming the file, not silently."""
+    from dflash_trainer.runtime.setup import _finished
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_bytes(b'{"status": "o\xff')
+    with caplog.at_level(logging.WARNING):
+        assert _finished(load_config("demo", []), run, run / "checkpoints" / "step_1", ()) is False
+    assert f"{run / 'summary.json'} cannot be read" in caplog.text and "taken as not finished" in caplog.text
+    (run / "summary.json").unlink()
+    caplog.clear()
+    assert _finished(load_config("demo", []), run, run / "checkpoints" / "step_1", ()) is False
+    assert "cannot be read" not in caplog.text  # no summary yet: nothing to warn about

@@ -234,9 +234,14 @@ def check_cpu_step_memory(config: Config, spec: DrafterSpec, device: torch.devic
 def _finished(config: Config, run_dir: Path, resume_path: Path, remaining: tuple[tuple[Job, ...], ...]) -> bool:
     """Whether the run to resume ended well (summary status ok) with nothing left: a resume would only replace its
     summary with an empty session's. More epochs, a higher `train.max_steps` or `train.max_minutes` leave work."""
+    path = RunDir(run_dir).summary
     try:
-        status = json.loads(RunDir(run_dir).summary.read_text()).get("status")
-    except (OSError, ValueError, AttributeError):
+        status = json.loads(path.read_text()).get("status")
+    except FileNotFoundError:  # a run stopped before it wrote one
+        return False
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("%s cannot be read (%s): the run is taken as not finished and resumed; its new summary replaces "
+                    "it", path, type(e).__name__)
         return False
     max_steps, max_minutes = config.train.max_steps, config.train.max_minutes
     done = (not any(remaining) or (max_steps is not None and read_step(resume_path) >= max_steps)
