@@ -52,6 +52,24 @@ def test_a_killed_rank_restarts_the_job_and_the_run_continues_from_its_checkpoin
     assert json.loads(RunDir(run_dir).restarts.read_text())["incarnation"] == 2
 
 
+def test_a_rank_killed_before_the_first_checkpoint_restarts_the_run_from_the_start(tmp_path):
+    """Killed after step 1 with the first checkpoint due at step 2: the new incarnation finds no checkpoint, starts
+    the run over in the same run dir (the earlier incarnation's outputs replaced, its summary kept aside), and trains
+    every planned job once."""
+    run_dir = tmp_path / "run"
+    launch = torchrun(run_dir, 2, *COLOCATED, fault="kill:1@1", fault_restart=0, max_restarts=1, timeout_s=240)
+    s = assert_ok(launch)
+    assert "continuing" in launch.output and "from the start (no checkpoint yet)" in launch.output
+    assert s["restarts"]["count"] == 1
+    rows = [r for r in metrics(run_dir) if "jobs" in r]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, len(steps) + 1))  # one series from step 1: the killed incarnation's rows are gone
+    plan = planned_jobs(run_dir)
+    committed = committed_jobs(rows)
+    assert not [j for j, n in Counter(committed).items() if n > 1] and sorted(committed) == sorted(plan)
+    assert sum(s["jobs_trained"].values()) == len(plan) and s["jobs_duplicated"] == 0
+
+
 def test_without_restarts_allowed_nothing_applies(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert elastic_job() is None  # not under torchrun
