@@ -308,3 +308,27 @@ def test_a_damaged_summary_on_resume_is_warned_about_and_the_run_resumed(tmp_pat
     caplog.clear()
     assert _finished(load_config("demo", []), run, run / "checkpoints" / "step_1", ()) is False
     assert "cannot be read" not in caplog.text  # no summary yet: nothing to warn about
+
+
+def test_a_run_config_cut_at_a_line_boundary_is_named_and_a_whole_or_edited_one_loads(tmp_path):
+    """A run's config.yaml cut after a whole line still parses, and the settings past the cut would take their
+    defaults (a silently different run on resume): its missing end line names it. An edited one that keeps its
+    last line, and a recipe written by hand (no first line), load as ever."""
+    from dflash_trainer.config import RUN_CONFIG_END
+    from dflash_trainer.rundir import save_config
+
+    config = load_config("demo", ["train.lr=1.5e-3", "logging.progress=false"])
+    path = save_config(config, tmp_path / "run")
+    assert load_config(path).train.lr == 1.5e-3  # whole: loads as written
+    text = path.read_text()
+    assert text.rstrip().endswith(RUN_CONFIG_END)
+    lines = text.splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if line.startswith("train:"))  # the train section and all after
+    path.write_text("".join(lines[:cut]))
+    with pytest.raises(ConfigError, match=r"config.yaml: cut short: a run's config.yaml ends with the line"):
+        load_config(path)
+    path.write_text(text.replace("lr: 0.0015", "lr: 0.002"))  # a hand edit that keeps the end line
+    assert load_config(path).train.lr == 0.002
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("target:\n  random_init: tiny\ntrain:\n  lr: 0.003\n")  # the user's own recipe: no check
+    assert load_config(recipe).train.lr == 0.003

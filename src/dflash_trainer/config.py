@@ -151,7 +151,8 @@ def _load_recipe(path: Path):
     import yaml
 
     try:
-        path.read_bytes().decode("utf-8")  # first, so that a byte that is not UTF-8 is named by its file offset
+        text = path.read_bytes().decode("utf-8")  # first, so that a byte that is not UTF-8 is named by its offset
+        _check_not_cut(path, text)
         layer = OmegaConf.load(path)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
@@ -223,3 +224,24 @@ def _synonym(key: str) -> str | None:
 
 def to_yaml(config: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+RUN_CONFIG_HEAD = "# dflash-train: the run's config, every setting; its last line marks its end"
+RUN_CONFIG_END = "# end of the run's config"
+"""The first and last lines of a run's `config.yaml` (`run_config_text`): a file that opens with the first and lacks
+the last was cut short (a copy or a disk fault), and the settings past the cut would silently take their defaults.
+Both are comments, so the file stays a recipe anyone can edit."""
+
+
+def run_config_text(config: Config) -> str:
+    """A run's `config.yaml`: `config` between `RUN_CONFIG_HEAD` and `RUN_CONFIG_END`."""
+    return f"{RUN_CONFIG_HEAD}\n{to_yaml(config)}{RUN_CONFIG_END}\n"
+
+
+def _check_not_cut(path: Path, text: str) -> None:
+    """A run's config.yaml (it opens with `RUN_CONFIG_HEAD`) that lacks its last line is a ConfigError."""
+    if text.startswith(RUN_CONFIG_HEAD) and text.rstrip().splitlines()[-1].strip() != RUN_CONFIG_END:
+        raise ConfigError(f"recipe {path}: cut short: a run's config.yaml ends with the line {RUN_CONFIG_END!r} and "
+                          "this one does not, so the settings past the cut would silently take their defaults; "
+                          "restore the file (from a copy, or write the missing settings back and end it with that "
+                          "line)")

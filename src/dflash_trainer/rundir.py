@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal, Optional
 
-from dflash_trainer.config import Config, to_yaml
+from dflash_trainer.config import Config, run_config_text
 from dflash_trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def save_config(config: Config, run_dir: str | os.PathLike) -> Path:
     """`RUN_DIR/config.yaml`: the resolved config, which resume and the other commands read back."""
     path = RunDir(run_dir).config
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomic(path, to_yaml(config))  # a kill mid-write leaves the old config, never half of one
+    return write_atomic(path, run_config_text(config))  # a kill mid-write leaves the old config, never half of one
 
 @dataclass(frozen=True, slots=True)
 class RunDir:
