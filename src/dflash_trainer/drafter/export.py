@@ -21,6 +21,7 @@ from dflash_trainer.drafter.engines import warn_if_unserved
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.readback import decode_problem, json_problem
 from dflash_trainer.target.checks import choose_tap_layer_ids
 from dflash_trainer.target.load import text_config
 
@@ -205,7 +206,7 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
                               "--out DIR`) and pass that")
         spec = spec_from_export(config)
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ConfigError(f"{root / CONFIG_NAME} is not a drafter export config ({type(e).__name__}: {e}); "
+        raise ConfigError(f"{root / CONFIG_NAME} is not a drafter export config ({_config_problem(e)}); "
                           "export the drafter again") from None
     try:
         state = load_file(str(root / WEIGHTS_NAME))
@@ -220,6 +221,17 @@ def shape_mismatches(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor
     """`key: (state's shape) vs (own shape)` for each weight of `state` whose shape differs from `own`'s."""
     return [f"{k}: {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
             if k in own and v.shape != own[k].shape]
+
+
+def _config_problem(error: Exception) -> str:
+    """What is wrong with an export's config.json, in words: damage (cut, not UTF-8) as such, else the error."""
+    if isinstance(error, json.JSONDecodeError):
+        return json_problem(error)
+    if isinstance(error, UnicodeDecodeError):
+        return decode_problem(error)
+    if isinstance(error, KeyError):
+        return f"no {error.args[0]!r} key"
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
 def load_drafter(path: str | os.PathLike, *, attention: str = "auto") -> DFlashDrafter:
