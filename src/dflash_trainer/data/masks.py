@@ -51,7 +51,7 @@ text is never tokenized further (a huge turn is cut there cheaply rather than to
 
 COUNT_REST_CHARS = 1 << 20
 """The text past the kept tokens is tokenized to count its tokens (`truncated_tokens`, a report figure) when it is
-at most this long (about 0.3 s of tokenizing); a longer rest is estimated from the kept part's characters per
+at most this long (a bounded cost); a longer rest is estimated from the kept part's characters per
 token."""
 
 ESCAPE_ATTRIBUTE = "dflash_escape_special_tokens"

@@ -3,9 +3,8 @@
 The cache key hashes everything that can change the result (sources by the SHA-256 of their files, limits,
 weights, seed, tokenizer vocabulary and chat template, thinking, max length, block size, eval split size and
 the source of the loading/masking modules and `CODE_VERSION`), so a stale cache is never read. A damaged one is
-never read either: each entry carries digests of its arrays and metadata, checked on every load (hashing the
-arrays costs about 0.3 s for 50M tokens); an entry that fails them is rebuilt from the sources, with a warning
-naming the file.
+never read either: each entry carries digests of its arrays and metadata, checked on every load (one read of
+the arrays); an entry that fails them is rebuilt from the sources, with a warning naming the file.
 """
 
 from __future__ import annotations
@@ -290,8 +289,7 @@ def _meta_sha256(meta: dict[str, Any]) -> str:
 
 def cache_damage(dataset: TokenizedDataset, meta: dict[str, Any]) -> Optional[str]:
     """What of a cache entry does not match the digests saved with it (bytes changed on disk since it was
-    written), or None when it is intact. Hashing the arrays reads them once: about 1 s a GB (0.3 s for the 250 MB
-    of 50M tokens)."""
+    written), or None when it is intact. Hashing reads the arrays once."""
     meta = dict(meta)
     if meta.pop("meta_sha256", None) != _meta_sha256(meta):
         return "meta.json"
