@@ -111,6 +111,27 @@ def test_a_json_array_record_over_the_cap_is_skipped_without_holding_it(tmp_path
     assert out.report.kept == 2 and out.report.dropped == {"record_too_large": 1}
 
 
+def test_a_json_array_never_buffers_much_past_the_cap(tmp_path, monkeypatch):
+    """The text held to decode a record stays within the cap (plus the first read), however large the record."""
+    from dflash_trainer.data import json_records
+
+    held = []
+
+    class Spy(json.JSONDecoder):
+        def raw_decode(self, s, idx=0):
+            held.append(len(s) - idx)
+            return super().raw_decode(s, idx)
+
+    monkeypatch.setattr(json_records.json, "JSONDecoder", Spy)
+    huge = {"messages": [{"role": "user", "content": "y" * (6 << 20)}, {"role": "assistant", "content": "ok"}]}
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps([row(0), huge, row(1)]))
+    cap = 1 << 20
+    records = list(json_records.iter_json_array(path, max_chars=cap))
+    assert [type(r).__name__ for r in records] == ["dict", "Drop", "dict"]
+    assert max(held) <= cap + 1
+
+
 def test_a_parquet_row_over_the_cap_is_dropped(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -166,8 +166,9 @@ def iter_json_array(path: Path, max_chars: int = DEFAULT_MAX_RECORD_BYTES) -> It
                         if pos < len(buf):
                             raise Truncated() from None
                         raise Truncated(complete=False) from None
-                    more = f.read(want)
-                    want *= 2  # a record larger than the buffer: grow geometrically, not quadratically
+                    # a record larger than the buffer: grow geometrically (not quadratically), never past the cap
+                    more = f.read(min(want, max_chars + 1 - (len(buf) - pos)))
+                    want *= 2
                     eof = not more
                     buf = buf[pos:] + more
                     pos = 0
