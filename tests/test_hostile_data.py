@@ -142,6 +142,22 @@ def test_a_parquet_row_over_the_cap_is_dropped(tmp_path):
     assert out.report.kept == 1 and out.report.dropped == {"record_too_large": 1}
 
 
+def test_a_parquet_file_of_long_rows_is_read_a_few_rows_at_a_time(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_trainer.data.sources import parquet_batch_rows
+
+    long_rows = [{"messages": [{"role": "user", "content": f"{i} " + "w" * (1 << 20)}, {"role": "assistant", "content": "ok"}]}
+                 for i in range(8)]
+    pq.write_table(pa.Table.from_pylist(long_rows), tmp_path / "long.parquet")
+    pq.write_table(pa.Table.from_pylist([row(i) for i in range(2000)]), tmp_path / "short.parquet")
+    assert parquet_batch_rows(pq.ParquetFile(tmp_path / "long.parquet").metadata) <= 64
+    assert parquet_batch_rows(pq.ParquetFile(tmp_path / "short.parquet").metadata) == 1024
+    out = load_conversations(DataConfig(path=str(tmp_path / "long.parquet"), max_record_bytes=2 << 20), seed=0)
+    assert out.report.kept == 8
+
+
 def test_an_eval_prompt_line_over_the_cap_is_named(tmp_path, monkeypatch):
     import dflash_trainer.data.config as data_config
     from dflash_trainer.eval.evaluate import load_prompt_messages

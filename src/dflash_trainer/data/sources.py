@@ -185,12 +185,23 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+_PARQUET_BATCH_BYTES = 64 << 20
+
+
+def parquet_batch_rows(meta) -> int:
+    """Rows decoded at a time from a Parquet file with metadata `meta`: about `_PARQUET_BATCH_BYTES` of
+    uncompressed rows (a file of long conversations is read a few rows at a time), at most 1,024."""
+    size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    return int(max(1, min(1024, _PARQUET_BATCH_BYTES * max(meta.num_rows, 1) // max(size, 1))))
+
+
 def _iter_parquet(path: Path) -> Iterator[Any]:
     import pyarrow
     import pyarrow.parquet as pq
 
     try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        file = pq.ParquetFile(path)
+        batches = file.iter_batches(batch_size=parquet_batch_rows(file.metadata))
     except (pyarrow.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e}); check the file or point data.path elsewhere") from None
     for batch in batches:
