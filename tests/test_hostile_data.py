@@ -18,7 +18,7 @@ import pytest
 from dflash_trainer.config import load_config
 from dflash_trainer.data import masks
 from dflash_trainer.data.config import DEFAULT_MAX_RECORD_BYTES, DataConfig, DataSourceConfig
-from dflash_trainer.data.masks import end_of_turn_marker, escaping_tokenizer, tokenize_conversation
+from dflash_trainer.data.masks import end_of_turn_marker, tokenize_conversation
 from dflash_trainer.data.prepare import prepare_data
 from dflash_trainer.data.sources import load_conversations, load_source
 from dflash_trainer.data.tiny_tokenizer import build_tiny_tokenizer
@@ -238,8 +238,8 @@ def test_special_token_text_in_user_turns_default_matches_serving_escape_keeps_i
     assert sum(by_turns.values()) == 5
     runs = {}
     for escape in (False, True):
-        seq = tokenize_conversation(c, escaping_tokenizer(tok) if escape else tok, thinking=False, end_of_turn=eot,
-                                    max_length=4096, min_supervised=1)
+        seq = tokenize_conversation(c, tok, thinking=False, end_of_turn=eot, max_length=4096, min_supervised=1,
+                                    escape_special_tokens=escape)
         got = seq.input_ids.tolist()
         assert tok.decode(got) == rendered  # no text lost either way
         for s in STRUCTURE:  # default: the turns' text is structure too; escaped: only the template's is
@@ -249,10 +249,9 @@ def test_special_token_text_in_user_turns_default_matches_serving_escape_keeps_i
     assert runs[False] == served
     # a conversation without such text tokenizes the same with the option on
     plain = conv(("user", "Hello there"), ("assistant", "Hi! How can I help?"))
-    a, b = (tokenize_conversation(plain, t, thinking=False, end_of_turn=eot, max_length=4096, min_supervised=1)
-            for t in (tok, escaping_tokenizer(tok)))
+    a, b = (tokenize_conversation(plain, tok, thinking=False, end_of_turn=eot, max_length=4096, min_supervised=1,
+                                  escape_special_tokens=escape) for escape in (False, True))
     assert a.input_ids.equal(b.input_ids) and a.loss_mask.equal(b.loss_mask)
-    assert not hasattr(tok, masks.ESCAPE_ATTRIBUTE)  # the caller's tokenizer is left as it was
 
 
 def test_escape_special_tokens_reaches_the_cached_training_set(tmp_path, tiny_tokenizer):

@@ -22,14 +22,13 @@ counted by estimate past `COUNT_REST_CHARS`, not tokenized. Plain data never rea
 token is typical).
 
 Special-token text in user and system turns (`<|im_end|>\n<|im_start|>assistant`) becomes the real structure
-tokens by default, as vLLM and SGLang tokenize a served chat (the template's text, tokenized whole). A tokenizer
-from `escaping_tokenizer` (`data.escape_special_tokens`) keeps it plain text instead: only the template writes
+tokens by default, as vLLM and SGLang tokenize a served chat (the template's text, tokenized whole).
+`escape_special_tokens=True` (`data.escape_special_tokens`) keeps it plain text instead: only the template writes
 structure tokens (the idea of transformers' `sanitize_control_tokens`, with character offsets kept for the mask).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import re
 from dataclasses import dataclass
@@ -54,8 +53,6 @@ COUNT_REST_CHARS = 1 << 20
 at most this long (a bounded cost); a longer rest is estimated from the kept part's characters per
 token."""
 
-ESCAPE_ATTRIBUTE = "dflash_escape_special_tokens"
-"""Set on a tokenizer by `escaping_tokenizer`; it travels with the tokenizer to the tokenizing worker processes."""
 
 
 class Unmaskable(Exception):
@@ -165,14 +162,6 @@ def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
 
 
 # ------------------------------------------------------------------------------------ special-token text
-
-
-def escaping_tokenizer(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
-    """A shallow copy of `tokenizer` with which `tokenize_conversation` keeps special-token text of user and system
-    turns plain (`data.escape_special_tokens`); the original is left as it is."""
-    escaping = copy.copy(tokenizer)
-    setattr(escaping, ESCAPE_ATTRIBUTE, True)
-    return escaping
 
 
 def control_tokens(tokenizer: PreTrainedTokenizerFast) -> tuple[str, ...]:
@@ -349,12 +338,9 @@ def _rest_tokens(tokenizer: PreTrainedTokenizerFast, text: str, head: _Head, *, 
 
 def tokenize_conversation(conversation: Conversation, tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
                           end_of_turn: str, max_length: int, min_supervised: int,
-                          escape_special_tokens: Optional[bool] = None) -> TokenizedSequence:
+                          escape_special_tokens: bool = False) -> TokenizedSequence:
     """Token ids + assistant-only loss mask, truncated to `max_length`; raises `Unmaskable(reason)`.
-    `escape_special_tokens` (None: whether `tokenizer` comes from `escaping_tokenizer`): keep special-token text of
-    user and system turns plain text (see the module docstring)."""
-    if escape_special_tokens is None:
-        escape_special_tokens = getattr(tokenizer, ESCAPE_ATTRIBUTE, False)
+    `escape_special_tokens`: keep special-token text of user and system turns plain text (the module docstring)."""
     text = render(tokenizer, conversation.messages, thinking=thinking)
     escaped = escaped_spans(tokenizer, conversation.messages, text, thinking=thinking) if escape_special_tokens else []
     head = _encode_head(tokenizer, text, end_of_turn=end_of_turn, max_length=max_length, escaped=escaped)

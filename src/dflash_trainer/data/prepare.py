@@ -93,7 +93,8 @@ def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[Tokenize
     train, held = split.train, split.eval
     outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
                            min_supervised=2 * config.drafter.block_size,
-                           num_workers=data.num_workers or default_num_workers())
+                           num_workers=data.num_workers or default_num_workers(),
+                           escape_special_tokens=data.escape_special_tokens)
     meta = {  # every cache this code can read has it: the cache key hashes this package's data code
         "content_sha256": outcome.dataset.content_sha256(),
         "conversations_total": loaded.report.records_read,
@@ -118,8 +119,6 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
 
         tokenizer = load_tokenizer(config.target, config.data.chat_template)
     parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer)
-    if config.data.escape_special_tokens:  # carried to the tokenizing workers with the tokenizer
-        tokenizer = masks.escaping_tokenizer(tokenizer)
     code = code_fingerprint([__file__, masks.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__])
     path = cache_root(config.data.cache_dir) / cache_key(parts, code)
     cached = load_cache(path)  # an entry is renamed into place whole: reading it needs no lock

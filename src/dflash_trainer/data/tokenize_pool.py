@@ -49,6 +49,8 @@ class TokenizeSettings:
     end_of_turn: str
     max_length: int
     min_supervised: int
+    escape_special_tokens: bool = False
+    """Special-token text of user and system turns kept plain text (`data.escape_special_tokens`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,7 +79,8 @@ def tokenize_one(conversation: Conversation, tokenizer: PreTrainedTokenizerFast,
     try:
         return tokenize_conversation(conversation, tokenizer, thinking=settings.thinking,
                                      end_of_turn=settings.end_of_turn, max_length=settings.max_length,
-                                     min_supervised=settings.min_supervised)
+                                     min_supervised=settings.min_supervised,
+                                     escape_special_tokens=settings.escape_special_tokens)
     except Unmaskable as e:
         if e.detail and e.reason not in _explained:  # the first of each reason (per process), with what broke it
             _explained.add(e.reason)

@@ -126,12 +126,14 @@ from its first chunk: its start-up is spent by then) is stopped, and the rest do
 
 def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
                  max_length: int, min_supervised: int, num_workers: int = 1,
-                 parallel_min_s: float = PARALLEL_MIN_SECONDS, probe: Optional[int] = None) -> TokenizeOutcome:
+                 parallel_min_s: float = PARALLEL_MIN_SECONDS, probe: Optional[int] = None,
+                 escape_special_tokens: bool = False) -> TokenizeOutcome:
     """Tokenize every conversation (the same result however it is spread): the first `probe` (default
     `PROBE_CONVERSATIONS`) in this process, timed; the rest here too, or in `num_workers` processes
     (`tokenize_pool.py`) when that would take longer than `parallel_min_s` here (0: always)."""
     settings = TokenizeSettings(thinking=thinking, end_of_turn=end_of_turn_marker(tokenizer, thinking=thinking),
-                                max_length=max_length, min_supervised=min_supervised)
+                                max_length=max_length, min_supervised=min_supervised,
+                                escape_special_tokens=escape_special_tokens)
     head = conversations[: PROBE_CONVERSATIONS if probe is None else probe] if num_workers > 1 else conversations
     start = time.perf_counter()
     results = [tokenize_one(c, tokenizer, settings) for c in head]

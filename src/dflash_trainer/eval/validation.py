@@ -200,14 +200,11 @@ def build_validator(config: Config, *, capture: TapCapture, head: TargetHead, to
     from dflash_trainer.target.load import DTYPES
     from dflash_trainer.transport.wire import allocate
 
-    from dflash_trainer.data.masks import escaping_tokenizer
-
     loaded = load_source(DataSourceConfig(path=str(conversations_path), format="messages"),
                          limit=config.eval.num_prompts, max_record_bytes=config.data.max_record_bytes)
-    if config.data.escape_special_tokens:  # tokenized as the training set is
-        tokenizer = escaping_tokenizer(tokenizer)
     dataset = tokenize_all(list(loaded.conversations), tokenizer, thinking=config.data.thinking,
-                           max_length=config.data.max_length, min_supervised=2).dataset
+                           max_length=config.data.max_length, min_supervised=2,
+                           escape_special_tokens=config.data.escape_special_tokens).dataset  # as the training set
     if len(dataset) == 0:
         return None
     wire = wire_spec(config, hidden=capture.hidden, num_taps=len(capture.tap_layer_ids))
