@@ -432,9 +432,12 @@ def test_the_diversity_bench_prints_distinct_n_and_duplicate_rates(tmp_path):
     reference.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n"
                                  for p in ("a b c", "A b, c!", "a b d")))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "synthesize" / "synthesize_diversity.py"), str(synth),
-                           str(reference)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                           str(reference), "--out", str(tmp_path / "results")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    saved = list((tmp_path / "results").glob("*-synthesize-diversity.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text()) == result
     ours, ref = result["sets"]
     assert result["prompts_per_set"] == 3 and ours["exact_dup_rate"] == 0 and ours["distinct_1"] > 0
     assert ref["distinct_1"] == pytest.approx(4 / 9) and ref["distinct_2"] == pytest.approx(3 / 6)

@@ -12,6 +12,6 @@ step synthesize "${SYNTH_S:-120}" python3 -m dflash_trainer synthesize --config 
   synthesize.answer=false synthesize.batch_size=4096 "$@"
 grep -h "conversations/s\|kept of" "$LOGS/synthesize.log" | tail -n 3
 cp "$W/out/manifest.json" "$RESULTS/synthesize-manifest.json" 2>/dev/null
-step diversity 120 python3 bench/synthesize/synthesize_diversity.py "$W/out" "$W/sharegpt_train.jsonl"
+step diversity 120 python3 bench/synthesize/synthesize_diversity.py "$W/out" "$W/sharegpt_train.jsonl" --out "$RESULTS"
 tar czf "$OUT/synth.tar.gz" -C "$W" out
 finish

@@ -13,7 +13,8 @@ as a set grows. Per set:
 - exact duplicate rate: prompts whose normalised text came earlier in the set;
 - near-duplicate rate: prompts whose word-bigram Jaccard similarity with an earlier one reaches `--threshold`
   (exact duplicates included), found as `synthesize` finds them (`synth/filters.NearDuplicates`).
-Prints a table; the last line is JSON. CPU only, seconds for 16K prompts.
+Prints a table; the last line is JSON, also written to `--out DIR` (`<date>-synthesize-diversity.json`). CPU only,
+seconds for 16K prompts.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
 
 from dflash_trainer.data.config import DataSourceConfig  # noqa: E402
 from dflash_trainer.data.rules import REGENERATE  # noqa: E402
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sets", nargs="+", help="the synthesized set first, then reference sets")
     parser.add_argument("--num", type=int, default=None, help="prompts per set (default: the smallest set's count)")
     parser.add_argument("--threshold", type=float, default=0.7, help="near-duplicate Jaccard threshold")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the result JSON (default: printed only)")
     args = parser.parse_args(argv)
     found = {path: prompts_of(path) for path in args.sets}
     empty = [path for path, prompts in found.items() if not prompts]
@@ -107,8 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['set']:<{width}}  " + "  ".join(f"{r[k]:>14.4f}" if isinstance(r[k], float) else f"{r[k]:>14}"
                                                    for k in keys))
-    print(json.dumps({"bench": "synthesize_diversity", "threshold": args.threshold, "prompts_per_set": num,
-                      "sets": rows}))
+    result = {"bench": "synthesize_diversity", "command": " ".join(sys.argv), "threshold": args.threshold,
+              "prompts_per_set": num, "sets": rows}
+    print(json.dumps(result))
+    if args.out:
+        from bench.common import write_result
+
+        write_result(result, "synthesize", "diversity", args.out)
     return 0
 
 
