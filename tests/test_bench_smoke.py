@@ -858,3 +858,19 @@ def test_compare_by_seeds_gives_the_difference_of_means_with_its_seed_level_erro
     odd = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "compare.py"), "--seeds", "4", *base,
                           *other], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert odd.returncode != 0 and "--seeds 4: give two or more arms of 4 results each (6 given)" in odd.stderr
+
+
+@pytest.mark.parametrize("verdict", [{"ok": True, "flash_vs_triton": 1e-3, "triton_vs_fp32": 2e-3, "flash_vs_fp32": 2e-3},
+                                     {"ok": False, "failure": "the flash backend did not run the drafter's attention"}])
+def test_fa4_check_saves_its_verdict(tmp_path, monkeypatch, capsys, verdict):
+    """The FA4 agreement check (a GPU-only run) writes what it printed as a result JSON, failures included."""
+    from bench.long_context import fa4_check
+
+    monkeypatch.setattr(fa4_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fa4_check.torch.cuda, "get_device_name", lambda: "test GPU")
+    monkeypatch.setattr(fa4_check, "check", lambda args: verdict)
+    monkeypatch.setattr(sys, "argv", ["fa4_check.py", "--out", str(tmp_path)])
+    assert fa4_check.main() == (0 if verdict["ok"] else 1)
+    saved = json.loads(next(tmp_path.glob("*-long_context-fa4_check.json")).read_text())
+    assert {k: saved[k] for k in verdict} == verdict and saved["gpu"] == "test GPU" and saved["seq_len"] == 4096
+    assert ("OK:" if verdict["ok"] else "FAIL: the flash backend") in capsys.readouterr().out

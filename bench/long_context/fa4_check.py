@@ -6,8 +6,8 @@ compared with the Triton kernel's and, on a small problem, both with dense-mask 
 
     python bench/long_context/fa4_check.py [--seq-len 4096] [--blocks-per-seq 682]
 
-Exits 1, with the error, when the backend fails or disagrees. Needs CUDA and FA4's packages
-(bench/long_context/fa4.sh installs them).
+Exits 1, with the error, when the backend fails or disagrees; `--out DIR` also writes the errors and the verdict as
+`<date>-long_context-fa4_check.json`. Needs CUDA and FA4's packages (bench/long_context/fa4.sh installs them).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
 
 from dflash_trainer.drafter.anchors import plan_blocks  # noqa: E402
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index  # noqa: E402
@@ -70,15 +71,8 @@ def compare(name: str, got, want) -> float:
     return worst
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--blocks-per-seq", type=int, default=682, help="blocks in the batch (512 per 3,072 tokens)")
-    p.add_argument("--tolerance", type=float, default=5e-2, help="largest flash-vs-triton error accepted (bf16)")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("fa4_check needs CUDA")
-        return 1
+def check(args) -> dict:
+    """The verdict (`ok`, and `failure` when not) with each relative error measured before it was reached."""
     from torch.nn.attention.flex_attention import flex_attention
 
     def flex(mask, options):
@@ -92,14 +86,14 @@ def main() -> int:
     reference = run(flex(mask, None), q, k, v, grad_out)
     try:
         got = run(flex(mask, FLASH), q, k, v, grad_out)
-    except Exception:  # noqa: BLE001 (the backend's own error is the finding)
+    except Exception as e:  # noqa: BLE001 (the backend's own error is the finding)
         traceback.print_exc()
-        print("FAIL: the flash backend did not run the drafter's attention")
-        return 1
+        return {"ok": False, "failure": f"the flash backend did not run the drafter's attention: {e!r}"[:2000]}
     worst = compare("flash vs triton", got, reference)
+    found = {"flash_vs_triton": worst}
     if worst > args.tolerance:
-        print(f"FAIL: flash and triton differ by {worst:.2e} (relative) > {args.tolerance:.0e}")
-        return 1
+        return {"ok": False, **found, "failure": f"flash and triton differ by {worst:.2e} (relative) > "
+                                                 f"{args.tolerance:.0e}"}
     # a small problem against the obviously-correct dense path (fp32 SDPA with the same rule, kv heads repeated):
     # the flash backend's error there within twice the Triton kernel's
     (q2, k2, v2), index2 = attention_inputs(512, 64, device)
@@ -113,14 +107,38 @@ def main() -> int:
 
     grad2 = torch.randn_like(q2)
     exact = run(sdpa, q2, k2, v2, grad2)
-    triton_err = compare("triton vs dense fp32", run(flex(mask2, None), q2, k2, v2, grad2), exact)
-    flash_err = compare("flash vs dense fp32", run(flex(mask2, FLASH), q2, k2, v2, grad2), exact)
-    if flash_err > 2 * triton_err + 1e-3:
-        print(f"FAIL: against fp32, flash's error {flash_err:.2e} is over twice triton's {triton_err:.2e}")
+    found["triton_vs_fp32"] = compare("triton vs dense fp32", run(flex(mask2, None), q2, k2, v2, grad2), exact)
+    found["flash_vs_fp32"] = compare("flash vs dense fp32", run(flex(mask2, FLASH), q2, k2, v2, grad2), exact)
+    if found["flash_vs_fp32"] > 2 * found["triton_vs_fp32"] + 1e-3:
+        return {"ok": False, **found, "failure": f"against fp32, flash's error {found['flash_vs_fp32']:.2e} is "
+                                                 f"over twice triton's {found['triton_vs_fp32']:.2e}"}
+    return {"ok": True, **found}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--blocks-per-seq", type=int, default=682, help="blocks in the batch (512 per 3,072 tokens)")
+    p.add_argument("--tolerance", type=float, default=5e-2, help="largest flash-vs-triton error accepted (bf16)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the result JSON (default: printed only)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("fa4_check needs CUDA")
         return 1
-    print(f"OK: the flash backend runs the drafter's attention (vs triton {worst:.2e}; vs fp32 {flash_err:.2e}, "
-          f"triton's {triton_err:.2e})")
-    return 0
+    verdict = check(args)
+    if verdict["ok"]:
+        print(f"OK: the flash backend runs the drafter's attention (vs triton {verdict['flash_vs_triton']:.2e}; "
+              f"vs fp32 {verdict['flash_vs_fp32']:.2e}, triton's {verdict['triton_vs_fp32']:.2e})")
+    else:
+        print(f"FAIL: {verdict['failure']}")
+    if args.out:
+        from bench.common import write_result
+
+        write_result({"bench": "fa4_check", "command": " ".join(sys.argv), "seq_len": args.seq_len,
+                      "blocks_per_seq": args.blocks_per_seq, "tolerance": args.tolerance,
+                      "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), **verdict},
+                     "long_context", "fa4_check", args.out)
+    return 0 if verdict["ok"] else 1
 
 
 if __name__ == "__main__":
