@@ -874,3 +874,22 @@ def test_fa4_check_saves_its_verdict(tmp_path, monkeypatch, capsys, verdict):
     saved = json.loads(next(tmp_path.glob("*-long_context-fa4_check.json")).read_text())
     assert {k: saved[k] for k in verdict} == verdict and saved["gpu"] == "test GPU" and saved["seq_len"] == 4096
     assert ("OK:" if verdict["ok"] else "FAIL: the flash backend") in capsys.readouterr().out
+
+
+def test_a_peer_run_that_fails_is_saved_as_a_result(tmp_path, monkeypatch):
+    """A setting the peer cannot run (out of memory at the 8B shape) leaves a JSON saying so, not only a log."""
+    from bench.peers import peers
+
+    log = tmp_path / "timed.log"
+    log.write_text("step 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB\n")
+
+    def fails(args):
+        raise peers.PeerRunFailed("timed", 1, log)
+
+    monkeypatch.setattr(peers, "modelopt", fails)
+    rc = peers.main(["modelopt", "--target", str(tmp_path), "--results", str(tmp_path / "results"), "--name",
+                     "b8-a512", "--batch", "8", "--max-steps", "30"])
+    assert rc == 1
+    saved = json.loads(next((tmp_path / "results").glob("*-peers-b8-a512.json")).read_text())
+    assert saved["status"] == "failed" and saved["out_of_memory"] is True and saved["batch"] == 8
+    assert "Tried to allocate" in saved["log_tail"]

@@ -139,6 +139,15 @@ def write_target_init(args, out: Path) -> Path:
     return export_drafter(model, out, target_config=target_config, dtype=torch.float32) / "model.safetensors"
 
 
+class PeerRunFailed(Exception):
+    """The peer's training exited non-zero: its exit status, the end of its log, and whether it ran out of memory."""
+
+    def __init__(self, name: str, rc: int, log: Path):
+        self.rc, self.log_tail = rc, "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
+        self.out_of_memory = "OutOfMemoryError" in self.log_tail or "out of memory" in self.log_tail
+        super().__init__(f"ModelOpt run {name} failed (rc {rc}); the end of {log}:\n{self.log_tail}")
+
+
 def run_peer(args, work: Path, name: str, max_steps: int, budget_s: float, init: Path | None = None) -> dict:
     """One training run of the example in the peer's Python; returns its stats (peer_modelopt_run.py)."""
     out_dir, stats = work / name, work / f"{name}-stats.json"
@@ -152,8 +161,7 @@ def run_peer(args, work: Path, name: str, max_steps: int, budget_s: float, init:
     with log.open("w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=peer_env(args)).returncode
     if rc != 0 or not stats.is_file():
-        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:])
-        raise SystemExit(f"ModelOpt run {name} failed (rc {rc}); the end of {log}:\n{tail}")
+        raise PeerRunFailed(name, rc, log)
     result = json.loads(stats.read_text()) | {"wall_s": time.perf_counter() - t0, "out_dir": str(out_dir)}
     print(f"{name}: {result['steps']} steps in {result['seconds']:.1f} s "
           f"({result['real_tokens'] / max(result['seconds'], 1e-9):,.0f} real tokens/s)", flush=True)
@@ -370,7 +378,15 @@ def main(argv=None) -> int:
 
         args.target = default_target()
     args.target, args.example = Path(args.target).resolve(), args.example.resolve()
-    result = modelopt(args)
+    try:
+        result = modelopt(args)
+    except PeerRunFailed as e:  # a setting the peer cannot run (out of memory at 8B, say) is a result too
+        print(e, flush=True)
+        failed = {"bench": "peers", "trainer": "modelopt", "name": args.name or "modelopt", "status": "failed",
+                  "out_of_memory": e.out_of_memory, "rc": e.rc, "log_tail": e.log_tail, "batch": args.batch,
+                  "seq_len": args.seq_len, "command": " ".join(sys.argv), "date": datetime.now().strftime("%Y-%m-%d")}
+        write_result(failed, "peers", failed["name"], args.results, args.out)
+        return 1
     write_result(result, "peers", result["name"], args.results, args.out)
     print(TABLE_HEADER)
     print(table_row(result | {"recipe": "ModelOpt example recipe"}))
