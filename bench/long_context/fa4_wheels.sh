@@ -15,8 +15,10 @@ rm -rf .fa4 && mkdir -p "$W" .fa4/1 .fa4/2
   flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
   nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 \
   protobuf==7.36.2 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.1
-# omegaconf for our benches, since the second call carries no .whl (antlr4 4.9.3 has no wheel on PyPI: .whl's)
-cp .whl/omegaconf-*.whl .whl/antlr4_python3_runtime-*.whl "$W"/ || { echo "put omegaconf's wheels in .whl first (bench/README.md)"; exit 1; }
+# omegaconf for our benches, since the second call carries no .whl (with antlr4 where .whl has it: omegaconf 2.3 needs
+# it, 2.4 does not)
+cp .whl/omegaconf-*.whl "$W"/ || { echo "put omegaconf's wheel in .whl first (bench/README.md)"; exit 1; }
+cp .whl/antlr4_python3_runtime-*.whl "$W"/ 2>/dev/null || true
 tar cf .fa4/wheels.tar -C "$W" .
 split -b 56m -d .fa4/wheels.tar .fa4/part
 mv .fa4/part00 .fa4/1/wheels.tar.part00
