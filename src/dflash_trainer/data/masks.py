@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -52,7 +52,6 @@ COUNT_REST_CHARS = 1 << 20
 """The text past the kept tokens is tokenized to count its tokens (`truncated_tokens`, a report figure) when it is
 at most this long (a bounded cost); a longer rest is estimated from the kept part's characters per
 token."""
-
 
 
 class Unmaskable(Exception):
