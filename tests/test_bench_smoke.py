@@ -499,6 +499,42 @@ def test_cpu_scaling_counts_every_process_loop_and_the_host_ticks():
         assert {"user", "idle", "steal"} <= ticks.keys() and ticks["idle"] > 0
 
 
+def test_peer_best_picks_cheapest_per_real_token_at_the_examples_anchors(tmp_path):
+    """bench/peers/peer_best.py: a setting that failed is never picked; among those that ran at the example's 512
+    anchors the cheapest per real token wins (a faster step carrying fewer real tokens can lose), an 80-anchor
+    setting only when no 512 ran; the cells train it for the budget's steps scaled by our step's card ratio, with a
+    4% warm-up and the setting's own overrides; no setting that ran exits 3."""
+    from bench.peers.peer_best import main
+
+    def price(name, **kw):
+        record = {"name": name, "batch": 8, "seq_len": 768, "anchors": 512, "peer_overrides": [],
+                  "step_s_after_warmup": 1.0, "steps": 20, "real_tokens": 20 * 2000} | kw
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+        return tmp_path / f"{name}.json"
+
+    plain = price("plain")                                         # 500 us per real token
+    rows16 = price("rows16", batch=4, seq_len=1280, step_s_after_warmup=0.9, real_tokens=20 * 1500)  # 600 us
+    compiled = price("compiled", step_s_after_warmup=0.8, peer_overrides=["dflash.dflash_use_torch_compile=true"])
+    failed = price("failed", status="failed", out_of_memory=True, step_s_after_warmup=None, steps=None,
+                   real_tokens=None)
+    few = price("few-anchors", anchors=80, step_s_after_warmup=0.1, peer_overrides=["dflash.dflash_num_anchors=80"])
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps({"step_ms": 400.0}))
+    cells, results = tmp_path / "cells.txt", tmp_path / "results"
+    args = ["--cells", str(cells), "--ours", str(ours), "--ours-ref-step-s", "0.5", "--results", str(results)]
+    assert main([str(p) for p in (plain, rows16, compiled, failed, few)] + args) == 0
+    lines = cells.read_text().splitlines()
+    assert len(lines) == 12 and lines[0] == (
+        "modelopt-best-5min-random-s0 --batch 8 --seq-len 768 --max-steps 300 --init random --seed 0 "
+        "--peer-overrides training.warmup_steps=12 dflash.dflash_use_torch_compile=true")  # 300 s x 0.8 / 0.8 s
+    assert any(line.startswith("modelopt-best-15min-target-s2 ") and "--max-steps 900 " in line for line in lines)
+    record = json.loads(next(results.iterdir()).read_text())
+    assert record["picked"] == "compiled" and record["card_scale"] == pytest.approx(0.8)
+    assert main([str(rows16), str(plain)] + args) == 0 and "--batch 8 --seq-len 768" in cells.read_text()
+    assert main([str(failed), str(few)] + args) == 0 and "dflash.dflash_num_anchors=80" in cells.read_text()
+    assert main([str(failed)] + args) == 3
+
+
 def test_peer_driver_template_shape_and_step_budget(tmp_path):
     """bench/peers/peers.py's pure parts: the answer-only template renders the target's text exactly and tags each
     reply; a template it does not know is refused; the peer's drafter gets our shape and the target's head sizes

@@ -139,6 +139,16 @@ def write_target_init(args, out: Path) -> Path:
     return export_drafter(model, out, target_config=target_config, dtype=torch.float32) / "model.safetensors"
 
 
+# The example's DFlashConfig default: anchor positions sampled per row, each the start of one trained block.
+EXAMPLE_ANCHORS = 512
+
+
+def num_anchors(peer_overrides: list[str]) -> int:
+    """The anchors per row a cell trains with: its `dflash.dflash_num_anchors=N` override, else the example's."""
+    given = [o.split("=", 1)[1] for o in peer_overrides if o.startswith("dflash.dflash_num_anchors=")]
+    return int(given[-1]) if given else EXAMPLE_ANCHORS
+
+
 class PeerRunFailed(Exception):
     """The peer's training exited non-zero: its exit status, the end of its log, and whether it ran out of memory."""
 
@@ -267,7 +277,7 @@ def modelopt(args) -> dict:
         "init": args.init, "seed": args.seed, "eval_overrides": args.eval_overrides,
         "date": datetime.now().strftime("%Y-%m-%d"), "commit": git_commit()[:7], "peer_version": peer_version(args),
         "budget_minutes": None if args.max_steps else args.minutes, "rows": rows, "batch": args.batch,
-        "seq_len": args.seq_len,
+        "seq_len": args.seq_len, "anchors": num_anchors(args.peer_overrides), "peer_overrides": args.peer_overrides,
         "steps": trained["steps"], "max_steps": max_steps, "train_s": trained["seconds"],
         "stopped_by_budget": trained["stopped_by_budget"], "real_tokens": trained["real_tokens"],
         "real_tokens_per_s": trained["real_tokens"] / trained["seconds"],
@@ -384,7 +394,8 @@ def main(argv=None) -> int:
         print(e, flush=True)
         failed = {"bench": "peers", "trainer": "modelopt", "name": args.name or "modelopt", "status": "failed",
                   "out_of_memory": e.out_of_memory, "rc": e.rc, "log_tail": e.log_tail, "batch": args.batch,
-                  "seq_len": args.seq_len, "command": " ".join(sys.argv), "date": datetime.now().strftime("%Y-%m-%d")}
+                  "seq_len": args.seq_len, "anchors": num_anchors(args.peer_overrides),
+                  "peer_overrides": args.peer_overrides, "command": " ".join(sys.argv), "date": datetime.now().strftime("%Y-%m-%d")}
         write_result(failed, "peers", failed["name"], args.results, args.out)
         return 1
     write_result(result, "peers", result["name"], args.results, args.out)

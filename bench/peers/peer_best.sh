@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 54 (item 3): the peer at its best beside our third seed, in one start call and wait calls on one GPU.
+#   PHASE=start bash bench/peers/peer_best.sh
+#       prices the peer's settings at the 8B shape (PRICES, `peer_step_8b.sh`; settings that could run past PRICE_BY_S
+#       seconds are skipped), picks the cheapest per real token at the example's 512 anchors (`peer_best.py`; 80 anchors
+#       when none ran), starts its cells (5 and 15 8B-minutes x both inits x seeds 0-2, `peer_cells.sh`) and ours
+#       (OURS_ARMS with OURS_OVERRIDES, `curve.sh`), which share the GPU (step-bound: sharing changes no result).
+#   PHASE=wait bash bench/peers/peer_best.sh      # within 30 s of the last call's end, until both have ended
+# Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
+# .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
+T0=$SECONDS
+D=${DEADLINE_S:-570}
+OURS_ARMS=${OURS_ARMS:-bench/quality/arms/dpace-8b-minutes-s2.txt}
+OURS_OVERRIDES=${OURS_OVERRIDES:-regenerate.max_turns=1 regenerate.max_prompt_tokens=1024 pipeline.token_budget=5461 \
+eval.num_prompts=40 drafter.dpace=true data.num_workers=1}
+PRICES=${PRICES:-b8-a512-768 --batch 8 --seq-len 768;\
+b8-a512-768-dcompile --batch 8 --seq-len 768 --peer-overrides dflash.dflash_use_torch_compile=true;\
+b8-a512-768-compile --batch 8 --seq-len 768 --peer-overrides training.torch_compile=true}
+FALLBACK="b8-a80-768 --batch 8 --seq-len 768 --peer-overrides dflash.dflash_num_anchors=80"
+cd "$(dirname "$0")/../.." || exit 1
+export PYTHONPATH=$PWD/src:/tmp/site  # /tmp/site: the carried wheels, installed by the first suite below
+export EVAL_OVERRIDES=target.dtype=float32 EVAL_PARALLEL=${EVAL_PARALLEL:-16}
+if [ "${PHASE:-start}" = start ]; then
+  P=/tmp/peer-best; rm -rf "$P"; mkdir -p "$P"
+  price() {  # price SETTINGS: peer_step_8b.sh into $P/price (its own logs and results), none past PRICE_BY_S
+    SUITE_TMP=$P/price OUT=$P/price-out OURS= STEPS=${STEPS:-20} PEER_S=${PEER_S:-130} PEER_CELLS="$1" \
+      DEADLINE_S=$(( ${PRICE_BY_S:-330} - (SECONDS - T0) )) bash bench/peers/peer_step_8b.sh
+  }
+  price "$PRICES"
+  # our step on this card (the price that set our cells' steps was an H200's): the peer's budget follows its ratio
+  mkdir -p "$P/ours"
+  timeout 150 python3 bench/speed/run.py --model qwen3-8b --workload mfu --seqs 2 --seq-len 2731 --blocks-per-seq 455 \
+    --no-baseline --compile-target --warmup 6 --steps 10 --out "$P/ours" > "$P/ours.log" 2>&1
+  tail -n 4 "$P/ours.log"
+  OURS_JSON=$(ls "$P"/ours/*run-qwen3-8b*.json 2>/dev/null | head -n 1)
+  pick() { python3 bench/peers/peer_best.py "$P"/price/suite-results/*.json --cells "$P/cells.txt" \
+    ${OURS_JSON:+--ours "$OURS_JSON"} --results "$P/price/suite-results"; }
+  pick; rc=$?
+  if (( rc == 3 )); then price "$FALLBACK"; pick || exit 1; elif (( rc != 0 )); then exit 1; fi
+  rm -rf /tmp/peer8b  # the random 8B checkpoint (16 GB of disk)
+  mkdir -p /tmp/suite-logs /tmp/suite-results
+  cp "$P"/price/suite-results/* "$P"/ours/* /tmp/suite-results/; cp "$P"/price/suite-logs/* "$P/ours.log" /tmp/suite-logs/
+  PHASE=start CELLS=$P/cells.txt PROMPTS=.quality/first200 DEADLINE_S=0 bash bench/peers/peer_cells.sh
+  # shellcheck disable=SC2086  # OURS_OVERRIDES: separate overrides
+  PHASE=start MINUTES=120 ARMS=$OURS_ARMS PROMPTS=.quality/first200 EVAL=.quality/first200 \
+    DEADLINE_S=$(( D - (SECONDS - T0) )) bash bench/quality/curve.sh $OURS_OVERRIDES
+else
+  PHASE=wait DEADLINE_S=$D bash bench/quality/curve.sh
+  PHASE=wait DEADLINE_S=$(( D - (SECONDS - T0) )) bash bench/peers/peer_cells.sh
+fi
