@@ -6,10 +6,12 @@
 #       when none ran), starts its cells (5 and 15 8B-minutes x both inits x seeds 0-2, `peer_cells.sh`) and ours
 #       (OURS_ARMS with OURS_OVERRIDES, `curve.sh`), which share the GPU (step-bound: sharing changes no result).
 #   PHASE=wait bash bench/peers/peer_best.sh      # within 30 s of the last call's end, until both have ended
+# BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait.
 # Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
 # .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
 T0=$SECONDS
 D=${DEADLINE_S:-570}
+BUDGETS=${BUDGETS:-5 15}  # 8B GPU minutes per cell; our arms are those of OURS_ARMS named ours<minutes>-...
 OURS_ARMS=${OURS_ARMS:-bench/quality/arms/dpace-8b-minutes-s2.txt}
 OURS_OVERRIDES=${OURS_OVERRIDES:-regenerate.max_turns=1 regenerate.max_prompt_tokens=1024 pipeline.token_budget=5461 \
 eval.num_prompts=40 drafter.dpace=true data.num_workers=1}
@@ -37,8 +39,9 @@ if [ "${PHASE:-start}" = start ]; then
     tail -n 4 "$P/ours.log"
   fi
   OURS_JSON=$(ls "$P"/ours/*run-qwen3-8b*.json 2>/dev/null | head -n 1)
+  # shellcheck disable=SC2086  # BUDGETS: a list
   pick() { python3 bench/peers/peer_best.py "$P"/price/suite-results/*.json --cells "$P/cells.txt" \
-    ${OURS_JSON:+--ours "$OURS_JSON"} --results "$P/price/suite-results"; }
+    ${OURS_JSON:+--ours "$OURS_JSON"} --minutes $BUDGETS --results "$P/price/suite-results"; }
   pick; rc=$?
   if (( rc == 3 )); then  # no 512-anchor setting ran: price 80 anchors (250 s: its random target is made again)
     price "$FALLBACK" $(( SECONDS - T0 + ${PEER_S:-130} + 250 )); pick || exit 1
@@ -48,8 +51,9 @@ if [ "${PHASE:-start}" = start ]; then
   cp "$P"/price/suite-results/* "$P"/ours/* /tmp/suite-results/ 2>/dev/null; cp "$P"/price/suite-logs/* /tmp/suite-logs/
   cp "$P/ours.log" /tmp/suite-logs/ 2>/dev/null
   PHASE=start CELLS=$P/cells.txt PROMPTS=.quality/first200 DEADLINE_S=0 bash bench/peers/peer_cells.sh
+  for m in $BUDGETS; do grep -E "^ours${m}-" "$OURS_ARMS"; done > "$P/ours-arms.txt"  # our arms of these budgets
   # shellcheck disable=SC2086  # OURS_OVERRIDES: separate overrides
-  PHASE=start MINUTES=120 ARMS=$OURS_ARMS PROMPTS=.quality/first200 EVAL=.quality/first200 \
+  PHASE=start MINUTES=120 ARMS=$P/ours-arms.txt PROMPTS=.quality/first200 EVAL=.quality/first200 \
     DEADLINE_S=$(( D - (SECONDS - T0) )) bash bench/quality/curve.sh $OURS_OVERRIDES
 else
   PHASE=wait DEADLINE_S=$D bash bench/quality/curve.sh
