@@ -36,7 +36,7 @@ class PeerPrice:
     batch: int                 # rows per step
     seq_len: int               # padded row length
     anchors: int               # trained blocks per row
-    peer_overrides: list[str]  # the example's own overrides this setting adds (compile switches, anchors)
+    peer_overrides: tuple[str, ...]  # the example's own overrides this setting adds (compile switches, anchors)
     ran: bool                  # False: it failed (out_of_memory says why, when it did)
     out_of_memory: bool
     step_s: float | None       # steady step time, seconds
@@ -52,7 +52,7 @@ def read_price(path: Path) -> PeerPrice:
     ran = r.get("status") != "failed" and bool(r.get("step_s_after_warmup")) and bool(r.get("steps"))
     return PeerPrice(
         name=r["name"], batch=r["batch"], seq_len=r["seq_len"], anchors=r.get("anchors", EXAMPLE_ANCHORS),
-        peer_overrides=list(r.get("peer_overrides", [])), ran=ran, out_of_memory=bool(r.get("out_of_memory")),
+        peer_overrides=tuple(r.get("peer_overrides", ())), ran=ran, out_of_memory=bool(r.get("out_of_memory")),
         step_s=r["step_s_after_warmup"] if ran else None,
         real_tokens_per_step=r["real_tokens"] / r["steps"] if ran else None)
 
