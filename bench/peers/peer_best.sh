@@ -6,7 +6,9 @@
 #       when none ran), starts its cells (5 and 15 8B-minutes x both inits x seeds 0-2, `peer_cells.sh`) and ours
 #       (OURS_ARMS with OURS_OVERRIDES, `curve.sh`), which share the GPU (step-bound: sharing changes no result).
 #   PHASE=wait bash bench/peers/peer_best.sh      # within 30 s of the last call's end, until both have ended
-# BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait.
+# BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait. The cells' results
+# come back only when all have ended (and ours are evaluated alone only then), so a budget that cannot end within the
+# calls left brings back nothing.
 # Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
 # .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
 T0=$SECONDS
@@ -15,18 +17,19 @@ BUDGETS=${BUDGETS:-5 15}  # 8B GPU minutes per cell; our arms are those of OURS_
 OURS_ARMS=${OURS_ARMS:-bench/quality/arms/dpace-8b-minutes-s2.txt}
 OURS_OVERRIDES=${OURS_OVERRIDES:-regenerate.max_turns=1 regenerate.max_prompt_tokens=1024 pipeline.token_budget=5461 \
 eval.num_prompts=40 drafter.dpace=true data.num_workers=1}
-# its draft module compiled (the example's own switch) or not; `training.torch_compile=true` (the HF Trainer's, whole
-# model) breaks its graph at the anchor sampler's `.item()`: a third setting when time allows
+# its draft module compiled (the example's own switch; `training.torch_compile=true`, the HF Trainer's, breaks its graph at
+# the anchor sampler's `.item()`), at its 512 anchors and at 80. 512 ran out of memory at 8 and at 4 rows of 768 on an
+# H100 (bench/RESULTS.md section 6): a later budget's cells keep the earlier pick with PRICES="<that line>".
 PRICES=${PRICES:-b8-a512-768-dcompile --batch 8 --seq-len 768 --peer-overrides dflash.dflash_use_torch_compile=true;\
-b8-a512-768 --batch 8 --seq-len 768}
-FALLBACK="b8-a80-768 --batch 8 --seq-len 768 --peer-overrides dflash.dflash_num_anchors=80"
+b8-a80-768-dcompile --batch 8 --seq-len 768 --peer-overrides dflash.dflash_num_anchors=80 dflash.dflash_use_torch_compile=true}
+FALLBACK="b8-a80-768 --batch 8 --seq-len 768 --peer-overrides dflash.dflash_num_anchors=80"  # uncompiled
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site  # /tmp/site: the carried wheels, installed by the first suite below
 export EVAL_OVERRIDES=target.dtype=float32 EVAL_PARALLEL=${EVAL_PARALLEL:-16}
 if [ "${PHASE:-start}" = start ]; then
   P=/tmp/peer-best; rm -rf "$P"; mkdir -p "$P"
   price() {  # price SETTINGS BY_S: peer_step_8b.sh into $P/price (its own logs and results), none past BY_S
-    SUITE_TMP=$P/price OUT=$P/price-out OURS= STEPS=${STEPS:-16} PEER_S=${PEER_S:-130} PEER_CELLS="$1" \
+    SUITE_TMP=$P/price OUT=$P/price-out OURS= STEPS=${STEPS:-16} PEER_S=${PEER_S:-200} PEER_CELLS="$1" \
       DEADLINE_S=$(( $2 - (SECONDS - T0) )) bash bench/peers/peer_step_8b.sh
   }
   price "$PRICES" "${PRICE_BY_S:-300}"
@@ -42,14 +45,18 @@ if [ "${PHASE:-start}" = start ]; then
   # shellcheck disable=SC2086  # BUDGETS: a list
   pick() { python3 bench/peers/peer_best.py "$P"/price/suite-results/*.json --cells "$P/cells.txt" \
     ${OURS_JSON:+--ours "$OURS_JSON"} --minutes $BUDGETS --results "$P/price/suite-results"; }
+  keep_prices() {  # the prices (failed ones too) and our step into the results that come back
+    mkdir -p /tmp/suite-logs /tmp/suite-results
+    cp "$P"/price/suite-results/* "$P"/ours/* /tmp/suite-results/ 2>/dev/null; cp "$P"/price/suite-logs/* /tmp/suite-logs/
+    cp "$P/ours.log" /tmp/suite-logs/ 2>/dev/null
+    tar czf "${OUT:-/tmp/out}/results.tar.gz" -C /tmp suite-logs suite-results
+  }
   pick; rc=$?
-  if (( rc == 3 )); then  # no 512-anchor setting ran: price 80 anchors (250 s: its random target is made again)
-    price "$FALLBACK" $(( SECONDS - T0 + ${PEER_S:-130} + 250 )); pick || exit 1
-  elif (( rc != 0 )); then exit 1; fi
+  if (( rc == 3 )); then  # no setting ran: price 80 anchors (250 s: its random target is made again)
+    price "$FALLBACK" $(( SECONDS - T0 + ${PEER_S:-200} + 250 )); pick || { keep_prices; exit 1; }
+  elif (( rc != 0 )); then keep_prices; exit 1; fi
+  keep_prices
   rm -rf /tmp/peer8b  # the random 8B checkpoint (16 GB of disk)
-  mkdir -p /tmp/suite-logs /tmp/suite-results
-  cp "$P"/price/suite-results/* "$P"/ours/* /tmp/suite-results/ 2>/dev/null; cp "$P"/price/suite-logs/* /tmp/suite-logs/
-  cp "$P/ours.log" /tmp/suite-logs/ 2>/dev/null
   PHASE=start CELLS=$P/cells.txt PROMPTS=.quality/first200 DEADLINE_S=0 bash bench/peers/peer_cells.sh
   for m in $BUDGETS; do grep -E "^ours${m}-" "$OURS_ARMS"; done > "$P/ours-arms.txt"  # our arms of these budgets
   # shellcheck disable=SC2086  # OURS_OVERRIDES: separate overrides
