@@ -6,9 +6,8 @@
 #       when none ran), starts its cells (5 and 15 8B-minutes x both inits x seeds 0-2, `peer_cells.sh`) and ours
 #       (OURS_ARMS with OURS_OVERRIDES, `curve.sh`), which share the GPU (step-bound: sharing changes no result).
 #   PHASE=wait bash bench/peers/peer_best.sh      # within 30 s of the last call's end, until both have ended
-# BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait. The cells' results
-# come back only when all have ended (and ours are evaluated alone only then), so a budget that cannot end within the
-# calls left brings back nothing.
+# BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait. The peer's cells that
+# ended come back on every call; ours are evaluated alone only when all of ours have ended.
 # Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
 # .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
 T0=$SECONDS

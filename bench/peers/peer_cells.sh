@@ -44,15 +44,16 @@ if [ "${PHASE:-start}" = start ]; then
   echo "cells of $CELLS started (pid $(cat "$W/cells.pid")) at $((SECONDS - T0)) s"
 fi
 follow
+# what the cells that ended have written comes back on every call (a cell's result JSON is written at its end)
+cp "$W"/*.log "$LOGS/" 2>/dev/null
+for d in "$W"/work/*/; do
+  cp "$d/timed.log" "$LOGS/$(basename "$d")-timed.log" 2>/dev/null
+  cp "$d/eval/eval.json" "$RESULTS/eval-$(basename "$d").json" 2>/dev/null  # per-prompt counts: compare.py
+done
+cp "$W"/results/*.json "$RESULTS/" 2>/dev/null
 if ! kill -0 "$(cat "$W/cells.pid" 2>/dev/null)" 2>/dev/null; then
   for log in "$W"/*.log; do echo "== $log"; tail -n 3 "$log"; done
-  cp "$W"/*.log "$LOGS/" 2>/dev/null
-  for d in "$W"/work/*/; do
-    cp "$d/timed.log" "$LOGS/$(basename "$d")-timed.log" 2>/dev/null
-    cp "$d/eval/eval.json" "$RESULTS/eval-$(basename "$d").json" 2>/dev/null  # per-prompt counts: compare.py
-  done
-  cp "$W"/results/*.json "$RESULTS/" 2>/dev/null
   python3 bench/peers/peers.py table "$W"/results/*.json 2>/dev/null
-fi
+else echo "cells still running; the ended ones' results: $(ls "$W"/results/*.json 2>/dev/null | wc -l)"; fi
 echo "suite: $((SECONDS - T0)) s"
 finish
