@@ -14,7 +14,7 @@
 # ARMS=FILE [PARALLEL=K] trains the arms of FILE (bench/quality/arms/) instead, K at a time (default all) sharing the GPU,
 # each for MINUTES: levers compared at equal wall time over more than one call. EVAL_PARALLEL=K (kept for the
 # wait call, as EVAL_OVERRIDES) evaluates K exports at once: the same tau, but their `seconds` are not the alone
-# figure. DATA2=DIR unpacks a second data cache (DIR/quality-cache.tar.gz.part*) into /tmp/curve/data2, for arms
+# figure; an evaluation starts only with EVAL_MIN_S (70) seconds left before DEADLINE_S. DATA2=DIR unpacks a second data cache (DIR/quality-cache.tar.gz.part*) into /tmp/curve/data2, for arms
 # that train on data.path=/tmp/curve/data2/train. REGEN2="regenerate.k=v ..." answers PROMPTS's training prompts a
 # second time with the practice recipe and these settings (e.g. sampled replies: regenerate.num_samples=2
 # regenerate.temperature=0.8; repeat the first regeneration's max_turns and max_prompt_tokens) into
@@ -133,11 +133,13 @@ if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the runs ended: their 
     [ -e "$W/results/eval-alone-$name/eval.json" ] && continue  # evaluated by an earlier call
     # at most EVAL_PARALLEL at once (bash's `wait -n` here returned at once for a job waited for already)
     while (( $(jobs -rp | wc -l) >= EVAL_PARALLEL )); do sleep 1; done
-    if (( SECONDS - T0 > ${DEADLINE_S:-570} - 130 )); then  # an evaluation may take its 120 s
+    # an evaluation gets up to 120 s, never past the deadline; one cut short leaves no eval.json (the next call's)
+    left=$(( ${DEADLINE_S:-570} - (SECONDS - T0) - 10 ))
+    if (( left < ${EVAL_MIN_S:-70} )); then  # 200 prompts in fp32 take about a minute
       echo "eval of $name left to the next PHASE=wait"; continue
     fi
     # shellcheck disable=SC2086  # EVAL_OVERRIDES: overrides of this evaluation alone, e.g. target.quantize=null
-    step "eval-alone-$name" 120 python3 -m dflash_trainer eval --drafter "$export_dir" \
+    step "eval-alone-$name" $(( left < 120 ? left : 120 )) python3 -m dflash_trainer eval --drafter "$export_dir" \
       --out "$W/results/eval-alone-$name" \
       eval.prompts="$W/cache/eval.jsonl" eval.num_prompts="$(wc -l < "$W/cache/eval.jsonl")" eval.max_new_tokens=128 \
       "run.device=${DEVICE:-cuda}" $EVAL_OVERRIDES &
