@@ -14,7 +14,8 @@
 # ARMS=FILE [PARALLEL=K] trains the arms of FILE (bench/quality/arms/) instead, K at a time (default all) sharing the GPU,
 # each for MINUTES: levers compared at equal wall time over more than one call. EVAL_PARALLEL=K (kept for the
 # wait call, as EVAL_OVERRIDES) evaluates K exports at once: the same tau, but their `seconds` are not the alone
-# figure; an evaluation starts only with EVAL_MIN_S (70) seconds left before DEADLINE_S. DATA2=DIR unpacks a second data cache (DIR/quality-cache.tar.gz.part*) into /tmp/curve/data2, for arms
+# figure; an evaluation starts only with EVAL_MIN_S (70) seconds left before DEADLINE_S. DATA2=DIR unpacks a second
+# data cache (DIR/quality-cache.tar.gz.part*) into /tmp/curve/data2, for arms
 # that train on data.path=/tmp/curve/data2/train. REGEN2="regenerate.k=v ..." answers PROMPTS's training prompts a
 # second time with the practice recipe and these settings (e.g. sampled replies: regenerate.num_samples=2
 # regenerate.temperature=0.8; repeat the first regeneration's max_turns and max_prompt_tokens) into
