@@ -22,8 +22,7 @@ eval.num_prompts=40 drafter.dpace=true data.num_workers=1}
 PRICES=${PRICES:-b8-a512-768-dcompile --batch 8 --seq-len 768 --peer-overrides dflash.dflash_use_torch_compile=true;\
 b8-a80-768-dcompile --batch 8 --seq-len 768 --peer-overrides dflash.dflash_num_anchors=80 dflash.dflash_use_torch_compile=true}
 FALLBACK="b8-a80-768 --batch 8 --seq-len 768 --peer-overrides dflash.dflash_num_anchors=80"  # uncompiled
-cd "$(dirname "$0")/../.." || exit 1
-export PYTHONPATH=$PWD/src:/tmp/site  # /tmp/site: the carried wheels, installed by the first suite below
+source "$(dirname "$0")/../common.sh"  # the carried wheels, $LOGS, $RESULTS and `finish`
 export EVAL_OVERRIDES=target.dtype=float32 EVAL_PARALLEL=${EVAL_PARALLEL:-16}
 if [ "${PHASE:-start}" = start ]; then
   P=/tmp/peer-best; rm -rf "$P"; mkdir -p "$P"
@@ -45,10 +44,9 @@ if [ "${PHASE:-start}" = start ]; then
   pick() { python3 bench/peers/peer_best.py "$P"/price/suite-results/*.json --cells "$P/cells.txt" \
     ${OURS_JSON:+--ours "$OURS_JSON"} --minutes $BUDGETS --results "$P/price/suite-results"; }
   keep_prices() {  # the prices (failed ones too) and our step into the results that come back
-    mkdir -p /tmp/suite-logs /tmp/suite-results
-    cp "$P"/price/suite-results/* "$P"/ours/* /tmp/suite-results/ 2>/dev/null; cp "$P"/price/suite-logs/* /tmp/suite-logs/
-    cp "$P/ours.log" /tmp/suite-logs/ 2>/dev/null
-    tar czf "${OUT:-/tmp/out}/results.tar.gz" -C /tmp suite-logs suite-results
+    cp "$P"/price/suite-results/* "$P"/ours/* "$RESULTS/" 2>/dev/null
+    cp "$P"/price/suite-logs/* "$P/ours.log" "$LOGS/" 2>/dev/null
+    finish
   }
   pick; rc=$?
   if (( rc == 3 )); then  # no setting ran: price 80 anchors (250 s: its random target is made again)

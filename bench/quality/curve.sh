@@ -136,7 +136,7 @@ if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the runs ended: their 
     while (( $(jobs -rp | wc -l) >= EVAL_PARALLEL )); do sleep 1; done
     # an evaluation gets up to 120 s, never past the deadline; one cut short leaves no eval.json (the next call's)
     left=$(( ${DEADLINE_S:-570} - (SECONDS - T0) - 10 ))
-    if (( left < ${EVAL_MIN_S:-70} )); then  # 200 prompts in fp32 take about a minute
+    if (( left < ${EVAL_MIN_S:-70} )); then  # too little left for one evaluation of the held-out prompts
       echo "eval of $name left to the next PHASE=wait"; continue
     fi
     # shellcheck disable=SC2086  # EVAL_OVERRIDES: overrides of this evaluation alone, e.g. target.quantize=null
