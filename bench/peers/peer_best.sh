@@ -6,13 +6,16 @@
 #       when none ran), starts its cells (5 and 15 8B-minutes x both inits x seeds 0-2, `peer_cells.sh`) and ours
 #       (OURS_ARMS with OURS_OVERRIDES, `curve.sh`), which share the GPU (step-bound: sharing changes no result).
 #   PHASE=wait bash bench/peers/peer_best.sh      # within 30 s of the last call's end, until both have ended
-# BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait. The peer's cells that
-# ended come back on every call; ours are evaluated alone only when all of ours have ended.
+# BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait; OURS_BUDGETS (default
+# BUDGETS) sets our arms' budgets apart from the peer's. PRICED="PRICE.json ... RUN.json" picks from the prices and our
+# step of an earlier call (its results, one card) instead of pricing again. The peer's cells that ended come back on
+# every call; ours are evaluated alone only when all of ours have ended.
 # Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
 # .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
 T0=$SECONDS
 D=${DEADLINE_S:-570}
-BUDGETS=${BUDGETS:-5 15}  # 8B GPU minutes per cell; our arms are those of OURS_ARMS named ours<minutes>-...
+BUDGETS=${BUDGETS:-5 15}  # 8B GPU minutes per peer cell
+OURS_BUDGETS=${OURS_BUDGETS:-$BUDGETS}  # ours: the arms of OURS_ARMS named ours<minutes>-...
 OURS_ARMS=${OURS_ARMS:-bench/quality/arms/dpace-8b-minutes-s2.txt}
 OURS_OVERRIDES=${OURS_OVERRIDES:-regenerate.max_turns=1 regenerate.max_prompt_tokens=1024 pipeline.token_budget=5461 \
 eval.num_prompts=40 drafter.dpace=true data.num_workers=1}
@@ -30,14 +33,18 @@ if [ "${PHASE:-start}" = start ]; then
     SUITE_TMP=$P/price OUT=$P/price-out OURS= STEPS=${STEPS:-16} PEER_S=${PEER_S:-200} PEER_CELLS="$1" \
       DEADLINE_S=$(( $2 - (SECONDS - T0) )) bash bench/peers/peer_step_8b.sh
   }
-  price "$PRICES" "${PRICE_BY_S:-300}"
-  # our step on this card when it is not an H200 (the card that priced our cells' steps): the peer's budget follows
-  # the ratio
-  mkdir -p "$P/ours"
-  if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    timeout 150 python3 bench/speed/run.py --model qwen3-8b --workload mfu --seqs 2 --seq-len 2731 --blocks-per-seq 455 \
-      --no-baseline --compile-target --warmup 6 --steps 10 --out "$P/ours" > "$P/ours.log" 2>&1
-    tail -n 4 "$P/ours.log"
+  mkdir -p "$P/ours" "$P/price/suite-results"
+  if [ -n "${PRICED:-}" ]; then  # an earlier call's prices and our step, both from one card
+    for f in $PRICED; do case $f in *-run-*) cp "$f" "$P/ours/" ;; *) cp "$f" "$P/price/suite-results/" ;; esac; done
+  else
+    price "$PRICES" "${PRICE_BY_S:-300}"
+    # our step on this card when it is not an H200 (the card that priced our cells' steps): the peer's budget follows
+    # the ratio
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      timeout 150 python3 bench/speed/run.py --model qwen3-8b --workload mfu --seqs 2 --seq-len 2731 --blocks-per-seq 455 \
+        --no-baseline --compile-target --warmup 6 --steps 10 --out "$P/ours" > "$P/ours.log" 2>&1
+      tail -n 4 "$P/ours.log"
+    fi
   fi
   OURS_JSON=$(ls "$P"/ours/*run-qwen3-8b*.json 2>/dev/null | head -n 1)
   # shellcheck disable=SC2086  # BUDGETS: a list
@@ -49,13 +56,13 @@ if [ "${PHASE:-start}" = start ]; then
     finish
   }
   pick; rc=$?
-  if (( rc == 3 )); then  # no setting ran: price 80 anchors (250 s: its random target is made again)
+  if (( rc == 3 )) && [ -z "${PRICED:-}" ]; then  # no setting ran: price 80 anchors (250 s: its random target is made again)
     price "$FALLBACK" $(( SECONDS - T0 + ${PEER_S:-200} + 250 )); pick || { keep_prices; exit 1; }
   elif (( rc != 0 )); then keep_prices; exit 1; fi
   keep_prices
   rm -rf /tmp/peer8b  # the random 8B checkpoint (16 GB of disk)
   PHASE=start CELLS=$P/cells.txt PROMPTS=.quality/first200 DEADLINE_S=0 bash bench/peers/peer_cells.sh
-  for m in $BUDGETS; do grep -E "^ours${m}-" "$OURS_ARMS"; done > "$P/ours-arms.txt"  # our arms of these budgets
+  for m in $OURS_BUDGETS; do grep -E "^ours${m}-" "$OURS_ARMS"; done > "$P/ours-arms.txt"  # our arms of these budgets
   # shellcheck disable=SC2086  # OURS_OVERRIDES: separate overrides
   PHASE=start MINUTES=120 ARMS=$P/ours-arms.txt PROMPTS=.quality/first200 EVAL=.quality/first200 \
     DEADLINE_S=$(( D - (SECONDS - T0) )) bash bench/quality/curve.sh $OURS_OVERRIDES
