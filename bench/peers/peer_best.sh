@@ -8,8 +8,8 @@
 #   PHASE=wait bash bench/peers/peer_best.sh      # within 30 s of the last call's end, until both have ended
 # BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait; OURS_BUDGETS (default
 # BUDGETS) sets our arms' budgets apart from the peer's. PRICED="PRICE.json ... RUN.json" picks from the prices and our
-# step of an earlier call (its results, one card) instead of pricing again. The peer's cells that ended come back on
-# every call; ours are evaluated alone only when all of ours have ended.
+# step of an earlier call (its results, one card) instead of pricing again. The cells and arms that ended come back
+# on every call, each evaluated alone as soon as it ends.
 # Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
 # .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
 T0=$SECONDS

@@ -7,8 +7,9 @@
 #       apply) unless PROMPTS holds them already (quality-cache.tar.gz.part*, from an earlier call), packs the
 #       data cache into $OUT (DATA_ONLY=1: and stops), starts the training, then follows it until DEADLINE_S (570).
 #   PHASE=wait bash bench/quality/curve.sh
-#       follows the training to its end, evaluates each export alone (`dflash-train eval`, timed: the <= 20 s bar;
-#       EVAL_OVERRIDES="k=v ..." apply to it alone, e.g. target.quantize=null), and brings back results.tar.gz.
+#       follows the training to its end and brings back results.tar.gz. In either phase each run's export is
+#       evaluated alone (`dflash-train eval`, timed: the <= 20 s bar; EVAL_OVERRIDES="k=v ..." apply to it alone, e.g.
+#       target.quantize=null) as soon as that run ends, beside the arms still training; what ended comes back.
 # EVAL=DIR: evaluate on DIR/eval_prompts.jsonl instead (e.g. more held-out prompts, `bench/quality/quality.py --prompts-only
 # --eval-prompts 200`): their replies are regenerated, the training set's are kept.
 # ARMS=FILE [PARALLEL=K] trains the arms of FILE (bench/quality/arms/) instead, K at a time (default all) sharing the GPU,
@@ -26,18 +27,50 @@
 # answers with the practice recipe's regenerate settings and any regenerate.* given here) into /tmp/curve/synth/train,
 # within the start call, as REGEN2 (resumed from PROMPTS/synth-cache.tar.gz.part*, brought back as such).
 # Carry .whl (omegaconf, datasets, dill, multiprocess), .practice/model and PROMPTS. DEVICE=cpu (with a small
-# pipeline.token_budget) checks the flow on a machine without a GPU.
+# pipeline.token_budget and data.max_length, and EVAL= a folder of a few prompts) checks the flow on a machine without
+# a GPU; there an evaluation beside the training may run past its 120 s (the next PHASE=wait call evaluates it).
 T0=$SECONDS
 source "$(dirname "$0")/../common.sh"
 W=/tmp/curve; NAME=${NAME:-ours-${MINUTES:-15}min}
 [[ ${EVAL_PARALLEL:-1} =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_PARALLEL=$EVAL_PARALLEL: a count >= 1 expected"; exit 2; }
-follow() {  # follow the training log until the run ends or DEADLINE_S seconds into this call
+if [ "${PHASE:-start}" = start ]; then EVAL_PARALLEL=${EVAL_PARALLEL:-1} EVAL_OVERRIDES=${EVAL_OVERRIDES:-}; fi
+EVALS=$W/evals-$$  # the evaluations started by this call (a later call starts any that one cut short)
+EVAL_PIDS=()
+evaluate_ended() {  # evaluate_ended [all]: start the evaluation alone of each run that ended (its result JSON is
+  # written; `all`: every run with an export, once the training has ended), at most EVAL_PARALLEL at once; returns 1
+  # when one waits for a free place
+  local export_dir name left running pid
+  for export_dir in "$W"/runs/*/export; do
+    [ -d "$export_dir" ] || continue
+    name=$(basename "$(dirname "$export_dir")")
+    [ -e "$W/results/eval-alone-$name/eval.json" ] || [ -e "$EVALS/$name" ] && continue  # done, or under way
+    [ "${1:-}" = all ] || ls "$W"/results/*-quality-"$name".json > /dev/null 2>&1 || continue  # still training
+    running=0; for pid in "${EVAL_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && running=$((running + 1)); done
+    (( running < EVAL_PARALLEL )) || return 1  # the next round starts it
+    # an evaluation gets up to 120 s, never past the deadline; one cut short leaves no eval.json (the next call's)
+    left=$(( ${DEADLINE_S:-570} - (SECONDS - T0) - 10 ))
+    if (( left < ${EVAL_MIN_S:-70} )); then  # too little left for one evaluation of the held-out prompts
+      echo "eval of $name left to the next PHASE=wait"; mkdir -p "$EVALS" && touch "$EVALS/$name"; continue
+    fi
+    mkdir -p "$EVALS" && touch "$EVALS/$name"
+    # shellcheck disable=SC2086  # EVAL_OVERRIDES: overrides of this evaluation alone, e.g. target.quantize=null
+    step "eval-alone-$name" $(( left < 120 ? left : 120 )) python3 -m dflash_trainer eval --drafter "$export_dir" \
+      --out "$W/results/eval-alone-$name" \
+      eval.prompts="$W/cache/eval.jsonl" eval.num_prompts="$(wc -l < "$W/cache/eval.jsonl")" eval.max_new_tokens=128 \
+      "run.device=${DEVICE:-cuda}" $EVAL_OVERRIDES &
+    EVAL_PIDS+=($!)
+  done
+  return 0
+}
+follow() {  # follow the training log until the run ends or DEADLINE_S seconds into this call, evaluating the runs
+  # that end meanwhile
   while [ -e "$W/train.pid" ] && kill -0 "$(cat "$W/train.pid")" 2>/dev/null \
       && (( SECONDS - T0 < ${DEADLINE_S:-570} )); do
     sleep 20
     newest=$(ls -t "$W/train.log" "$W"/runs/*.log 2>/dev/null | head -n 1)  # the arm that logged last
     echo "[$((SECONDS - T0)) s] $(grep -hE "step +[0-9]+|eval_tau|tau |^started|^finished" "$newest" 2>/dev/null \
       | tail -n 1 | cut -c1-220)"
+    evaluate_ended
   done
 }
 if [ "${PHASE:-start}" = start ]; then
@@ -46,7 +79,7 @@ if [ "${PHASE:-start}" = start ]; then
   rm -rf "$W"
   mkdir -p "$W/cache" "$W/results" && cp -r src bench configs "$W/" && cp -r .practice/model "$W/target"
   [ -n "${ARMS:-}" ] && ARMS=$(realpath "$ARMS")
-  printf '%s' "${EVAL_OVERRIDES:-}" > "$W/eval_overrides"  # the call that evaluates may be a later one
+  printf '%s' "${EVAL_OVERRIDES:-}" > "$W/eval_overrides"  # a later call evaluates with them too
   printf '%s' "${EVAL_PARALLEL:-1}" > "$W/eval_parallel"
   PROMPTS=${PROMPTS:-.quality/turns4}
   train_prompts() {  # PROMPTS's training prompts (.jsonl or .jsonl.gz) into the folder $1
@@ -121,32 +154,16 @@ if [ "${PHASE:-start}" = start ]; then
 else
   cd "$W" || exit 1
   export PYTHONPATH=$W/src:/tmp/site
-  follow
-fi
-if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the runs ended: their results, each export evaluated alone
-  tail -n 5 "$W/train.log"
   EVAL_OVERRIDES=${EVAL_OVERRIDES:-$(cat "$W/eval_overrides" 2>/dev/null)}
   EVAL_PARALLEL=${EVAL_PARALLEL:-$(cat "$W/eval_parallel" 2>/dev/null || echo 1)}
-  wait  # the training job, if this call started it: the running jobs below must be evaluations only
-  for export_dir in "$W"/runs/*/export; do
-    [ -d "$export_dir" ] || continue
-    name=$(basename "$(dirname "$export_dir")")
-    [ -e "$W/results/eval-alone-$name/eval.json" ] && continue  # evaluated by an earlier call
-    # at most EVAL_PARALLEL at once (bash's `wait -n` here returned at once for a job waited for already)
-    while (( $(jobs -rp | wc -l) >= EVAL_PARALLEL )); do sleep 1; done
-    # an evaluation gets up to 120 s, never past the deadline; one cut short leaves no eval.json (the next call's)
-    left=$(( ${DEADLINE_S:-570} - (SECONDS - T0) - 10 ))
-    if (( left < ${EVAL_MIN_S:-70} )); then  # too little left for one evaluation of the held-out prompts
-      echo "eval of $name left to the next PHASE=wait"; continue
-    fi
-    # shellcheck disable=SC2086  # EVAL_OVERRIDES: overrides of this evaluation alone, e.g. target.quantize=null
-    step "eval-alone-$name" $(( left < 120 ? left : 120 )) python3 -m dflash_trainer eval --drafter "$export_dir" \
-      --out "$W/results/eval-alone-$name" \
-      eval.prompts="$W/cache/eval.jsonl" eval.num_prompts="$(wc -l < "$W/cache/eval.jsonl")" eval.max_new_tokens=128 \
-      "run.device=${DEVICE:-cuda}" $EVAL_OVERRIDES &
-  done
-  wait
-  cp "$W/train.log" "$W"/runs/*.log "$LOGS/" 2>/dev/null; cp -r "$W"/results/* "$RESULTS/" 2>/dev/null
+  follow
 fi
+if ! kill -0 "$(cat "$W/train.pid")" 2>/dev/null; then  # the runs ended: every export left is evaluated alone
+  tail -n 5 "$W/train.log"
+  wait "$(cat "$W/train.pid")" 2>/dev/null  # the training job, if this call started it
+  until evaluate_ended all; do sleep 2; done
+fi
+(( ${#EVAL_PIDS[@]} )) && wait "${EVAL_PIDS[@]}"  # each ends before the deadline (its limit)
+cp "$W/train.log" "$W"/runs/*.log "$LOGS/" 2>/dev/null; cp -r "$W"/results/* "$RESULTS/" 2>/dev/null
 echo "suite: $((SECONDS - T0)) s"
 finish

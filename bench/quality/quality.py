@@ -311,6 +311,8 @@ def train_arm(args, name: str, overrides: list[str], data_info: dict) -> dict:
     t0 = time.perf_counter()
     rc = cli.main(["train", "--config", args.recipe, *run_overrides(args, run_dir), *overrides])
     wall = time.perf_counter() - t0
+    if not (run_dir / "summary.json").exists():  # refused before it started (its error is printed above)
+        raise SystemExit(f"training {name} did not start: dflash-train train exited {rc}")
     summary = json.loads((run_dir / "summary.json").read_text())
     if rc != 0 or summary.get("status") != "ok":
         raise SystemExit(f"training {name} failed: {summary}")
