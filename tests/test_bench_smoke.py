@@ -929,3 +929,57 @@ def test_a_peer_run_that_fails_is_saved_as_a_result(tmp_path, monkeypatch):
     saved = json.loads(next((tmp_path / "results").glob("*-peers-b8-a512.json")).read_text())
     assert saved["status"] == "failed" and saved["out_of_memory"] is True and saved["batch"] == 8
     assert "Tried to allocate" in saved["log_tail"]
+
+
+def test_curve_evaluates_each_run_when_it_ends_and_the_rest_when_training_ends(tmp_path):
+    """bench/quality/curve.sh (PHASE=wait): a run whose result JSON is written is evaluated alone while the others still
+    train; the runs left are evaluated once the training ends; every evaluation comes back in results.tar.gz."""
+    import signal
+    import tarfile
+
+    w = tmp_path / "curve"
+    for name in ("early", "late"):
+        (w / "runs" / name / "export").mkdir(parents=True)
+    (w / "results").mkdir()
+    (w / "results" / "2026-01-01T000000-quality-early.json").write_text("{}")  # `early` ended, `late` trains on
+    (w / "cache").mkdir()
+    (w / "cache" / "eval.jsonl").write_text('{"p": 1}\n{"p": 2}\n')
+    (w / "train.log").write_text("")
+    # the training: in its own session and no child of this process (a child would linger as a zombie until reaped)
+    pid = int(subprocess.run(["bash", "-c", "setsid sleep 6 > /dev/null 2>&1 & echo $!"], capture_output=True,
+                             text=True, check=True).stdout)
+    (w / "train.pid").write_text(str(pid))
+    calls = tmp_path / "evals.log"
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    # python3 as the suite calls it: `-m dflash_trainer eval ... --out DIR` writes DIR/eval.json and logs the call with
+    # whether the training still ran; anything else goes to this interpreter
+    (stub / "python3").write_text(f"""#!/usr/bin/env bash
+if [ "$1 $2 $3" = "-m dflash_trainer eval" ]; then
+  out=$(echo "$@" | sed 's/.*--out \\([^ ]*\\).*/\\1/')
+  running=$(kill -0 {pid} 2>/dev/null && echo training || echo ended)
+  echo "$(basename "$out") $running" >> {calls}
+  mkdir -p "$out" && echo '{{"tau": 1.5}}' > "$out/eval.json"
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    (stub / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "SUITE_TMP": str(tmp_path / "suite"), "CURVE_DIR": str(w), "PHASE": "wait", "FOLLOW_S": "1",
+           "DEADLINE_S": "120", "EVAL_PARALLEL": "1", "DEVICE": "cpu"}
+    try:
+        proc = subprocess.run(["bash", str(ROOT / "bench" / "quality" / "curve.sh")], capture_output=True, text=True,
+                              env=env, timeout=90)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert calls.read_text().split("\n")[:2] == ["eval-alone-early training", "eval-alone-late ended"], \
+        calls.read_text()
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        names = tar.getnames()
+    for name in ("early", "late"):
+        assert f"suite-results/eval-alone-{name}/eval.json" in names, names

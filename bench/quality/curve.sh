@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One point of the scaling curve (real tau against GPU-minutes) on the practice target, longer than a device call:
 # the training runs in its own process session, so it outlives the call that starts it, and a second call made
-# while the machine is still warm (30 s) waits for it. Everything lives under /tmp/curve on the device.
+# while the machine is still warm (30 s) waits for it. Everything lives under /tmp/curve on the device (CURVE_DIR).
 #   PHASE=start [MINUTES=15] [PROMPTS=.quality/turns4] [NAME=...] bash bench/quality/curve.sh [our overrides ...]
 #       regenerates the replies to PROMPTS (train_prompts.jsonl[.gz], eval_prompts.jsonl; `regenerate.*` overrides
 #       apply) unless PROMPTS holds them already (quality-cache.tar.gz.part*, from an earlier call), packs the
@@ -31,7 +31,7 @@
 # a GPU; there an evaluation beside the training may run past its 120 s (the next PHASE=wait call evaluates it).
 T0=$SECONDS
 source "$(dirname "$0")/../common.sh"
-W=/tmp/curve; NAME=${NAME:-ours-${MINUTES:-15}min}
+W=${CURVE_DIR:-/tmp/curve}; NAME=${NAME:-ours-${MINUTES:-15}min}
 [[ ${EVAL_PARALLEL:-1} =~ ^[1-9][0-9]*$ ]] || { echo "EVAL_PARALLEL=$EVAL_PARALLEL: a count >= 1 expected"; exit 2; }
 if [ "${PHASE:-start}" = start ]; then EVAL_PARALLEL=${EVAL_PARALLEL:-1} EVAL_OVERRIDES=${EVAL_OVERRIDES:-}; fi
 EVALS=$W/evals-$$  # the evaluations started by this call (a later call starts any that one cut short)
@@ -66,7 +66,7 @@ follow() {  # follow the training log until the run ends or DEADLINE_S seconds i
   # that end meanwhile
   while [ -e "$W/train.pid" ] && kill -0 "$(cat "$W/train.pid")" 2>/dev/null \
       && (( SECONDS - T0 < ${DEADLINE_S:-570} )); do
-    sleep 20
+    sleep "${FOLLOW_S:-20}"  # between looks at the logs
     newest=$(ls -t "$W/train.log" "$W"/runs/*.log 2>/dev/null | head -n 1)  # the arm that logged last
     echo "[$((SECONDS - T0)) s] $(grep -hE "step +[0-9]+|eval_tau|tau |^started|^finished" "$newest" 2>/dev/null \
       | tail -n 1 | cut -c1-220)"
