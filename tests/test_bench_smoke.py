@@ -327,14 +327,18 @@ def test_scaling_plan_runs_each_split_once_per_target_parallel_value():
         scaling.run_plan(scaling.parse_args(["--gpus", "4", "--splits", "4"]))
 
 
-def test_smoke_data_prep_times_one_process_against_workers_with_equal_results():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "host" / "data_prep.py"), "--smoke"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_smoke_data_prep_times_one_process_against_workers_with_equal_results(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "host" / "data_prep.py"), "--smoke",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last["conversations"] == 300 and [r["workers"] for r in last["rows"]] == [1, 2]
     assert all(r["same_as_one_process"] and r["seconds"] > 0 for r in last["rows"])
     assert last["rows"][0]["speedup"] == 1.0
+    written = list(tmp_path.glob("*-host-data_prep-300x2.json"))  # the result file tokenize_pool.sh brings back
+    assert len(written) == 1
+    saved = json.loads(written[0].read_text())
+    assert saved["rows"] == last["rows"] and saved["max_length"] == 3072 and saved["commit"]
 
 
 def test_smoke_target_padded_taps_match_each_sequence_alone_with_and_without_mask():

@@ -9,7 +9,8 @@
 Loads the conversations once (`data/sources.py`, the demo recipe's source), then times `tokenize_all` for each
 worker count (workers 1 = in this process, the baseline; N > 1: all in N processes, however fast this one
 is), checks every result equals the baseline's, and prints conversations/s
-and the speedup. CPU work: run it on the machine that will train. Last line: JSON.
+and the speedup. CPU work: run it on the machine that will train. Last line: JSON (`--out DIR`: also written there as
+`<date>-host-data_prep-<conversations>x<largest worker count>.json`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
 
 import torch  # noqa: E402
+
+from bench.common import git_commit, write_result  # noqa: E402
 
 from dflash_trainer.config import load_config  # noqa: E402
 from dflash_trainer.data.sources import load_conversations  # noqa: E402
@@ -38,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", default="1,2,4,8,16", help="comma-separated worker counts; 1 is the baseline")
     p.add_argument("--max-length", type=int, default=3072)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="also write the result JSON into this folder")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the demo recipe (data.path=..., target.path=...)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the pool's timings
@@ -67,7 +72,11 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['workers']:>8}{r['seconds']:>10.1f}{r['conversations_per_s']:>10.0f}{r['speedup']:>8.2f}x  "
               f"{r['same_as_one_process']}")
-    print(json.dumps({"bench": "data_prep", "conversations": len(chats), "cpus": cpus, "rows": rows}))
+    result = {"bench": "data_prep", "conversations": len(chats), "cpus": cpus, "rows": rows}
+    print(json.dumps(result))
+    if args.out is not None:
+        result.update(commit=git_commit(), tokenizer=tokenizer.name_or_path or "tiny", max_length=args.max_length)
+        write_result(result, "host", f"data_prep-{len(chats)}x{counts[-1]}", args.out)
     return 0 if all(r["same_as_one_process"] for r in rows) else 1
 
 

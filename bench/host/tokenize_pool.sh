@@ -20,6 +20,6 @@ mkdir -p /tmp/qc && cat .quality/quality-cache.tar.gz.part* | tar xzf - -C /tmp/
 for w in ${WORKERS:-2 4 16}; do
   step "data-prep-$w" 75 env PYTHONFAULTHANDLER=1 timeout -s ABRT 60 python3 bench/host/data_prep.py \
     --conversations "${CONVERSATIONS:-3000}" --workers "$w" data.path=/tmp/qc.jsonl target.path=.practice/model \
-    target.random_init=null target.tokenizer=null
+    target.random_init=null target.tokenizer=null --out "$RESULTS"
 done
 finish
