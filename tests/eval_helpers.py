@@ -34,7 +34,8 @@ def batch_proposer_for(drafter: DFlashDrafter, target) -> DFlashBatchProposer:
 
 
 @torch.no_grad()
-def _taps(target, ids: torch.Tensor, tap_layer_ids) -> torch.Tensor:
+def target_taps(target, ids: torch.Tensor, tap_layer_ids) -> torch.Tensor:
+    """The target's taps of `ids` (L,): the outputs of the tapped decoder layers, concatenated."""
     out = target(ids[None], output_hidden_states=True)
     return torch.cat([out.hidden_states[l + 1][0] for l in tap_layer_ids], dim=-1)  # (T, K*H)
 
@@ -51,7 +52,7 @@ def fit_drafter(drafter: DFlashDrafter, target, prompts: list[torch.Tensor], *, 
         mask = torch.zeros(seq.shape[0], dtype=torch.bool)
         mask[prompt.shape[0] - 1:] = True  # the last prompt token anchors the first block, as in decoding
         masks.append(mask)
-        taps.append(_taps(target, seq, spec.tap_layer_ids))
+        taps.append(target_taps(target, seq, spec.tap_layer_ids))
     lengths = torch.tensor([0] + [s.shape[0] for s in ids])
     cu_seqlens = lengths.cumsum(0).to(torch.int32)  # (S+1,)
     input_ids, loss_mask, all_taps = torch.cat(ids), torch.cat(masks), torch.cat(taps)

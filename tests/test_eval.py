@@ -215,6 +215,22 @@ def test_eval_command_end_to_end(tmp_path, capsys, caplog):
     assert (run_dir / "eval-export.json").is_file() and not (run_dir / "eval.json").exists()
 
 
+def test_eval_command_verifies_a_dspark_export_one_token_wider_than_its_block(tmp_path):
+    """A DSpark export (ModelOpt's `projector_type: dspark`) drafts from every slot of its block of 4: each step
+    verifies 5 tokens, so its histogram has 5 entries and its tau counts them."""
+    export = _export_for(tmp_path / "export", variant="dspark", markov_rank=8)
+    _write_prompts(tmp_path / "p.jsonl")
+    config = _tiny_config(tmp_path, f"eval.prompts={tmp_path / 'p.jsonl'}")
+    from dflash_trainer.commands import eval as eval_command
+
+    args = cli._parser().parse_args(["eval", "--drafter", str(export), "--out", str(tmp_path / "out")])
+    assert eval_command.run(config, args) == 0
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert result["block_size"] == 5 and len(result["acceptance_histogram"]) == 5
+    committed = sum(k * c for k, c in enumerate(result["acceptance_histogram"], 1))
+    assert result["tau"] == pytest.approx(committed / result["steps"]) and result["greedy_match_rate"] == 1.0
+
+
 def test_prompts_path_errors(tmp_path, capsys):
     config = load_config(None, ["target.random_init=tiny", "target.tokenizer=tiny"])
     with pytest.raises(ConfigError, match=r"eval\.prompts.*run\.dir is not set"):

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.drafter.dspark import CONFIDENCE_KEYS, MARKOV_KEYS
 from dflash_trainer.drafter.engines import warn_if_unserved
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
@@ -44,8 +45,9 @@ _DFLASH2_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.
                  "candidate_selector.hidden_projection.weight")
 """DFlash2's tensors, named as the reference, vLLM and SGLang read them (the codebooks without `.weight`)."""
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-"""`architectures` of each variant's export: the class the reference package, vLLM and SGLang build."""
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DFlashDraftModel"}
+"""`architectures` of each variant's export: the class the reference package, vLLM and SGLang build (a DSpark
+export, ModelOpt's, names DFlash's and says `dflash_config.projector_type: dspark`)."""
 
 DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 """DFlash2's `dflash_config` fields (DrafterSpec fields of the same names)."""
@@ -56,6 +58,7 @@ def expected_keys(num_layers: int, variant: str = "dflash") -> set[str]:
     layer_keys = _LAYER_KEYS + (_DFLASH2_LAYER_KEYS if variant == "dflash2" else ())
     keys = {f"layers.{i}.{name}" for i in range(num_layers) for name in layer_keys}
     keys |= set(_DFLASH2_KEYS) if variant == "dflash2" else set()
+    keys |= set(MARKOV_KEYS) if variant == "dspark" else set()
     return keys | {"fc.weight", "hidden_norm.weight", "norm.weight"}
 
 
@@ -81,7 +84,7 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
         num_target_layers=spec.num_target_layers,
         block_size=spec.block_size,
         dflash_config={"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.tap_layer_ids),
-                       **dflash2_fields(spec)},
+                       **dflash2_fields(spec), **dspark_fields(spec)},
         tie_word_embeddings=False,
         layer_types=list(spec.layer_types),
         rope_parameters=rope,
@@ -95,6 +98,14 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
             if getattr(target_config, key, None) is not None:
                 config[key] = getattr(target_config, key)
     return config
+
+
+def dspark_fields(spec: DrafterSpec) -> dict[str, Any]:
+    """DSpark's `dflash_config` fields of `spec`, as ModelOpt writes them ({} for the other variants)."""
+    if spec.variant != "dspark":
+        return {}
+    return {"projector_type": "dspark", "shift_label": True, "markov_rank": spec.markov_rank,
+            "markov_head_type": "vanilla", "use_confidence_head": False}
 
 
 def dflash2_fields(spec: DrafterSpec) -> dict[str, int]:
@@ -164,13 +175,19 @@ def spec_from_export(config: dict) -> DrafterSpec:
     heads = config["num_attention_heads"]
     layer_types = config.get("layer_types") or ["full_attention"] * num_layers
     variant = "dflash2" if "DFlash2DraftModel" in (config.get("architectures") or []) else "dflash"
-    dflash2 = {"variant": variant}
+    fields = {"variant": variant}
     if variant == "dflash2":
         missing = [k for k in DFLASH2_CONFIG_KEYS if k not in dflash]
         if missing:
             raise ConfigError(f"a DFlash2DraftModel config needs dflash_config.{{{', '.join(DFLASH2_CONFIG_KEYS)}}}; "
                               f"it lacks {missing}")
-        dflash2 |= {k: int(dflash[k]) for k in DFLASH2_CONFIG_KEYS}
+        fields |= {k: int(dflash[k]) for k in DFLASH2_CONFIG_KEYS}
+    projector = dflash.get("projector_type")
+    if projector == "dspark":
+        fields = {"variant": "dspark", "markov_rank": dspark_rank(dflash)}
+    elif projector not in (None, "dflash"):  # other trainers' heads (ModelOpt's Domino)
+        raise ConfigError(f"dflash_config.projector_type is {projector!r}: dflash-train runs DFlash, DFlash2 and "
+                          "DSpark drafters (projector_type dspark) only")
     return DrafterSpec(
         hidden_size=config["hidden_size"],
         num_attention_heads=heads,
@@ -188,8 +205,22 @@ def spec_from_export(config: dict) -> DrafterSpec:
         vocab_size=config["vocab_size"],
         layer_types=tuple(layer_types),
         sliding_window=config.get("sliding_window") if "sliding_attention" in layer_types else None,
-        **dflash2,
+        **fields,
     )
+
+
+def dspark_rank(dflash: dict) -> int:
+    """The Markov head's rank of a DSpark export's `dflash_config`, after checking it is a head `dspark.py` runs."""
+    if dflash.get("shift_label") is False:
+        raise ConfigError("a DSpark export with dflash_config.shift_label false (each slot predicting its own "
+                          "position, as DFlash): dflash-train runs DSpark drafters whose anchor slot drafts (true)")
+    kind = dflash.get("markov_head_type", "vanilla")
+    if kind != "vanilla":
+        raise ConfigError(f"a DSpark export with markov_head_type {kind!r}: dflash-train runs the vanilla Markov head "
+                          "(a bias from the previous token) only")
+    if not isinstance(dflash.get("markov_rank"), int):
+        raise ConfigError("a DSpark export (dflash_config.projector_type dspark) needs dflash_config.markov_rank")
+    return dflash["markov_rank"]
 
 
 def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.Tensor]]:
@@ -213,6 +244,9 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
     except Exception as e:  # safetensors raises its own error type for a cut or corrupt file
         raise ConfigError(f"{root / WEIGHTS_NAME} is unreadable ({e}): cut short or damaged; export the drafter "
                           "again") from None
+    if spec.variant == "dspark" and any(k in state for k in CONFIDENCE_KEYS):
+        log.info("%s: the DSpark confidence head is left out (chain verification does not use it)", root)
+        state = {k: v for k, v in state.items() if k not in CONFIDENCE_KEYS}
     check_keys(set(state), spec.num_layers, str(root), spec.variant)
     return spec, state
 
@@ -260,6 +294,9 @@ def warm_start(model: DFlashDrafter, state: dict[str, torch.Tensor], *, variant:
     shapes, else an error naming `where`. A DFlash drafter's weights start a DFlash2 `model` too: its convolutions
     and selector keep their initialisation (the identity, and a selector that adds nothing), so it computes what
     the DFlash drafter computed."""
+    if variant == "dspark":  # its slots predict one position further on than a DFlash drafter's
+        raise ConfigError(f"{where} is a DSpark drafter (another trainer's): dflash-train evaluates it but does not "
+                          "train it; start from a DFlash or DFlash2 export")
     if variant == "dflash2" and model.spec.variant != "dflash2":
         raise ConfigError(f"{where} is a DFlash2 drafter and this one is DFlash: its convolutions and selector would be "
                           "lost; set drafter.variant=dflash2")

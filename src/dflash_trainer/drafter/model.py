@@ -26,6 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from dflash_trainer.drafter.anchors import BlockPlan, token_seq_ids
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index
 from dflash_trainer.drafter.dflash2 import BlockConv, CandidateSelector
+from dflash_trainer.drafter.dspark import markov_modules
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 
@@ -275,6 +276,12 @@ class DFlashDrafter(nn.Module):
             with torch.random.fork_rng(devices=[]):
                 self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank,
                                                             spec.selector_top_k)
+        self.markov_w1: Optional[nn.Embedding] = None
+        """DSpark's Markov head (`dspark.py`), read from an export for evaluation; None for DFlash and DFlash2."""
+        self.markov_w2: Optional[nn.Linear] = None
+        if spec.variant == "dspark":
+            with torch.random.fork_rng(devices=[]):
+                self.markov_w1, self.markov_w2 = markov_modules(spec.vocab_size, spec.markov_rank)
         # stable mask_mod across batches (no recompiles)
         self._flex_masks = FlexMaskBuilder(from_intervals=mask_tiles == "intervals")
         self.init_weights()
@@ -285,7 +292,7 @@ class DFlashDrafter(nn.Module):
         `CandidateSelector.reset_parameters`, drawn from a generator of its own (seeded from the run's seed): a
         DFlash2 drafter's backbone is the DFlash drafter's of the same seed, and the random state moves on as that
         one's does."""
-        extras = ("_conv.", "candidate_selector.")
+        extras = ("_conv.", "candidate_selector.", "markov_w")
         for name, p in self.named_parameters():
             if any(e in name for e in extras):
                 continue

@@ -38,11 +38,14 @@ class DrafterSpec:
     """One of full_attention | sliding_attention per drafter layer."""
     sliding_window: Optional[int] = None
     variant: str = "dflash"
-    """dflash | dflash2 (`dflash2.py`); the four fields below are DFlash2's (0 for DFlash)."""
+    """dflash | dflash2 (`dflash2.py`) | dspark (`dspark.py`: read from other trainers' exports, for evaluation);
+    the four fields below are DFlash2's (0 otherwise)."""
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    markov_rank: int = 0
+    """DSpark's Markov head rank (0 otherwise)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -74,12 +77,21 @@ class DrafterSpec:
             if self.selector_top_k > self.vocab_size:
                 raise ConfigError(f"drafter.selector_top_k={self.selector_top_k} exceeds the vocabulary "
                                   f"({self.vocab_size})")
+        elif self.variant == "dspark":
+            if self.markov_rank < 1:
+                raise ConfigError(f"a DSpark drafter needs markov_rank >= 1, got {self.markov_rank}")
         elif self.variant != "dflash":
-            raise ConfigError(f"unknown drafter variant {self.variant!r}: dflash or dflash2")
+            raise ConfigError(f"unknown drafter variant {self.variant!r}: dflash, dflash2 or dspark")
 
     @property
     def num_taps(self) -> int:
         return len(self.tap_layer_ids)
+
+    @property
+    def draft_length(self) -> int:
+        """Tokens a block drafts: its slots after the anchor's (DFlash, DFlash2), or all of them (DSpark, whose anchor
+        slot predicts the next token)."""
+        return self.block_size if self.variant == "dspark" else self.block_size - 1
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The attention window of drafter layer `layer` (None: full attention)."""

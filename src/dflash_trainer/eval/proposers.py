@@ -13,13 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trainer.drafter.dflash2 import walk
+from dflash_trainer.drafter.dspark import markov_walk
 from dflash_trainer.drafter.model import DFlashDrafter, DraftContext
 from dflash_trainer.eval.batched import BlockDrafts, ContextUpdate
 
 
 class DFlashBatchProposer:
     """Drafts every row's block in one drafter forward, over the target's frozen embedding and LM head; a DFlash2
-    drafter's selector then walks the slots (`dflash2.walk`)."""
+    drafter's selector then walks the slots (`dflash2.walk`), a DSpark drafter's Markov head too
+    (`dspark.markov_walk`, every slot drafting: its blocks are one slot shorter than the verified block)."""
 
     needs_taps = True
 
@@ -41,14 +43,22 @@ class DFlashBatchProposer:
                 temperature: float, generator: Optional[torch.Generator]) -> BlockDrafts:
         rows = last_tokens.shape[0]
         device = last_tokens.device
-        ids = torch.full((rows, block_size), self.mask_token_id, dtype=torch.int64, device=device)  # (R, B)
+        dspark = self.drafter.markov_w1 is not None
+        slots = block_size - 1 if dspark else block_size  # DSpark: the anchor's slot drafts too
+        ids = torch.full((rows, slots), self.mask_token_id, dtype=torch.int64, device=device)  # (R, S)
         ids[:, 0] = last_tokens
         hidden = self.drafter.forward_blocks(
             block_embeds=F.embedding(ids, self.embed_weight).to(self.dtype),
-            block_positions=starts[:, None] + torch.arange(block_size, device=device),
+            block_positions=starts[:, None] + torch.arange(slots, device=device),
             cache=self.context,
-            block_lengths=max_lengths + 1,  # a block cut near max_new_tokens, as the reference loop cuts it
-        )  # (R, B, H)
+            # a block cut near max_new_tokens to the slots that can still be committed, as the reference loop cuts it
+            block_lengths=max_lengths.clamp(min=1) if dspark else max_lengths + 1,
+        )  # (R, S, H)
+        if dspark:
+            logits = F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (R, B-1, V)
+            walked = markov_walk(self.drafter.markov_w1, self.drafter.markov_w2, logits, last_tokens, temperature,
+                                 generator)
+            return BlockDrafts(tokens=walked.tokens, lengths=max_lengths, probs=walked.probs)
         logits = F.linear(hidden[:, 1:].to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (R, B-1, V)
         selector = self.drafter.candidate_selector
         if selector is not None:  # DFlash2: the selector walks each slot's top-K candidates

@@ -29,6 +29,7 @@ from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
 from dflash_trainer.drafter.dflash2 import walk
+from dflash_trainer.drafter.dspark import markov_walk
 from dflash_trainer.target.capture import SDPA_WITHOUT_CUDNN
 
 
@@ -221,7 +222,8 @@ def _accept_sampled(logits: torch.Tensor, draft: Draft, temperature: float, gene
 
 
 class DFlashProposer:
-    """Drafts a block with a DFlash drafter over the target's frozen embedding and LM head."""
+    """Drafts a block with a DFlash drafter over the target's frozen embedding and LM head (DFlash2: its selector
+    walks the slots; DSpark: its Markov head does, every slot drafting)."""
 
     def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, mask_token_id: int) -> None:
         self.drafter = drafter
@@ -240,7 +242,9 @@ class DFlashProposer:
 
     def propose(self, first_token: int, start: int, block_size: int, temperature: float, generator) -> Draft:
         device = self.embed_weight.device
-        ids = torch.full((block_size,), self.mask_token_id, dtype=torch.int64, device=device)
+        dspark = getattr(self.drafter, "markov_w1", None) is not None
+        slots = block_size - 1 if dspark else block_size  # DSpark: the anchor's slot drafts too
+        ids = torch.full((slots,), self.mask_token_id, dtype=torch.int64, device=device)
         ids[0] = first_token
         taps = torch.cat([t for t, _ in self._pending]) if self._pending else None
         pos = torch.cat([p for _, p in self._pending]) if self._pending else None
@@ -248,12 +252,17 @@ class DFlashProposer:
         dtype = next(self.drafter.parameters()).dtype
         result = self.drafter.forward_block(
             block_embeds=F.embedding(ids, self.embed_weight).to(dtype),
-            block_positions=torch.arange(start, start + block_size, device=device),
+            block_positions=torch.arange(start, start + slots, device=device),
             context_taps=None if taps is None else taps.to(dtype),
             context_positions=pos,
             cache=self._cache,
         )
         self._cache = result.cache
+        if dspark:
+            logits = F.linear(result.hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (B-1, V)
+            walked = markov_walk(self.drafter.markov_w1, self.drafter.markov_w2, logits[None], ids[:1], temperature,
+                                 generator)
+            return Draft(tokens=walked.tokens[0], probs=None if walked.probs is None else walked.probs[0])
         logits = F.linear(result.hidden[1:].to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (B-1, V)
         selector = getattr(self.drafter, "candidate_selector", None)
         if selector is not None:  # DFlash2: the selector walks each slot's top-K candidates
