@@ -537,6 +537,14 @@ def test_peer_best_picks_cheapest_per_real_token_at_the_examples_anchors(tmp_pat
     assert main([str(rows16), str(plain)] + args) == 0 and "--batch 8 --seq-len 768" in cells.read_text()
     assert main([str(failed), str(few)] + args) == 0 and "dflash.dflash_num_anchors=80" in cells.read_text()
     assert main([str(failed)] + args) == 3
+    # a DSpark setting (block 15): its cells keep the block size and say which drafter they train
+    dspark = price("dspark", block_size=15, seq_len=765, peer_overrides=[
+        "dflash.dflash_architecture_config.projector_type=dspark", "dflash.dflash_architecture_config.markov_rank=256"])
+    assert main([str(dspark)] + args + ["--inits", "random"]) == 0
+    lines = cells.read_text().splitlines()
+    assert len(lines) == 6 and lines[0].startswith("modelopt-dspark-best-5min-random-s0 --batch 8 --seq-len 765 "
+                                                   "--block-size 15 --max-steps ")
+    assert all("projector_type=dspark" in line for line in lines)
 
 
 def test_peer_driver_template_shape_and_step_budget(tmp_path):
@@ -629,6 +637,15 @@ def test_peer_warm_start_loads_every_draft_tensor_or_refuses(tmp_path):
     save_file(state | {"fc.weight": fc[:, :-1].contiguous()}, str(tmp_path / "shape.safetensors"))
     with pytest.raises(SystemExit, match="fc.weight"):
         load_draft_weights(peer, tmp_path / "shape.safetensors")
+    # a DSpark draft module takes the DFlash layout's backbone; its Markov head keeps the peer's initialisation
+    import dataclasses
+
+    from dflash_trainer.drafter.model import DFlashDrafter
+
+    dspark = DFlashDrafter(dataclasses.replace(source.spec, variant="dspark", markov_rank=4))
+    head = dspark.markov_w2.weight.clone()
+    assert load_draft_weights(SimpleNamespace(dflash_module=dspark), weights) == len(load_file(str(weights)))
+    assert torch.equal(dspark.fc.weight, source.fc.weight) and torch.equal(dspark.markov_w2.weight, head)
 
 
 def test_curve_tables_and_draws_the_runs_by_training_set(tmp_path):

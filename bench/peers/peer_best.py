@@ -41,10 +41,17 @@ class PeerPrice:
     out_of_memory: bool
     step_s: float | None       # steady step time, seconds
     real_tokens_per_step: float | None
+    block_size: int = 16       # the draft block (a DSpark block of 15 verifies 16 tokens)
 
     @property
     def s_per_real_token(self) -> float | None:
         return self.step_s / self.real_tokens_per_step if self.ran else None
+
+    @property
+    def drafter(self) -> str:
+        """The peer's drafter: its `projector_type` override (dspark, domino), else DFlash."""
+        key = "dflash.dflash_architecture_config.projector_type="
+        return next((o.removeprefix(key) for o in self.peer_overrides if o.startswith(key)), "dflash")
 
 
 def read_price(path: Path) -> PeerPrice:
@@ -53,6 +60,7 @@ def read_price(path: Path) -> PeerPrice:
     return PeerPrice(
         name=r["name"], batch=r["batch"], seq_len=r["seq_len"], anchors=r.get("anchors", EXAMPLE_ANCHORS),
         peer_overrides=tuple(r.get("peer_overrides", ())), ran=ran, out_of_memory=bool(r.get("out_of_memory")),
+        block_size=r.get("block_size", 16),
         step_s=r["step_s_after_warmup"] if ran else None,
         real_tokens_per_step=r["real_tokens"] / r["steps"] if ran else None)
 
@@ -69,13 +77,15 @@ def cell_lines(best: PeerPrice, minutes: list[float], inits: list[str], seeds: l
     """`NAME peers.py-options` lines: `best` trained for each budget's steps at 8B, per init and seed; `card_scale`:
     this card's step time over the reference card's (our step priced on both)."""
     lines = []
+    name = "modelopt-best" if best.drafter == "dflash" else f"modelopt-{best.drafter}-best"
+    block = f"--block-size {best.block_size} " if best.block_size != 16 else ""
     for m in minutes:
         steps = round(m * 60 * card_scale / best.step_s)
         warmup = max(1, round(warmup_ratio * steps))
         for init in inits:
             for seed in seeds:
                 lines.append(
-                    f"modelopt-best-{m:g}min-{init}-s{seed} --batch {best.batch} --seq-len {best.seq_len} "
+                    f"{name}-{m:g}min-{init}-s{seed} --batch {best.batch} --seq-len {best.seq_len} {block}"
                     f"--max-steps {steps} --init {init} --seed {seed} "
                     f"--peer-overrides training.warmup_steps={warmup} {' '.join(best.peer_overrides)}".rstrip())
     return lines

@@ -7,8 +7,18 @@
 #       (OURS_ARMS with OURS_OVERRIDES, `curve.sh`), which share the GPU (step-bound: sharing changes no result).
 #   PHASE=wait bash bench/peers/peer_best.sh      # within 30 s of the last call's end, until both have ended
 # BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait; OURS_BUDGETS (default
-# BUDGETS) sets our arms' budgets apart from the peer's. PRICED="PRICE.json ... RUN.json" picks from the prices and our
-# step of an earlier call (its results, one card) instead of pricing again. The cells and arms that ended come back
+# BUDGETS) sets our arms' budgets apart from the peer's (`none`: the peer's cells alone). PRICED="PRICE.json ... RUN.json"
+# picks from the prices and our step of an earlier call (its results, one card) instead of pricing again. INITS
+# (default "random target") the peer's inits; PRICES and FALLBACK its settings ("NAME peers.py-options" lines).
+# The peer's DSpark (ModelOpt's `projector_type: dspark`) at its best against our DFlash2 bar (bench/RESULTS.md section
+# 5: those arms' JSONs; `bench/peers/drafts_parity.py` checks that our evaluator drafts what ModelOpt drafts): a block
+# of 15 verifies 16 tokens as our block of 16 does, and its rows must hold whole blocks (765 = 51 x 15):
+#   DSPARK="--block-size 15 --peer-overrides dflash.dflash_architecture_config.projector_type=dspark \
+#     dflash.dflash_architecture_config.markov_rank=256"
+#   INITS=random OURS_BUDGETS=none PRICES="b8-a512-765-dspark --batch 8 --seq-len 765 $DSPARK \
+#     dflash.dflash_use_torch_compile=true;b8-a80-765-dspark --batch 8 --seq-len 765 $DSPARK dflash.dflash_num_anchors=80 \
+#     dflash.dflash_use_torch_compile=true" FALLBACK="b8-a80-765-dspark-eager --batch 8 --seq-len 765 $DSPARK \
+#     dflash.dflash_num_anchors=80" PHASE=start bash bench/peers/peer_best.sh The cells and arms that ended come back
 # on every call, each evaluated alone as soon as it ends.
 # Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
 # .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
@@ -24,7 +34,7 @@ eval.num_prompts=40 drafter.dpace=true data.num_workers=1}
 # H100 (bench/RESULTS.md section 6): a later budget's cells keep the earlier pick with PRICES="<that line>".
 PRICES=${PRICES:-b8-a512-768-dcompile --batch 8 --seq-len 768 --peer-overrides dflash.dflash_use_torch_compile=true;\
 b8-a80-768-dcompile --batch 8 --seq-len 768 --peer-overrides dflash.dflash_num_anchors=80 dflash.dflash_use_torch_compile=true}
-FALLBACK="b8-a80-768 --batch 8 --seq-len 768 --peer-overrides dflash.dflash_num_anchors=80"  # uncompiled
+FALLBACK=${FALLBACK:-b8-a80-768 --batch 8 --seq-len 768 --peer-overrides dflash.dflash_num_anchors=80}  # uncompiled
 source "$(dirname "$0")/../common.sh"  # the carried wheels, $LOGS, $RESULTS and `finish`
 export EVAL_OVERRIDES=target.dtype=float32 EVAL_PARALLEL=${EVAL_PARALLEL:-16}
 if [ "${PHASE:-start}" = start ]; then
@@ -49,7 +59,7 @@ if [ "${PHASE:-start}" = start ]; then
   OURS_JSON=$(ls "$P"/ours/*run-qwen3-8b*.json 2>/dev/null | head -n 1)
   # shellcheck disable=SC2086  # BUDGETS: a list
   pick() { python3 bench/peers/peer_best.py "$P"/price/suite-results/*.json --cells "$P/cells.txt" \
-    ${OURS_JSON:+--ours "$OURS_JSON"} --minutes $BUDGETS --results "$P/price/suite-results"; }
+    ${OURS_JSON:+--ours "$OURS_JSON"} --minutes $BUDGETS --inits ${INITS:-random target} --results "$P/price/suite-results"; }
   keep_prices() {  # the prices (failed ones too) and our step into the results that come back
     cp "$P"/price/suite-results/* "$P"/ours/* "$RESULTS/" 2>/dev/null
     cp "$P"/price/suite-logs/* "$P/ours.log" "$LOGS/" 2>/dev/null
@@ -62,11 +72,15 @@ if [ "${PHASE:-start}" = start ]; then
   keep_prices
   rm -rf /tmp/peer8b  # the random 8B checkpoint (16 GB of disk)
   PHASE=start CELLS=$P/cells.txt PROMPTS=.quality/first200 DEADLINE_S=0 bash bench/peers/peer_cells.sh
+  if [ "$OURS_BUDGETS" = none ]; then  # the peer's cells alone (ours evaluated in an earlier call)
+    PHASE=wait DEADLINE_S=$(( D - (SECONDS - T0) )) bash bench/peers/peer_cells.sh
+    exit
+  fi
   for m in $OURS_BUDGETS; do grep -E "^ours${m}-" "$OURS_ARMS"; done > "$P/ours-arms.txt"  # our arms of these budgets
   # shellcheck disable=SC2086  # OURS_OVERRIDES: separate overrides
   PHASE=start MINUTES=120 ARMS=$P/ours-arms.txt PROMPTS=.quality/first200 EVAL=.quality/first200 \
     DEADLINE_S=$(( D - (SECONDS - T0) )) bash bench/quality/curve.sh $OURS_OVERRIDES
 else
-  PHASE=wait DEADLINE_S=$D bash bench/quality/curve.sh
+  [ -e /tmp/curve/train.pid ] && PHASE=wait DEADLINE_S=$D bash bench/quality/curve.sh  # our arms, when they ran
   PHASE=wait DEADLINE_S=$(( D - (SECONDS - T0) )) bash bench/peers/peer_cells.sh
 fi

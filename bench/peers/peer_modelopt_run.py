@@ -11,7 +11,8 @@ What is added around the unchanged script, through the `transformers.Trainer` it
   sync).
 - with `--init-weights`, the draft module's weights from a DFlash-layout safetensors file, loaded once the
   trainer holds the converted model (before the first step); every draft tensor must be there with its shape,
-  except the rotary buffers and the embedding / LM head it takes from the target.
+  except the rotary buffers, the embedding / LM head it takes from the target, and a DSpark module's heads (they
+  keep the peer's own initialisation).
 `--stats` gets: steps, seconds from the first step to the last, real, padded and supervised tokens, step times.
 """
 
@@ -26,14 +27,19 @@ import time
 from pathlib import Path
 
 
+DSPARK_HEADS = ("markov_w1.", "markov_w2.", "gate_proj.", "joint_proj.", "confidence_proj.")
+"""A DSpark draft module's head tensors (ModelOpt's names): not in a DFlash-layout file."""
+
+
 def load_draft_weights(model, path: Path) -> int:
     """Copy the tensors of `path` into `model.dflash_module` (names without the `dflash_module.` prefix);
     returns how many. Anything missing, extra or of another shape raises: half a warm start is a bug."""
     from safetensors.torch import load_file
 
     draft = model.dflash_module
-    own = {k: v for k, v in draft.state_dict().items()
-           if "rotary_emb" not in k and k not in ("embed_tokens.weight", "lm_head.weight")}
+    own = {k: v for k, v in draft.state_dict().items()  # a DSpark's heads keep the peer's own initialisation
+           if "rotary_emb" not in k and k not in ("embed_tokens.weight", "lm_head.weight")
+           and not k.startswith(DSPARK_HEADS)}
     given = load_file(str(path))
     missing, extra = sorted(set(own) - set(given)), sorted(set(given) - set(own))
     shapes = [f"{k} {tuple(given[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()

@@ -133,7 +133,8 @@ def write_target_init(args, out: Path) -> Path:
 
     config = load_config("practice", [f"target.path={args.target}", f"drafter.num_layers={args.num_layers}",
                                       f"drafter.block_size={args.block_size}", "drafter.init_from=target",
-                                      f"drafter.mask_token_id={args.mask_token_id}", f"run.seed={args.seed}"])
+                                      f"drafter.mask_token_id={args.mask_token_id}", f"run.seed={args.seed}",
+                                      "drafter.gamma=7"])  # the loss's decay: no part of the weights, any block size
     target_config = AutoConfig.from_pretrained(args.target)
     model = build_drafter(config, drafter_spec(target_config, config.drafter), torch.device("cpu"))
     return export_drafter(model, out, target_config=target_config, dtype=torch.float32) / "model.safetensors"
@@ -277,7 +278,8 @@ def modelopt(args) -> dict:
         "init": args.init, "seed": args.seed, "eval_overrides": args.eval_overrides,
         "date": datetime.now().strftime("%Y-%m-%d"), "commit": git_commit()[:7], "peer_version": peer_version(args),
         "budget_minutes": None if args.max_steps else args.minutes, "rows": rows, "batch": args.batch,
-        "seq_len": args.seq_len, "anchors": num_anchors(args.peer_overrides), "peer_overrides": args.peer_overrides,
+        "seq_len": args.seq_len, "block_size": args.block_size, "anchors": num_anchors(args.peer_overrides),
+        "peer_overrides": args.peer_overrides,
         "steps": trained["steps"], "max_steps": max_steps, "train_s": trained["seconds"],
         "stopped_by_budget": trained["stopped_by_budget"], "real_tokens": trained["real_tokens"],
         "real_tokens_per_s": trained["real_tokens"] / trained["seconds"],
@@ -394,7 +396,7 @@ def main(argv=None) -> int:
         print(e, flush=True)
         failed = {"bench": "peers", "trainer": "modelopt", "name": args.name or "modelopt", "status": "failed",
                   "out_of_memory": e.out_of_memory, "rc": e.rc, "log_tail": e.log_tail, "batch": args.batch,
-                  "seq_len": args.seq_len, "anchors": num_anchors(args.peer_overrides),
+                  "seq_len": args.seq_len, "block_size": args.block_size, "anchors": num_anchors(args.peer_overrides),
                   "peer_overrides": args.peer_overrides, "command": " ".join(sys.argv), "date": datetime.now().strftime("%Y-%m-%d")}
         write_result(failed, "peers", failed["name"], args.results, args.out)
         return 1
