@@ -6,6 +6,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.batched import ContextUpdate, decode_batch
 from dflash_trainer.eval.speculative import speculative_generate, target_generate
 from tests.drafter_helpers import tiny_drafter
-from tests.eval_helpers import batch_proposer_for, fitted, proposer_for, target_taps
+from tests.eval_helpers import batch_proposer_for, fitted, proposer_for, target_taps, tiny_target_model
 
 RANK = 64
 
@@ -200,12 +203,6 @@ def test_drafts_parity_passes_identical_drafts_and_fails_one_that_differs(tmp_pa
     """`bench/peers/drafts_parity.py` against a stand-in for the peer's script that drafts as we do (or changes one
     draft): it asks for the export's draft length at the given Markov scale, compares every row, and exits 1 on a
     difference."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.eval_helpers import tiny_target_model
-
     root = Path(__file__).resolve().parents[1]
     target_dir, export = tmp_path / "target", export_drafter(dspark_drafter(), tmp_path / "export")
     tiny_target_model().save_pretrained(target_dir)
