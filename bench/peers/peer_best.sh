@@ -9,7 +9,8 @@
 # BUDGETS="5" (default "5 15") runs the 5-minute cells alone: one start call and a short wait; OURS_BUDGETS (default
 # BUDGETS) sets our arms' budgets apart from the peer's (`none`: the peer's cells alone). PRICED="PRICE.json ... RUN.json"
 # picks from the prices and our step of an earlier call (its results, one card) instead of pricing again. INITS
-# (default "random target") the peer's inits; PRICES and FALLBACK its settings ("NAME peers.py-options" lines).
+# (default "random target") the peer's inits; PRICES and FALLBACK its settings ("NAME peers.py-options" lines). The
+# cells and arms that ended come back on every call, each evaluated alone as soon as it ends.
 # The peer's DSpark (ModelOpt's `projector_type: dspark`) at its best against our DFlash2 bar (bench/RESULTS.md section
 # 5: those arms' JSONs; `bench/peers/drafts_parity.py` checks that our evaluator drafts what ModelOpt drafts): a block
 # of 15 verifies 16 tokens as our block of 16 does, and its rows must hold whole blocks (765 = 51 x 15):
@@ -18,8 +19,7 @@
 #   INITS=random OURS_BUDGETS=none PRICES="b8-a512-765-dspark --batch 8 --seq-len 765 $DSPARK \
 #     dflash.dflash_use_torch_compile=true;b8-a80-765-dspark --batch 8 --seq-len 765 $DSPARK dflash.dflash_num_anchors=80 \
 #     dflash.dflash_use_torch_compile=true" FALLBACK="b8-a80-765-dspark-eager --batch 8 --seq-len 765 $DSPARK \
-#     dflash.dflash_num_anchors=80" PHASE=start bash bench/peers/peer_best.sh The cells and arms that ended come back
-# on every call, each evaluated alone as soon as it ends.
+#     dflash.dflash_num_anchors=80" PHASE=start bash bench/peers/peer_best.sh
 # Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
 # .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
 T0=$SECONDS
