@@ -16,6 +16,7 @@ from typing import Sequence
 from dflash_trainer.config import Config, list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet, StorageError
 from dflash_trainer.resume import resumed_config
+from dflash_trainer.runtime.cpu_threads import set_cpu_threads
 from dflash_trainer.runtime.elastic import continuation, set_aside_summary, this_incarnation
 from dflash_trainer.rundir import RunDir, input_dir_problem, run_dir_given
 
@@ -209,6 +210,16 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
         raise
 
 
+def _runs_on_cpu(config: Config) -> bool:
+    if config.run.device == "cpu":
+        return True
+    if config.run.device == "cuda":
+        return False
+    import torch  # auto: the command's device; the command imports torch next anyway
+
+    return not torch.cuda.is_available()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -221,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             overrides += _restart_overrides()
         config = _config(args, overrides)
+        if config is not None and _runs_on_cpu(config):
+            set_cpu_threads(config.run.cpu_threads)
         try:
             module = importlib.import_module(f"dflash_trainer.commands.{args.command}")
         except ModuleNotFoundError as e:

@@ -62,10 +62,16 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"
     """auto (cuda when available) | cpu | cuda."""
+    cpu_threads: Optional[int] = None
+    """Threads of each process on the CPU; None: its share of the cores that are free at start (the log says how many;
+    runtime/cpu_threads.py)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"run.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"run.cpu_threads must be >= 1 or null (chosen from the free cores), got "
+                              f"{self.cpu_threads}")
         if not self.name or "/" in self.name:
             raise ConfigError(f"run.name must be a non-empty name without '/', got {self.name!r}")
 

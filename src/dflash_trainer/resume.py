@@ -22,7 +22,7 @@ from dflash_trainer.config import Config, load_config
 from dflash_trainer.errors import ConfigError
 
 MAY_CHANGE = (
-    "run.dir", "run.device", "run.name",
+    "run.dir", "run.device", "run.name", "run.cpu_threads",
     "target.attn_implementation", "target.compile", "target.cudnn_attention",
     "drafter.attention", "drafter.flex_kernel_options", "drafter.loss_chunk_rows", "drafter.loss_kernel",
     "drafter.mask_tiles",
