@@ -159,3 +159,15 @@ def test_every_shipped_recipe_loads(recipe):
     """Each recipe in configs/ passes validation as shipped (a typo in one fails here, not at a user's start)."""
     cfg = load_config(Path(__file__).parents[1] / "configs" / recipe, [])
     assert cfg.target.path or cfg.target.random_init
+
+
+def test_a_config_mistake_is_named_before_torch_is_imported():
+    """Config mistakes are named in well under a second, even on a loaded machine: torch's import comes later."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from dflash_trainer.cli import main; rc = main(['train', '--config', 'demo', 'train.lrr=1']); "
+            "print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+    assert "Did you mean: 'lr'?" in proc.stderr

@@ -383,14 +383,19 @@ def test_export_and_eval_find_the_runs_config_without_config(tmp_path, capsys):
     assert "set target.path" in err and "or pass --config RUN_DIR/config.yaml" in err
     # a path that does not exist is named as missing, with what the run holds, with or without --config
     assert main(["eval", "--drafter", str(run / "exportt")]) == 2
-    assert f"--drafter {run / 'exportt'}: no such directory ({run} holds: best, checkpoints, export, plan" in \
+    assert f"--drafter {run / 'exportt'}: no such directory; did you mean {run / 'export'}?" in capsys.readouterr().err
+    assert main(["eval", "--drafter", str(run / "step_2")]) == 2
+    assert f"--drafter {run / 'step_2'}: no such directory ({run} holds: best, checkpoints, export, plan" in \
         capsys.readouterr().err
     assert main(["export", "--config", "demo", "--checkpoint", str(run / "checkpoints" / "step_9"), "--out",
                  str(tmp_path / "e9")]) == 2
     assert f"no such directory ({run / 'checkpoints'} holds: step_2)" in capsys.readouterr().err
     assert main(["eval", "--drafter", str(tmp_path / "elsewhere" / "nope")]) == 2
-    assert f"--drafter {tmp_path / 'elsewhere' / 'nope'}: no such directory; and no config: set target.path" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err  # the missing folder is the mistake: no clause about the config
+    assert f"--drafter {tmp_path / 'elsewhere' / 'nope'}: no such directory\n" in err and "target.path" not in err
+    (tmp_path / "runs" / "export").mkdir(parents=True)
+    assert main(["eval", "--drafter", str(tmp_path / "runs" / "expot")]) == 2
+    assert f"no such directory; did you mean {tmp_path / 'runs' / 'export'}?" in capsys.readouterr().err
     assert main(["eval", "--drafter", str(run / "config.yaml"), "--config", "demo", "--out", str(tmp_path / "o")]) == 2
     assert f"--drafter {run / 'config.yaml'} is a file; pass the directory" in capsys.readouterr().err
 

@@ -17,7 +17,6 @@ from dflash_trainer.config import Config, list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet, StorageError
 from dflash_trainer.resume import resumed_config
 from dflash_trainer.runtime.cpu_threads import set_cpu_threads
-from dflash_trainer.runtime.elastic import continuation, set_aside_summary, this_incarnation
 from dflash_trainer.rundir import RunDir, input_dir_problem, run_dir_given
 
 SUBCOMMANDS = {
@@ -137,6 +136,11 @@ def _resumed_run(args: argparse.Namespace, overrides: list[str]) -> Path | None:
 def _restart_overrides() -> list[str]:
     """Under `torchrun --max-restarts`, a relaunched incarnation continues the run an earlier one claimed
     (`runtime/elastic.py`); nothing otherwise."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):  # not under torchrun: nothing to continue
+        return []
+    # here, not at the top: torch.distributed takes seconds to import, and a config mistake is named before that
+    from dflash_trainer.runtime.elastic import continuation, set_aside_summary, this_incarnation
+
     incarnation = this_incarnation()
     found = incarnation.earlier_run_dir() if incarnation is not None else None
     if found is None:
@@ -203,8 +207,8 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
         if recipe is None and args.command in ("eval", "export"):
             given = "--drafter" if args.command == "eval" else "--checkpoint"
             path = getattr(args, given[2:])
-            if path and (problem := input_dir_problem(given, path)):  # no run around a path that is not there
-                raise ConfigError(f"{problem}; and no config: {e}") from None
+            if path and (problem := input_dir_problem(given, path)):  # no run around a path that is not there:
+                raise ConfigError(problem) from None  # the missing folder is the mistake, not the config
             raise ConfigError(f"{e}; or pass --config RUN_DIR/config.yaml, the config of the run that trained it "
                               f"(none was found: {given} is not inside a run directory)") from None
         raise

@@ -24,6 +24,7 @@ directory holds against what the command may do with it, marks it as a run, and 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fcntl
 import json
 import logging
@@ -85,8 +86,13 @@ def input_dir_problem(flag: str, path: str | os.PathLike) -> Optional[str]:
         return f"{flag} {path} is a file; pass the directory"
     folder = path.resolve().parent
     hint = ""
-    if folder.is_dir() and (folder.name == "checkpoints" or RunDir(folder).config.is_file()):
-        hint = f" ({folder} holds: {', '.join(sorted(p.name for p in folder.iterdir() if p.is_dir())) or 'nothing'})"
+    if folder.is_dir():
+        held = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        close = difflib.get_close_matches(path.name, held, n=1, cutoff=0.6)
+        if folder.name == "checkpoints" or (RunDir(folder).config.is_file() and not close):  # a step not kept
+            hint = f" ({folder} holds: {', '.join(held) or 'nothing'})"
+        elif close:  # a typo
+            hint = f"; did you mean {path.parent / close[0]}?"
     return f"{flag} {path}: no such directory{hint}"
 
 
