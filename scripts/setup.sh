@@ -15,5 +15,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q -e ".[test]"
   # The reference DFlash package, for the export compatibility tests (its pins are not ours: no deps).
   python -m pip install -q --no-deps "dflash==0.1.0"
+  # The speculators package, for its loader's test of our speculators export: its pins exclude our transformers and
+  # datasets, so it goes in without them, with the modules it imports.
+  python -m pip install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "loguru==0.7.3"
+  python -m pip install -q "openai>=1.50"
   touch "$stamp"
 fi

@@ -9,9 +9,9 @@ Its attention is set to `eager` (its default, flex attention with a compiled mas
 Sliding-window layers are not compared: speculators windows a block's context from the anchor, we
 window from each query position (the DFlash reference code's rule).
 
-The package is not in the test extras: its pins exclude our transformers and datasets, so it goes in with
---no-deps, plus the modules it imports (openai, loguru, hs-connectors). To run these tests:
-    pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 && pip install openai
+The package is not in the test extras: its pins exclude our transformers and datasets, so `scripts/setup.sh`
+installs it with --no-deps, plus the modules it imports (openai, loguru, hs-connectors); CI runs these tests again
+in the serving check's environment (transformers as the engines pin it).
 """
 
 from __future__ import annotations
