@@ -55,3 +55,23 @@ def test_a_target_whose_layers_are_not_qwen3_style_is_refused(tmp_path):
     gemma = decoder_layout(TargetConfig(random_init=str(tmp_path), dtype="float32"))
     with pytest.raises(ConfigError, match="pre_feedforward_layernorm.*init_from=null"):
         check_target_layers(drafter, gemma.layer_parameter_names)
+
+
+def test_the_log_says_where_the_drafter_weights_start(tmp_path, caplog):
+    """`drafter.init_from` is named in the log, random weights too: a warm start is never silent."""
+    import logging
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.train.checkpoint import CheckpointState, save_checkpoint
+    from dflash_trainer.train.trainer import build_drafter, model_signature
+
+    base, _ = tiny_drafter(seed=4)
+    caplog.set_level(logging.INFO, logger="dflash_trainer.train.trainer")
+    build_drafter(load_config("demo", ["run.seed=7"]), base.spec, torch.device("cpu"))
+    assert "drafter weights start from random weights (run.seed=7) (drafter.init_from=None" in caplog.text
+    state = CheckpointState(step=3, epoch=0, ledger={}, model_signature=model_signature(base.spec),
+                            data_fingerprint="", scheduler={}, extra={})
+    ckpt = save_checkpoint(tmp_path / "run", state, base.state_dict(), {}, keep_last=1)
+    caplog.clear()
+    build_drafter(load_config("demo", [f"drafter.init_from={ckpt}"]), base.spec, torch.device("cpu"))
+    assert f"drafter weights start from the training checkpoint {ckpt} (drafter.init_from={ckpt};" in caplog.text

@@ -358,17 +358,25 @@ def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DF
                           flex_kernel_options=config.drafter.flex_kernel_options).to(device)
     with torch.no_grad():
         model.init_weights()
-    if config.drafter.init_from == "target":
+    source = config.drafter.init_from
+    if source == "target":
         layout = decoder_layout(config.target)
         check_target_layers(model, layout.layer_parameter_names)
         names = target_tensor_names(model, layout.prefix)
         init_from_target(model, read_target_tensors(config.target, sorted(set(names.values())), seed=config.run.seed))
-    elif config.drafter.init_from and (Path(config.drafter.init_from) / COMPLETE).is_file():  # a training checkpoint
-        ckpt = read_checkpoint_drafter(Path(config.drafter.init_from))
+        start = "the target's decoder layers"
+    elif source and (Path(source) / COMPLETE).is_file():  # a training checkpoint
+        ckpt = read_checkpoint_drafter(Path(source))
         warm_start(model, ckpt.weights, variant=ckpt.variant, tap_layer_ids=ckpt.tap_layer_ids,
-                   where=f"drafter.init_from={config.drafter.init_from}")
-    elif config.drafter.init_from:
-        init_from_export(model, config.drafter.init_from)
+                   where=f"drafter.init_from={source}")
+        start = f"the training checkpoint {source}"
+    elif source:
+        init_from_export(model, source)
+        start = f"the export {source}"
+    else:
+        start = f"random weights (run.seed={config.run.seed})"
+    log.info("drafter weights start from %s (drafter.init_from=%s; a resume then loads its checkpoint's)", start,
+             source)
     return model
 
 
