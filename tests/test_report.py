@@ -159,3 +159,39 @@ def test_the_tau_legend_covers_no_marker(tmp_path):
     assert legend.x1 <= fig.bbox.x1 + 1  # and inside the figure (the constrained layout made room)
     points = [ax.transData.transform((r["step"], r[k])) for r in evals for k in ("eval_tau", "eval_prompt_lookup_tau")]
     assert all(plot.contains(*p) for p in points)
+
+
+def test_the_marks_hide_nothing_and_a_resume_is_marked(tmp_path):
+    """The best checkpoint is a ring the real-tau dot shows through; the lr figure's legend sits beside the axes, off
+    the warm-up; a resumed session's start (the row resume writes) is a line in the loss, tau and lr figures."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from dflash_trainer.report import figures
+    from dflash_trainer.train.metrics import RESUMED
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 5.0 - s / 10, "sim_tau": 1.0, "lr": min(1.0, s / 5) * 1e-3, "grad_norm": 1.0}
+            for s in range(1, 7)]
+    rows.append({"step": 4, "eval_tau": 1.5, "eval_prompt_lookup_tau": 1.2})
+    rows.append({"step": 4, RESUMED: 1})  # resumed from step 4's checkpoint
+    rows += [{"step": s, "loss": 4.0 - s / 10, "sim_tau": 2.0, "lr": 1e-3, "grad_norm": 1.0} for s in range(5, 9)]
+    rows.append({"step": 8, "eval_tau": 2.5, "eval_prompt_lookup_tau": 1.2})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"eval": {"best_step": 8, "best_tau": 2.5}}))
+    log = read_run(run)
+    assert log.resumes == (4,)
+    for draw in (figures.loss, figures.tau, figures.lr_and_grad_norm):
+        fig, _ = draw(log)
+        lines = [line for line in fig.axes[0].get_lines() if line.get_label().startswith("resumed here")]
+        assert len(lines) == 1 and list(lines[0].get_xdata()) == [4, 4], draw.__name__
+    fig, _ = figures.tau(log)
+    (ring,) = [line for line in fig.axes[0].get_lines() if line.get_label().startswith("best checkpoint")]
+    assert ring.get_markerfacecolor() == "none"  # hollow: the dot of the same evaluation shows inside it
+    fig, _ = figures.lr_and_grad_norm(log)
+    FigureCanvasAgg(fig).draw()
+    (legend,) = fig.legends
+    box = legend.get_window_extent()
+    assert box.x0 >= fig.axes[1].get_tightbbox().x1 - 1  # right of the twin's labels: it covers no curve
+    assert box.x1 <= fig.bbox.x1 + 1  # and inside the figure
+    assert [t.get_text() for t in legend.get_texts()][:2] == ["learning rate", "resumed here (its checkpoint's step)"]

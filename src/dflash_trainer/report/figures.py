@@ -38,6 +38,27 @@ def _window(n: int) -> int:
     return max(1, n // 40)
 
 
+def _mark_resumes(ax, run: RunLog) -> None:
+    """A dotted line where each resumed session started (its checkpoint's step)."""
+    for i, step in enumerate(run.resumes):
+        ax.axvline(step, color="#555555", ls=":", lw=1.2, zorder=0,
+                   label="resumed here (its checkpoint's step)" if i == 0 else None)
+
+
+def _legend_outside(ax, *axes) -> None:
+    """One legend beside the axes for `ax` and any twin `axes`: it covers no curve (the warm-up at the left, the
+    last evaluation at the right edge)."""
+    handles, labels = [], []
+    for a in (ax, *axes):
+        h, lab = a.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    if axes:  # a twin's tick labels stand right of the axes: the figure's legend goes right of everything
+        ax.figure.legend(handles, labels, fontsize=8, loc="outside right upper")
+    else:
+        ax.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
 def _empty(ax, what: str) -> None:
     ax.text(0.5, 0.5, what, ha="center", va="center", transform=ax.transAxes, fontsize=11, color="#666666")
 
@@ -51,6 +72,7 @@ def loss(run: RunLog) -> tuple[Figure, str]:
     vx, vy = run.series("val_loss", run.evals)
     if vx:
         ax.plot(vx, vy, "o-", color=COLORS["held"], label="held-out conversations")
+    _mark_resumes(ax, run)
     if not xs and not vx:
         _empty(ax, "no step logged yet")
     ax.set(xlabel="optimizer step", ylabel="loss (weighted cross-entropy, nats)", title="Loss")
@@ -73,16 +95,17 @@ def tau(run: RunLog) -> tuple[Figure, str]:
             ax.plot(ex, ey, marker=marker, color=color, lw=1.2, ls="--" if "lookup" in key else "-", label=label,
                     zorder=3)
     best = (run.summary.get("eval") or {})
-    if best.get("best_step") is not None:
-        ax.plot([best["best_step"]], [best["best_tau"]], marker="*", ms=22, color="gold", mec="black", ls="none",
-                zorder=1, label=f"best checkpoint (step {best['best_step']}, tau {best['best_tau']:.2f})")
+    if best.get("best_step") is not None:  # a ring around the real-tau dot, which stays visible inside it
+        ax.plot([best["best_step"]], [best["best_tau"]], marker="o", ms=16, mfc="none", mec="goldenrod", mew=2.5,
+                ls="none", zorder=4, label=f"best checkpoint (step {best['best_step']}, tau {best['best_tau']:.2f})")
+    _mark_resumes(ax, run)
     if not xs and not run.evals:
         _empty(ax, "no step logged yet")
-    else:  # beside the axes, where it can cover no marker (the final evaluation's sit at the right edge)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    else:
+        _legend_outside(ax)
     ax.set(xlabel="optimizer step", ylabel="acceptance length tau (tokens per step)", title="Acceptance length")
     return fig, ("Simulated tau on training batches overstates real decoding; walk tau on held-out replies tracks it. "
-                 "Real tau is beside prompt lookup on the same prompts; the star is the checkpoint kept in best/.")
+                 "Real tau is beside prompt lookup on the same prompts; the gold ring is the checkpoint kept in best/.")
 
 
 def slot_accuracy(run: RunLog) -> tuple[Figure, str]:
@@ -206,8 +229,8 @@ def lr_and_grad_norm(run: RunLog) -> tuple[Figure, str]:
             top = max(gy) if gy else 1.0
             twin.plot(skipped, [top] * len(skipped), "x", color="red", ms=9, label=f"skipped step ({len(skipped)})")
         twin.set_ylabel("gradient norm")
-        twin.legend(loc="upper right", fontsize=8)
-        ax.legend(loc="upper left", fontsize=8)
+        _mark_resumes(ax, run)
+        _legend_outside(ax, twin)
     else:
         _empty(ax, "no step logged yet")
     ax.set(xlabel="optimizer step", title="Learning rate and gradient norm")

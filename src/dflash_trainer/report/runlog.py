@@ -17,7 +17,7 @@ from typing import Any, Optional
 import yaml
 
 from dflash_trainer.rundir import RunDir
-from dflash_trainer.train.metrics import read_metrics
+from dflash_trainer.train.metrics import RESUMED, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class RunLog:
     """The evaluation rows (`eval_tau`, `val_*`), in step order."""
     last_eval: Optional[dict[str, Any]]
     """`eval.json`: the last real-tau evaluation, with its acceptance histograms."""
+    resumes: tuple[int, ...] = ()
+    """The steps a resumed session of the run started from (its checkpoint's), in order."""
 
     def series(self, key: str, rows: Optional[list[dict[str, Any]]] = None) -> tuple[list[int], list[float]]:
         """(steps, values) of the rows that hold `key` with a number."""
@@ -105,4 +107,5 @@ def read_run(run_dir: str | Path) -> RunLog:
         steps=[r for r in rows if "loss" in r],
         evals=[r for r in rows if "eval_tau" in r or "val_walk_tau" in r],
         last_eval=_json(layout.eval_json),
+        resumes=tuple(r["step"] for r in rows if r.get(RESUMED) == 1),
     )

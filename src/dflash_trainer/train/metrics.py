@@ -15,6 +15,10 @@ from dflash_trainer.rundir import RunDir
 log = logging.getLogger(__name__)
 
 
+RESUMED = "resumed_from_checkpoint"
+"""The key of the row a resumed run writes at its checkpoint's step (value 1): where a session started."""
+
+
 class NullSink:
     def log(self, step: int, values: Mapping[str, Any]) -> None:
         pass

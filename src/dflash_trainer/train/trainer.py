@@ -37,7 +37,7 @@ from dflash_trainer.train.checkpoint import (
     save_checkpoint,
 )
 from dflash_trainer.train.ema import WeightAverage, split_averaged
-from dflash_trainer.train.metrics import build_sinks, read_metrics
+from dflash_trainer.train.metrics import RESUMED, build_sinks, read_metrics
 from dflash_trainer.train.micro_step import compile_forward_train, make_micro_step, plan_step_chunks
 from dflash_trainer.train.optim import build_optimizer
 from dflash_trainer.train.parallel import (
@@ -159,6 +159,8 @@ class DrafterTrainer:
                 _truncate_metrics(RunDir(run_dir).metrics, resume.state.step)
         self.sink = build_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
                                 enabled=is_leader, wandb_project=config.logging.wandb_project, config=asdict(config))
+        if resume is not None:  # the report marks where each session of the run started
+            self.sink.log(resume.state.step, {RESUMED: 1})
         self.checkpoints: list[str] = []
         self.shown: dict[str, str] = {}
         """Latest evaluation figures shown beside the training figures in the progress bar."""
