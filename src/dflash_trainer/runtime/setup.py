@@ -23,7 +23,7 @@ from dflash_trainer.drafter.attention_mask import dense_step_bytes
 from dflash_trainer.drafter.model import check_flex_backend
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.regen.settings import warn_regen_mismatch
+from dflash_trainer.regen.settings import hint_foreign_replies, warn_regen_mismatch
 from dflash_trainer.rundir import RunClaim, RunDir, claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.env import DistEnv
@@ -124,6 +124,7 @@ def setup_run(config: Config, env: DistEnv, device: torch.device, control: Contr
         plans = [epoch_plan(config, run_dir, prepared, e) for e in range(config.train.num_epochs)]
         write_summary(run_dir, summary_json(prepared.summary, plans[0]))
         warn_regen_mismatch(config)  # data regenerated with other thinking/temperature than evaluation uses
+        hint_foreign_replies(config)  # replies the target did not write teach it little
         control.set_value("data_ready", "1")
     else:
         control.wait_value("data_ready")
