@@ -115,3 +115,44 @@ def test_a_restart_before_any_claim_starts_as_the_first_incarnation_did():
     store = dist.HashStore()
     count_start(store, 0, max_restarts=1)  # incarnation 1 died before rank 0 claimed a run dir
     assert count_start(store, 0, max_restarts=1).earlier_run_dir() is None
+
+
+def test_a_restart_stops_when_the_run_it_continues_was_deleted_or_replaced(tmp_path):
+    """Between incarnations the run dir is deleted, emptied, or replaced by another run at the same path: the restart
+    names what changed and stops, instead of training a new run from scratch that ends `ok` as if nothing happened."""
+    import shutil
+
+    store = dist.HashStore()
+    first = count_start(store, 0, max_restarts=3)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".dflash-run").write_text("{}")
+    record_incarnation(first, run_dir)
+    second = count_start(store, 0, max_restarts=3)
+    second.check_continues(second.earlier_run_dir())  # the same run: it continues
+    assert second.job_token() == first.job_token()
+    saved = (run_dir / ".elastic.json").read_text()
+    (run_dir / ".dflash-run").unlink()
+    with pytest.raises(ConfigError, match=r"incarnation 2\), but the run it was continuing, .* is no longer a run"):
+        second.check_continues(run_dir)
+    shutil.rmtree(run_dir)
+    with pytest.raises(ConfigError, match="is gone: stopping instead of training a new run there from scratch"):
+        second.check_continues(run_dir)
+    run_dir.mkdir()  # another job's run at the same path
+    (run_dir / ".dflash-run").write_text("{}")
+    (run_dir / ".elastic.json").write_text(saved.replace(first.job_token(), "0" * 32))
+    with pytest.raises(ConfigError, match="was replaced: its .elastic.json does not name this job"):
+        second.check_continues(run_dir)
+    (run_dir / ".elastic.json").unlink()  # a new run made by hand, no restart record
+    with pytest.raises(ConfigError, match="was replaced"):
+        second.check_continues(run_dir)
+
+
+def test_a_run_dir_deleted_between_incarnations_stops_the_job_named(tmp_path):
+    """Rank 0 deletes the run dir and dies after step 3 in the first incarnation: the restart finds the run gone and
+    every rank stops with the reason; no new run is trained there and nothing ends `ok`."""
+    run_dir = tmp_path / "run"
+    launch = torchrun(run_dir, 2, *COLOCATED, fault="wipe_run:3@0", fault_restart=0, max_restarts=1, timeout_s=240)
+    assert launch.returncode != 0, launch.output
+    assert f"the run it was continuing, {run_dir.resolve()}, is gone: stopping" in launch.output
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "metrics.jsonl").exists()

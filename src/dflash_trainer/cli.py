@@ -145,6 +145,7 @@ def _restart_overrides() -> list[str]:
     found = incarnation.earlier_run_dir() if incarnation is not None else None
     if found is None:
         return []
+    incarnation.check_continues(found)
     extra = continuation(found)
     if os.environ.get("RANK", "0") == "0":
         set_aside_summary(incarnation, found)

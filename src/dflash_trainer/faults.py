@@ -8,6 +8,8 @@
 - `drafter_step:N`    raise in the drafter before optimizer step N (global step count, resume included)
 - `kill:N`            SIGKILL this process once optimizer step N is done (and checkpointed, when due)
 - `kill_job:N`        SIGKILL the whole job after step N: torchrun's agent (this rank's parent) and every rank
+- `wipe_run:N`        delete the run dir, then SIGKILL this process, once step N is done (a run dir lost between
+                      torchrun's restarts)
 - `delay_target:S`    sleep S seconds in every target forward (a slow producer)
 - `delay_drafter:S`   sleep S seconds before every drafter optimizer step (a slow consumer)
 - `nan_batch:J`       the taps of job id J (or of every job: `nan_batch:all`) are NaN, written by the target
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 import threading
 import time
@@ -61,11 +64,15 @@ def _rules() -> dict[str, str]:
     return _parse(spec) if spec else {}
 
 
-def maybe_fault(stage: str, index: Optional[int] = None) -> None:
-    """Apply the rules for `stage` (one of RAISE_STAGES, or `kill` / `kill_job` after a step)."""
+def maybe_fault(stage: str, index: Optional[int] = None, *, run_dir: Optional[str] = None) -> None:
+    """Apply the rules for `stage` (one of RAISE_STAGES, or `kill` / `kill_job` / `wipe_run` after a step, which
+    gets the `run_dir`)."""
     rules = _rules()
     if not rules:
         return
+    if stage == "wipe_run" and rules.get(stage) is not None and int(rules[stage]) == index and run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     if index is None:
         with _lock:
             _counts[stage] = index = _counts.get(stage, 0) + 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -92,8 +93,34 @@ class Incarnation:
         return Path(self.store.get(key).decode())
 
     def record_run_dir(self, run_dir: Path) -> None:
-        """Rank 0, once it claimed the run dir: where a later incarnation finds the run."""
+        """Rank 0, once it claimed the run dir (and wrote the job's token into it): where a later incarnation finds
+        the run."""
         self.store.set(PREFIX + "run_dir", str(Path(run_dir).resolve()))
+
+    def job_token(self) -> str:
+        """A random token naming this job, the same in every incarnation (the first to ask makes it): written into
+        the run dir's restart record, it tells the run a restart continues from a run dir deleted or replaced
+        between incarnations."""
+        made = uuid.uuid4().hex
+        return self.store.compare_set(PREFIX + "job_token", "", made).decode()
+
+    def check_continues(self, run_dir: Path) -> None:
+        """Every rank of a later incarnation, before it continues `run_dir`: the run dir must still be the run an
+        earlier incarnation claimed (its marker, and its restart record naming this job), or the job stops, naming
+        what changed, rather than train a new run from scratch and end as if nothing happened."""
+        layout, gone = RunDir(run_dir), None
+        if not layout.root.is_dir():
+            gone = "is gone"
+        elif not layout.is_marked():
+            gone = f"is no longer a run (no {layout.marker.name})"
+        elif _read_marker(run_dir).get("job") != self.job_token():
+            gone = (f"was replaced: its {layout.restarts.name} does not name this job (another run, or the run "
+                    "deleted and made again)")
+        if gone is not None:
+            raise ConfigError(
+                f"torchrun restarted the job (incarnation {self.number}), but the run it was continuing, {run_dir}, "
+                f"{gone}: stopping instead of training a new run there from scratch. Put the run dir back, or start "
+                "a new job (another run.dir, or --resume on a run dir that holds a checkpoint)")
 
 
 def count_start(store: dist.Store, rank: int, max_restarts: int) -> Incarnation:
@@ -156,12 +183,12 @@ def set_aside_summary(incarnation: Incarnation, run_dir: Path) -> None:
 def record_incarnation(incarnation: Incarnation, run_dir: Path) -> None:
     """Rank 0, once the run dir is claimed: record it in the store, and count this incarnation in
     `RUN/.elastic.json` with how the one before it ended (read from the summary it left)."""
-    incarnation.record_run_dir(run_dir)
     earlier = []
     if incarnation.number > 1:  # (an incarnation that failed before its claim is missing from the record)
         earlier = list(_read_marker(run_dir).get("earlier", [])) + [_ended(run_dir, incarnation.number - 1)]
-    record = {"incarnation": incarnation.number, "earlier": earlier}
+    record = {"incarnation": incarnation.number, "job": incarnation.job_token(), "earlier": earlier}
     write_atomic(RunDir(run_dir).restarts, json.dumps(record, indent=1) + "\n")
+    incarnation.record_run_dir(run_dir)  # after the record: a restart that finds the run dir finds the job's token
     if earlier:
         log.warning("torchrun restart %d of at most %d: continuing %s (the incarnation before ended %s)",
                     incarnation.number - 1, incarnation.max_restarts, run_dir, _describe(earlier[-1]))

@@ -251,6 +251,7 @@ class DrafterTrainer:
                 self.save_checkpoint(record.step)
             maybe_fault("kill", record.step)  # test-only hooks: SIGKILL this rank / the whole job
             maybe_fault("kill_job", record.step)
+            maybe_fault("wipe_run", record.step, run_dir=str(self.run_dir))
             extra_start = time.monotonic()
             self.on_step_extra(self, record)  # evaluations: not training time
             self.loop.pause(time.monotonic() - extra_start)
