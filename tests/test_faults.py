@@ -51,3 +51,16 @@ def test_sigkill_of_the_leader_drafter_ends_the_job(tmp_path):
     assert "rank      : 1 (local_rank: 1)" in root and "Signal 9 (SIGKILL)" in root, root[:2000]
     s = summary(run_dir)  # written by the surviving target: it found the killed rank's process gone
     assert s["status"] == "failed" and s["failed_rank"] == 1 and "died without a word" in s["cause"], s
+
+
+def test_a_named_mistake_under_torchrun_reads_as_in_one_process(tmp_path):
+    """A ConfigError found on a rank after torchrun started (here: two target ranks with pipeline.deterministic) is
+    one line with the fix and exit status 2 from that rank, as in one process: no traceback of ours, and none in
+    torchrun's report (its error file is not written for it)."""
+    launch = torchrun(tmp_path / "run", 3, "pipeline.colocated=false", "pipeline.num_targets=2",
+                      "pipeline.deterministic=true", timeout_s=120)
+    assert launch.returncode != 0
+    lines = [line for line in launch.output.splitlines() if "dflash-train train: error: pipeline.deterministic" in line]
+    assert lines and all(line.startswith("[rank ") for line in lines), launch.output
+    assert "failed (exitcode: 2)" in launch.output
+    assert "dflash_trainer.errors.ConfigError" not in launch.output and "] failed: ConfigError" not in launch.output

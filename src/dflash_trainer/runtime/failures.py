@@ -14,9 +14,13 @@ import time
 import traceback
 from typing import Callable, Optional
 
+from dflash_trainer.errors import ConfigError, DataError, StorageError
 from dflash_trainer.runtime.control import AbortInfo, ControlPlane
 
 EXIT_FAILED = 1
+EXIT_NAMED = 2
+"""The exit status of a named mistake (bad config, data, storage), as `dflash-train` gives it in one process."""
+NAMED_ERRORS = (ConfigError, DataError, StorageError)
 
 
 def exit_now(code: int) -> None:
@@ -30,12 +34,16 @@ def fail_rank(control: Optional[ControlPlane], rank: int, error: BaseException, 
     cause = f"{type(error).__name__}: {error}"
     if control is not None:
         control.abort(cause)
-    tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    print(f"[rank {rank}] failed: {cause}\n{tb}", file=sys.stderr, flush=True)
+    named = isinstance(error, NAMED_ERRORS)
+    if named:  # a mistake the message names with its fix: one line, as one process prints it, and its exit status
+        print(f"[rank {rank}] dflash-train train: error: {error}", file=sys.stderr, flush=True)
+    else:
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        print(f"[rank {rank}] failed: {cause}\n{tb}", file=sys.stderr, flush=True)
     try:
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-        if isinstance(error, Exception):
+        if isinstance(error, Exception) and not named:  # the error file holds a traceback: none for a named mistake
             get_error_handler().record_exception(error)
     except Exception:
         pass
@@ -43,7 +51,7 @@ def fail_rank(control: Optional[ControlPlane], rank: int, error: BaseException, 
         on_fail(cause)
     except Exception:
         pass
-    exit_now(EXIT_FAILED)
+    exit_now(EXIT_NAMED if named else EXIT_FAILED)
 
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ProcessGroupNCCL", "NCCL error")
