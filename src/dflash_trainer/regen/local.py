@@ -23,6 +23,7 @@ from dflash_trainer.eval.batched import decode_batch
 from dflash_trainer.target.load import text_config
 from dflash_trainer.target.stop_tokens import stop_token_ids
 
+from dflash_trainer.regen.batch_memory import cut_batches, decode_budget
 from dflash_trainer.regen.turns import Continuation, RegenOutcome, TurnState, as_dicts, skipped, start
 
 _OPEN_THINK = re.compile(r"<think>\s*$")
@@ -139,11 +140,12 @@ class LocalBackend:
 
     def continue_ids(self, prompts: Sequence[list[int]]) -> list[Continuation]:
         """What the target writes after each prompt (token ids), in order; decoded in length-sorted batches of
-        `batch_size` (left padding wastes least when lengths are close)."""
+        `batch_size` (left padding wastes least when lengths are close), fewer rows where a batch would not fit the
+        memory free (`batch_memory.py`)."""
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         found: dict[int, Continuation] = {}
-        for start in range(0, len(order), self.batch_size):
-            batch = order[start : start + self.batch_size]
+        for batch in cut_batches([len(p) for p in prompts], order, batch_size=self.batch_size,
+                                 new_tokens=self.max_new_tokens, budget=decode_budget(self.model)):
             found.update(zip(batch, self._generate([prompts[i] for i in batch])))
         return [found[i] for i in range(len(prompts))]
 

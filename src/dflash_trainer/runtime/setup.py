@@ -23,6 +23,7 @@ from dflash_trainer.drafter.attention_mask import dense_step_bytes
 from dflash_trainer.drafter.model import check_flex_backend
 from dflash_trainer.drafter.spec import DrafterSpec, drafter_spec, first_spare_row
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.memory import available_host_bytes
 from dflash_trainer.regen.settings import hint_foreign_replies, warn_regen_mismatch
 from dflash_trainer.rundir import RunClaim, RunDir, claim_run_dir
 from dflash_trainer.runtime.control import ControlPlane
@@ -197,18 +198,6 @@ def check_context_parallel(config: Config) -> None:
             f"pipeline.context_parallel={cp} with train.fsdp=true is not supported: set train.fsdp=false (the "
             "drafter's weights are replicated on every rank of a CP group)"
         )
-
-
-def available_host_bytes() -> Optional[int]:
-    """The host memory available to new allocations (`MemAvailable`), or None where /proc/meminfo is missing."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def check_cpu_step_memory(config: Config, spec: DrafterSpec, device: torch.device) -> None:
