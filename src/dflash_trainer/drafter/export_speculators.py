@@ -62,10 +62,7 @@ def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
         local = Path(reference).expanduser()
         if not local.is_dir():
             return reference  # a hub id
-        log.warning("--verifier %s is a local folder: speculators' loader reads it, but `vllm serve EXPORT` (vLLM "
-                    "0.33) refuses a local verifier; serve with `%s`, or export again with --verifier HUB_ID",
-                    verifier, SERVE_LOCAL.format(target=local.resolve()))
-        return str(local.resolve())
+        return local_verifier(local, f"--verifier {verifier}")
     if not target.path:
         raise ConfigError(
             "export --format speculators records the target (the verifier), from which vLLM and speculators load "
@@ -87,6 +84,16 @@ def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
         f"--verifier {local.resolve()} to record the folder (speculators' loader reads it; vLLM then serves it as "
         f"`{SERVE_LOCAL.format(target=local.resolve())}`)"
     )
+
+
+def local_verifier(folder: Path, given: str) -> str:
+    """A local verifier folder (`given` names where it came from), recorded as an absolute path, with a warning
+    saying how vLLM serves it."""
+    folder = Path(folder).expanduser().resolve()
+    log.warning("%s is a local folder: speculators' loader reads it, but `vllm serve EXPORT` (vLLM 0.33) refuses a "
+                "local verifier; serve with `%s`, or export again with --verifier HUB_ID", given,
+                SERVE_LOCAL.format(target=folder))
+    return str(folder)
 
 
 def _hub_id_named_in(folder: Path) -> Optional[str]:
@@ -146,16 +153,17 @@ def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Opti
 
 
 def _verifier_config(verifier: str, target_config: Optional[Any], *, is_target: bool) -> dict:
-    """The verifier's config.json as a dict (raw: no model code runs): a folder's; the target's when the verifier
-    is the target; else a hub id's from the cache or the hub, or the target's where it cannot be read."""
+    """The verifier's config.json as a dict (raw: no model code runs): the target's when the verifier is the
+    target (a folder `--save-target` is still writing, too); else a folder's; else a hub id's from the cache or the
+    hub, or the target's where it cannot be read."""
+    if is_target and target_config is not None:
+        return target_config.to_dict()
     path = Path(verifier)
     if path.is_dir():
         try:
             return json.loads((path / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"verifier {verifier}: cannot read its config.json ({type(e).__name__}: {e})") from None
-    if is_target and target_config is not None:
-        return target_config.to_dict()
     try:
         try:
             return PretrainedConfig.get_config_dict(verifier, local_files_only=True)[0]
