@@ -149,13 +149,13 @@ def test_a_hub_verifier_config_is_read_raw_and_checked_like_a_folders(tmp_path, 
     from dflash_trainer.drafter import export_speculators as module
 
     drafter, target = tiny_drafter()
-    text = {k: target.to_dict()[k] for k in ("model_type", "hidden_size", "vocab_size")}
+    text = {k: target.to_dict()[k] for k in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers")}
     served = {"model_type": "qwen3_vl", "text_config": text}  # multimodal, no architectures
     configs = {"org/vl": served, "org/other": {**text, "hidden_size": 2 * target.hidden_size}}
     monkeypatch.setattr(module.PretrainedConfig, "get_config_dict", lambda name, **kw: (configs[name], {}))
     export_speculators(drafter, tmp_path / "vl", verifier="org/vl", target_config=target)
     assert _verifier_architectures(tmp_path / "vl") == ["Qwen3VLForConditionalGeneration"]
-    with pytest.raises(ConfigError, match="verifier org/other has hidden_size 128"):
+    with pytest.raises(ConfigError, match="verifier org/other does not fit this drafter: it has hidden_size 128"):
         export_speculators(drafter, tmp_path / "c", verifier="org/other", target_config=target)
 
 
@@ -199,3 +199,55 @@ def test_cli_export_speculators(tmp_path, capsys):
                  "--out", str(tmp_path / "e")]) == 2
     assert f"{tmp_path / 'c'} is a speculators-format export, which this command does not read" in \
         capsys.readouterr().err
+
+
+def _drafter_export(path, kind):
+    """An export of a drafter of the tiny target, in `kind`: ours in the DFlash or speculators format, DFlash2."""
+    drafter, target = tiny_drafter(variant="dflash2" if kind == "dflash2" else "dflash")
+    if kind == "speculators":
+        export_speculators(drafter, path, verifier="org/target", target_config=target, verifier_is_target=True)
+    else:
+        export_drafter(drafter, path, target_config=target)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["dflash", "speculators", "dflash2"])
+def test_a_drafter_export_is_refused_as_the_verifier(tmp_path, kind):
+    """A drafter has the target's hidden size and vocabulary, so only its own marks tell it from its target."""
+    drafter, target = tiny_drafter()
+    export = _drafter_export(tmp_path / "drafter", kind)
+    with pytest.raises(ConfigError, match=rf"verifier {export} is a drafter \(.*\), not a target: name the target"):
+        export_speculators(drafter, tmp_path / "spec", verifier=str(export), target_config=target)
+    assert not (tmp_path / "spec").exists()
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"num_hidden_layers": 3}, "decoder layers 3 (the drafter's: 6, taps [1, 3])"),
+    ({"num_hidden_layers": 8}, "decoder layers 8 (the drafter's: 6)"),
+    ({"vocab_size": 999}, "vocab_size 999 (the drafter's: 1088)"),
+    ({"hidden_size": 32, "vocab_size": 999}, "hidden_size 32 (the drafter's: 64); vocab_size 999"),
+])
+def test_a_verifier_the_drafter_does_not_fit_is_refused_naming_the_mismatch(tmp_path, change, named):
+    drafter, target = tiny_drafter()
+    assert (target.num_hidden_layers, target.vocab_size, target.hidden_size) == (6, 1088, 64)
+    for key, value in change.items():
+        setattr(target, key, value)
+    target.layer_types = None
+    verifier = _verifier_folder(tmp_path / "other", target)
+    with pytest.raises(ConfigError) as raised:
+        export_speculators(drafter, tmp_path / "spec", verifier=str(verifier))
+    assert f"verifier {verifier} does not fit this drafter: it has {named}" in str(raised.value)
+    assert "\n" not in str(raised.value) and not (tmp_path / "spec").exists()
+
+
+def test_cli_export_with_a_drafter_as_the_verifier(tmp_path, capsys):
+    from dflash_trainer.cli import main
+
+    ckpt, _, _ = _demo_checkpoint(tmp_path / "run")
+    args = ["export", "--config", "demo", f"run.dir={tmp_path / 'run'}", "--checkpoint", str(ckpt)]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert main([*args, "--out", str(tmp_path / "b"), "--format", "speculators", "--verifier",
+                 str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "is a drafter (architectures ['DFlashDraftModel']), not a target" in err, err
+    assert not (tmp_path / "b").exists()

@@ -32,6 +32,7 @@ from transformers import PretrainedConfig
 
 from dflash_trainer.drafter.engines import model_classes, warn_if_unserved
 from dflash_trainer.drafter.export import ARCHITECTURES, dflash2_fields, export_config, export_state, write_export
+from dflash_trainer.drafter.fit import drafter_marks, target_mismatches
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -130,21 +131,25 @@ def causality_field(spec: DrafterSpec) -> bool:
 def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Optional[Any], *,
                            is_target: bool = False) -> list[str]:
     """The verifier's `architectures`, from its config.json (a folder's; a hub id's from the cache or the hub;
-    the target's when `is_target`), which must fit the drafter (hidden size, vocabulary). A hub id whose config
+    the target's when `is_target`), which must be a target (not a drafter) that the drafter fits (hidden size,
+    vocabulary, depth: `drafter/fit.py`, as `eval` checks its target). A hub id whose config
     cannot be read stands for the target (a warning says so). A config without `architectures` gets the model
     class that transformers maps its model type to."""
     config = _verifier_config(verifier, target_config, is_target=is_target)
+    if marks := drafter_marks(config):
+        raise ConfigError(f"verifier {verifier} is a drafter ({marks}), not a target: name the target model the "
+                          "drafter was trained for (its hub id or folder), which engines serve and draft for")
     try:
         text = config.get("text_config") or config  # multimodal configs nest the language model's fields
-        sizes = (int(text["hidden_size"]), int(text["vocab_size"]))
+        layers = text.get("num_hidden_layers")
+        wrong = target_mismatches(spec, hidden_size=int(text["hidden_size"]), vocab_size=int(text["vocab_size"]),
+                                  num_layers=None if layers is None else int(layers))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"verifier {verifier}: cannot read hidden_size and vocab_size from its config.json "
                           f"({type(e).__name__}: {e})") from None
-    if sizes != (spec.hidden_size, spec.vocab_size):
-        raise ConfigError(
-            f"verifier {verifier} has hidden_size {sizes[0]} and vocab_size {sizes[1]}, but this drafter was "
-            f"built for {spec.hidden_size} and {spec.vocab_size}: name the target the drafter was trained for"
-        )
+    if wrong:
+        raise ConfigError(f"verifier {verifier} does not fit this drafter: it has {'; '.join(wrong)}; name the "
+                          "target the drafter was trained for")
     architectures = model_classes(config)
     if not architectures:
         log.warning("verifier %s: its config names no architectures, and transformers maps its model type %r to no "
