@@ -14,9 +14,9 @@ from dflash_trainer.commands.export_dirs import MARKER
 from tests.test_export_speculators import _verifier_folder
 
 
-def _checkpoint(run_dir, *overrides):
-    """A training checkpoint of the demo recipe's drafter (random weights) with `overrides`, as `train` writes it;
-    (its path, the export command's arguments up to --out)."""
+def _checkpoint(run_dir, *overrides, damage=None):
+    """A training checkpoint of the demo recipe's drafter (random weights; `damage` edits them in place) with
+    `overrides`, as `train` writes it; (its path, the export command's arguments up to --out, the target's config)."""
     from dflash_trainer.config import load_config
     from dflash_trainer.data.tokenizer import load_tokenizer
     from dflash_trainer.drafter.model import DFlashDrafter
@@ -29,8 +29,11 @@ def _checkpoint(run_dir, *overrides):
     target = target_model_config(config.target)
     mask = first_spare_row(load_tokenizer(config.target, config.data.chat_template))
     drafter = DFlashDrafter(drafter_spec(target, config.drafter, mask_token_id=mask))
+    weights = drafter.state_dict()
+    if damage is not None:
+        damage(weights)
     state = CheckpointState(step=1, epoch=0, ledger={}, model_signature={}, data_fingerprint="", scheduler={}, extra={})
-    ckpt = save_checkpoint(run_dir, state, drafter.state_dict(), {}, keep_last=1)
+    ckpt = save_checkpoint(run_dir, state, weights, {}, keep_last=1)
     return ckpt, ["export", "--config", "demo", *overrides, "--checkpoint", str(ckpt)], target
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_trainer.drafter.dspark import CONFIDENCE_KEYS, MARKOV_KEYS
 from dflash_trainer.drafter.engines import warn_if_unserved
+from dflash_trainer.drafter.finite import check_finite
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -244,6 +245,7 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
     except Exception as e:  # safetensors raises its own error type for a cut or corrupt file
         raise ConfigError(f"{root / WEIGHTS_NAME} is unreadable ({e}): cut short or damaged; export the drafter "
                           "again") from None
+    check_finite(state, root / WEIGHTS_NAME, fix="export the drafter again from a checkpoint whose weights are finite")
     if spec.variant == "dspark" and any(k in state for k in CONFIDENCE_KEYS):
         log.info("%s: the DSpark confidence head is left out (chain verification does not use it)", root)
         state = {k: v for k, v in state.items() if k not in CONFIDENCE_KEYS}
