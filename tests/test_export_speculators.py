@@ -87,22 +87,52 @@ def test_verifier_reference(tmp_path, monkeypatch, caplog):
     _verifier_folder(tmp_path / "target", target)
     monkeypatch.chdir(tmp_path)
     # vLLM 0.33 `vllm serve EXPORT` takes only a hub id: a local target folder naming none is refused, with the fixes
-    with pytest.raises(ConfigError, match=r"local folder whose config.json names none\. Pass --verifier HUB_ID .*"
-                                          r"or --verifier .*target to record the folder .*vllm serve .*target "
-                                          r"--speculative-config"):
+    with pytest.raises(ConfigError, match=r"local folder whose config.json names no hub id\. Say which: pass "
+                                          r"--verifier HUB_ID .*or --verifier .*target to record the folder .*vllm "
+                                          r"serve .*target --speculative-config"):
         verifier_reference(None, TargetConfig(path="target"))
     # a local folder given as --verifier is what the user asked for: recorded absolute, with how vLLM serves it
     assert verifier_reference("./target", TargetConfig(path="Qwen/Qwen3-8B")) == str(tmp_path / "target")
     assert "`vllm serve EXPORT` (vLLM 0.33) refuses a local verifier; serve with `vllm serve" in caplog.text
     with pytest.raises(ConfigError, match="--verifier='./nothing' does not exist"):
         verifier_reference("./nothing", TargetConfig(random_init="tiny"))
-    # a folder whose config.json names its hub id (older transformers wrote `_name_or_path`): that id is recorded
     config = json.loads((tmp_path / "target" / "config.json").read_text())
-    (tmp_path / "target" / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/tiny"}))
-    assert verifier_reference(None, TargetConfig(path="target")) == "org/tiny"
     (tmp_path / "target" / "config.json").write_text(json.dumps({**config, "_name_or_path": str(tmp_path)}))
-    with pytest.raises(ConfigError, match="names none"):  # a local path there is no hub id
+    with pytest.raises(ConfigError, match="names no hub id"):  # a local path there is no hub id
         verifier_reference(None, TargetConfig(path="target"))
+
+
+@pytest.mark.parametrize("named", ["Qwen/Qwen3-8B", "org/tiny"])
+def test_a_local_target_is_never_taken_for_the_model_its_config_names(tmp_path, monkeypatch, named):
+    """A fine-tune saved from Qwen/Qwen3-8B keeps `_name_or_path: Qwen/Qwen3-8B` in its config.json: recording that
+    name would make `vllm serve EXPORT` serve the base model. The user says which, with --verifier."""
+    _, target = tiny_drafter()
+    folder = _verifier_folder(tmp_path / "my-finetune", target)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": named}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as raised:
+        verifier_reference(None, TargetConfig(path="my-finetune"))
+    message = str(raised.value)
+    assert f"whose config.json names {named} (`_name_or_path`), which transformers also writes into a fine-tune" \
+        in message
+    assert f"pass --verifier {named} if it is that very model, --verifier HUB_ID" in message
+    assert f"--verifier {folder} to record the folder" in message
+    assert verifier_reference(named, TargetConfig(path="my-finetune")) == named  # said which: recorded as given
+    assert verifier_reference("org/my-finetune", TargetConfig(path="my-finetune")) == "org/my-finetune"
+
+
+def test_a_hub_cache_snapshot_is_recorded_as_its_repository(tmp_path):
+    """`snapshot_download`'s folder is the repository itself (its name is in the cache's path), whatever its
+    config.json names."""
+    _, target = tiny_drafter()
+    snapshot = _verifier_folder(tmp_path / "hub" / "models--org--tiny-chat" / "snapshots" / "0123abcd", target)
+    config = json.loads((snapshot / "config.json").read_text())
+    (snapshot / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/tiny-base"}))
+    assert verifier_reference(None, TargetConfig(path=str(snapshot))) == "org/tiny-chat"
+    elsewhere = _verifier_folder(tmp_path / "models--org--x" / "not-snapshots" / "rev", target)
+    with pytest.raises(ConfigError, match="names no hub id"):
+        verifier_reference(None, TargetConfig(path=str(elsewhere)))
 
 
 def test_a_verifier_of_another_size_is_refused(tmp_path):

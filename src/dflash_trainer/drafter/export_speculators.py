@@ -54,10 +54,12 @@ SERVE_LOCAL = ("vllm serve {target} --speculative-config "
 
 
 def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
-    """The verifier to record: `--verifier` if given, else the target's hub id (`target.path`, or the hub id that
-    a local target folder's config.json names in `_name_or_path`). `vllm serve EXPORT` accepts only a hub id, so
-    a local `target.path` that names none is refused with the fix; a local folder given as `--verifier` is
-    recorded as an absolute path (speculators' loader reads it), with a warning saying how vLLM serves it."""
+    """The verifier to record: `--verifier` if given, else the target's hub id (`target.path`, or the repository a
+    local target folder is a hub-cache snapshot of). `vllm serve EXPORT` serves the recorded model, so a local
+    `target.path` is never taken to be the model its config.json's `_name_or_path` names (a fine-tune saved with
+    its base model's name would be served as the base): without `--verifier` it is refused, naming that model and the
+    fixes. A local folder given as `--verifier` is recorded as an absolute path (speculators' loader reads it), with a
+    warning saying how vLLM serves it."""
     if verifier:
         reference = model_reference(verifier, "--verifier", "config.json")
         local = Path(reference).expanduser()
@@ -74,16 +76,20 @@ def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
     local = Path(reference).expanduser()
     if not local.is_dir():
         return reference  # a hub id
+    snapshot_of = _hub_cache_repository(local)
+    if snapshot_of:
+        log.info("recording the verifier as %s, the hub repository whose downloaded copy %s is", snapshot_of, local)
+        return snapshot_of
+    folder = local.resolve()
     named = _hub_id_named_in(local)
-    if named:
-        log.info("recording the verifier as %s, the hub id that %s/config.json names", named, local)
-        return named
+    said = (f"whose config.json names {named} (`_name_or_path`), which transformers also writes into a fine-tune "
+            f"saved from {named}, so it need not be this model" if named else "whose config.json names no hub id")
+    if_same = f"--verifier {named} if it is that very model, " if named else ""
     raise ConfigError(
-        f"export --format speculators records the verifier, the target that `vllm serve EXPORT` serves the drafter "
-        f"with, and vLLM (0.33) takes only a hub repository id there; target.path={target.path} is a local folder "
-        f"whose config.json names none. Pass --verifier HUB_ID (the hub id of this target, e.g. Qwen/Qwen3-8B), or "
-        f"--verifier {local.resolve()} to record the folder (speculators' loader reads it; vLLM then serves it as "
-        f"`{SERVE_LOCAL.format(target=local.resolve())}`)"
+        f"export --format speculators records the verifier, the model `vllm serve EXPORT` serves the drafter with, and "
+        f"vLLM (0.33) takes only a hub repository id there; target.path={target.path} is a local folder {said}. Say "
+        f"which: pass {if_same}--verifier HUB_ID (this target's own hub id), or --verifier {folder} to record the "
+        f"folder (speculators' loader reads it; vLLM then serves it as `{SERVE_LOCAL.format(target=folder)}`)"
     )
 
 
@@ -97,9 +103,24 @@ def local_verifier(folder: Path, given: str) -> str:
     return str(folder)
 
 
+def _hub_cache_repository(folder: Path) -> Optional[str]:
+    """The hub model id of a folder that is a snapshot in the Hugging Face cache (`models--ORG--NAME/snapshots/REV`,
+    as `snapshot_download` leaves it): that copy is the repository itself, whatever its config names."""
+    folder = folder.resolve()
+    repo = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    name = repo.removeprefix("models--").replace("--", "/")
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
 def _hub_id_named_in(folder: Path) -> Optional[str]:
-    """The hub id a model folder's config.json names (`_name_or_path`, written by older transformers), if it is a
-    valid repository id and no local path."""
+    """The hub id a model folder's config.json names (`_name_or_path`, written by older transformers: the model it
+    was loaded from, so a fine-tune's names its base), if it is a valid repository id and no local path."""
     try:
         name = json.loads((folder / "config.json").read_text()).get("_name_or_path")
     except (OSError, ValueError, AttributeError):
