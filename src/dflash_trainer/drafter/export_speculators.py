@@ -30,6 +30,7 @@ import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import PretrainedConfig
 
+from dflash_trainer.drafter.embedding_scale import block_embedding_scale, refuse_speculators_scale
 from dflash_trainer.drafter.engines import model_classes, warn_if_unserved
 from dflash_trainer.drafter.export import ARCHITECTURES, dflash2_fields, export_config, export_state, write_export
 from dflash_trainer.drafter.fit import drafter_marks, target_mismatches
@@ -248,6 +249,8 @@ def export_speculators(model: DFlashDrafter, out_dir: str | os.PathLike, *, veri
     `verifier`: the target's hub id or folder (verifier_reference); `verifier_is_target`: it is `target.path`,
     whose config `target_config` is."""
     causality_field(model.spec)  # a drafter no value describes is refused before anything is read or written
+    if target_config is not None:
+        refuse_speculators_scale(block_embedding_scale(target_config, dtype or next(model.parameters()).dtype))
     architectures = verifier_architectures(verifier, model.spec, target_config, is_target=verifier_is_target)
     warn_if_unserved({"architectures": architectures})
     state = export_state(model, target_config=target_config, dtype=dtype)
