@@ -146,3 +146,31 @@ def test_an_export_that_fails_midway_keeps_the_earlier_export(demo, tmp_path, mo
         main([*args, "--out", str(out)])
     assert _snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_an_out_that_is_a_link_to_our_export_keeps_the_link(demo, tmp_path):
+    ckpt, args, _ = demo
+    real, link = tmp_path / "elsewhere" / "export", tmp_path / "export"
+    assert main([*args, "--out", str(real)]) == 0
+    link.symlink_to(real)
+    assert main([*args, "--out", str(link), "--format", "speculators", "--verifier", "org/any"]) == 0
+    assert link.is_symlink() and "speculators_model_type" in json.loads((real / "config.json").read_text())
+
+
+def test_an_out_in_a_folder_we_cannot_write_beside_is_named(demo, tmp_path, monkeypatch, capsys):
+    """A folder the user may write but whose parent is read-only (the staging folder goes beside it)."""
+    from pathlib import Path
+
+    ckpt, args, _ = demo
+    (tmp_path / "export").mkdir()
+    mkdir = Path.mkdir
+
+    def read_only_parent(self, *a, **kw):
+        if self.name.startswith(".export.tmp-"):
+            raise PermissionError(13, "Permission denied")
+        return mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", read_only_parent)
+    assert main([*args, "--out", str(tmp_path / "export")]) == 2
+    assert f"cannot write beside {tmp_path / 'export'} (Permission denied)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]

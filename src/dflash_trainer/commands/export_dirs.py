@@ -83,11 +83,18 @@ def staged(final: Path, kind: Kind) -> Iterator[Path]:
     and moved to `final` (replacing the earlier export of ours there), else it is deleted with any folder above it
     that this call created. Call `check_export_dirs` first: `final` is replaced without another look."""
     final = Path(final).expanduser()
+    if final.is_symlink():  # a link to a folder elsewhere: replace the folder it names, keep the link
+        final = final.resolve()
     created = _missing_parents(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     stage = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir()
+    except OSError as e:
+        raise ConfigError(f"cannot write beside {final} ({e.strerror or e}), where the export is staged before it "
+                          f"replaces the folder: make {final.parent} writable, or give a folder in a writable place") \
+            from None
     try:
         yield stage
         (stage / MARKER).write_text(json.dumps({"format": MARKER_FORMAT, "kind": kind}) + "\n")
