@@ -64,6 +64,9 @@ def test_a_target_without_a_scale_records_none(tmp_path):
 
 @pytest.mark.parametrize("variant, warned", [("dflash", True), ("dflash2", False)])
 def test_vllm_s_dflash_class_without_the_scale_is_warned_about(tmp_path, caplog, variant, warned):
+    from dflash_trainer.drafter.embedding_scale import _warn_vllm_unscaled
+
+    _warn_vllm_unscaled.cache_clear()
     config, _ = _gemma()
     spec = drafter_spec(config, DrafterConfig(num_layers=1, block_size=4, gamma=2.0, variant=variant),
                         mask_token_id=95)
@@ -73,6 +76,9 @@ def test_vllm_s_dflash_class_without_the_scale_is_warned_about(tmp_path, caplog,
     assert said == warned, caplog.text
     if warned:
         assert "train drafter.variant=dflash2" in caplog.text and "SGLang and the `dflash` reference" in caplog.text
+    caplog.clear()
+    export_drafter(DFlashDrafter(spec), tmp_path / "again", target_config=config)  # a run's next best drafter
+    assert "vLLM 0.33 serves it" not in caplog.text  # said once
 
 
 def test_the_speculators_format_refuses_a_scaled_drafter(tmp_path):

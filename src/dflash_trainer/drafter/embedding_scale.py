@@ -13,6 +13,7 @@ do not all do the same (read in their released packages, 2026-12):
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional
 
@@ -56,9 +57,15 @@ def embedding_scale_fields(scale: Optional[float]) -> dict[str, float]:
 
 
 def warn_if_vllm_unscaled(variant: str, scale: Optional[float]) -> None:
-    """A dflash-format export whose block embeddings are scaled: say when vLLM serves them unscaled, and the fix."""
+    """A dflash-format export whose block embeddings are scaled: say when vLLM serves them unscaled, and the fix
+    (once per process: a training run exports its best drafter again and again)."""
     if scale is None or scale == 1.0 or variant in VLLM_READS_SCALE:
         return
+    _warn_vllm_unscaled(variant, scale)
+
+
+@functools.cache
+def _warn_vllm_unscaled(variant: str, scale: float) -> None:
     log.warning(
         "the target scales its embeddings by %g (Gemma-family), as this %s drafter was trained; vLLM 0.33 serves it "
         "with the raw embedding table (its %s class reads no scale), so its block embeddings would be %g times "
