@@ -50,10 +50,12 @@ def test_a_gemma_export_records_the_scale_its_blocks_were_embedded_with(tmp_path
     assert scale == pytest.approx(48 ** 0.5, rel=1e-2)
     torch.testing.assert_close(raw * scale, trained, rtol=0, atol=0)
     assert not torch.equal(raw, trained)  # unscaled, as vLLM's DFlash class serves it, the blocks differ
-    if HAVE_DFLASH:  # the reference's own embedding of a block, with the scale this export records
-        from dflash.model import _raw_input_embeddings
+    if HAVE_DFLASH:  # the reference reads the scale from the export as it loads it, and embeds the block with it
+        from dflash.model import DFlash2DraftModel, _draft_value, _raw_input_embeddings
 
-        torch.testing.assert_close(_raw_input_embeddings(target, ids[None], scale)[0], trained, rtol=0, atol=0)
+        loaded = DFlash2DraftModel.from_pretrained(str(tmp_path), dtype=dtype)
+        read = float(_draft_value(loaded.config, "input_embedding_scale", 1.0))
+        torch.testing.assert_close(_raw_input_embeddings(target, ids[None], read)[0], trained, rtol=0, atol=0)
 
 
 def test_a_target_without_a_scale_records_none(tmp_path):
