@@ -46,8 +46,8 @@ def test_a_drafter_of_the_same_target_fits():
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"vocab_size": 777}, "vocabulary (vocab_size) 777 vs {vocab}"),
-    ({"num_hidden_layers": 9}, "decoder layers 9 vs {layers}"),
+    ({"vocab_size": 777}, "vocab_size {vocab} (the drafter's: 777)"),
+    ({"num_hidden_layers": 9}, "decoder layers {layers} (the drafter's: 9)"),
     ({"hidden_size": 96}, "drafter hidden size 96 != target hidden size {hidden}"),
 ])
 def test_a_drafter_made_for_another_target_is_named_with_both_values(change, named):
@@ -68,7 +68,7 @@ def test_eval_of_an_export_for_another_vocabulary_stops_before_decoding(tmp_path
     assert main(["eval", "--drafter", str(export), "--out", str(tmp_path / "out"), f"eval.prompts={prompts}",
                  *TINY]) == 2
     err = capsys.readouterr().err
-    assert f"drafter {export} was made for another target" in err and "777 vs" in err
+    assert f"drafter {export} was made for another target" in err and "(the drafter's: 777)" in err
     assert not (tmp_path / "out" / "eval.json").exists()
 
 

@@ -87,22 +87,52 @@ def test_verifier_reference(tmp_path, monkeypatch, caplog):
     _verifier_folder(tmp_path / "target", target)
     monkeypatch.chdir(tmp_path)
     # vLLM 0.33 `vllm serve EXPORT` takes only a hub id: a local target folder naming none is refused, with the fixes
-    with pytest.raises(ConfigError, match=r"local folder whose config.json names none\. Pass --verifier HUB_ID .*"
-                                          r"or --verifier .*target to record the folder .*vllm serve .*target "
-                                          r"--speculative-config"):
+    with pytest.raises(ConfigError, match=r"local folder whose config.json names no hub id\. Say which: pass "
+                                          r"--verifier HUB_ID .*or --verifier .*target to record the folder .*vllm "
+                                          r"serve .*target --speculative-config"):
         verifier_reference(None, TargetConfig(path="target"))
     # a local folder given as --verifier is what the user asked for: recorded absolute, with how vLLM serves it
     assert verifier_reference("./target", TargetConfig(path="Qwen/Qwen3-8B")) == str(tmp_path / "target")
     assert "`vllm serve EXPORT` (vLLM 0.33) refuses a local verifier; serve with `vllm serve" in caplog.text
     with pytest.raises(ConfigError, match="--verifier='./nothing' does not exist"):
         verifier_reference("./nothing", TargetConfig(random_init="tiny"))
-    # a folder whose config.json names its hub id (older transformers wrote `_name_or_path`): that id is recorded
     config = json.loads((tmp_path / "target" / "config.json").read_text())
-    (tmp_path / "target" / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/tiny"}))
-    assert verifier_reference(None, TargetConfig(path="target")) == "org/tiny"
     (tmp_path / "target" / "config.json").write_text(json.dumps({**config, "_name_or_path": str(tmp_path)}))
-    with pytest.raises(ConfigError, match="names none"):  # a local path there is no hub id
+    with pytest.raises(ConfigError, match="names no hub id"):  # a local path there is no hub id
         verifier_reference(None, TargetConfig(path="target"))
+
+
+@pytest.mark.parametrize("named", ["Qwen/Qwen3-8B", "org/tiny"])
+def test_a_local_target_is_never_taken_for_the_model_its_config_names(tmp_path, monkeypatch, named):
+    """A fine-tune saved from Qwen/Qwen3-8B keeps `_name_or_path: Qwen/Qwen3-8B` in its config.json: recording that
+    name would make `vllm serve EXPORT` serve the base model. The user says which, with --verifier."""
+    _, target = tiny_drafter()
+    folder = _verifier_folder(tmp_path / "my-finetune", target)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": named}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as raised:
+        verifier_reference(None, TargetConfig(path="my-finetune"))
+    message = str(raised.value)
+    assert f"whose config.json names {named} (`_name_or_path`), which transformers also writes into a fine-tune" \
+        in message
+    assert f"pass --verifier {named} if it is that very model, --verifier HUB_ID" in message
+    assert f"--verifier {folder} to record the folder" in message
+    assert verifier_reference(named, TargetConfig(path="my-finetune")) == named  # said which: recorded as given
+    assert verifier_reference("org/my-finetune", TargetConfig(path="my-finetune")) == "org/my-finetune"
+
+
+def test_a_hub_cache_snapshot_is_recorded_as_its_repository(tmp_path):
+    """`snapshot_download`'s folder is the repository itself (its name is in the cache's path), whatever its
+    config.json names."""
+    _, target = tiny_drafter()
+    snapshot = _verifier_folder(tmp_path / "hub" / "models--org--tiny-chat" / "snapshots" / "0123abcd", target)
+    config = json.loads((snapshot / "config.json").read_text())
+    (snapshot / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/tiny-base"}))
+    assert verifier_reference(None, TargetConfig(path=str(snapshot))) == "org/tiny-chat"
+    elsewhere = _verifier_folder(tmp_path / "models--org--x" / "not-snapshots" / "rev", target)
+    with pytest.raises(ConfigError, match="names no hub id"):
+        verifier_reference(None, TargetConfig(path=str(elsewhere)))
 
 
 def test_a_verifier_of_another_size_is_refused(tmp_path):
@@ -149,13 +179,13 @@ def test_a_hub_verifier_config_is_read_raw_and_checked_like_a_folders(tmp_path, 
     from dflash_trainer.drafter import export_speculators as module
 
     drafter, target = tiny_drafter()
-    text = {k: target.to_dict()[k] for k in ("model_type", "hidden_size", "vocab_size")}
+    text = {k: target.to_dict()[k] for k in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers")}
     served = {"model_type": "qwen3_vl", "text_config": text}  # multimodal, no architectures
     configs = {"org/vl": served, "org/other": {**text, "hidden_size": 2 * target.hidden_size}}
     monkeypatch.setattr(module.PretrainedConfig, "get_config_dict", lambda name, **kw: (configs[name], {}))
     export_speculators(drafter, tmp_path / "vl", verifier="org/vl", target_config=target)
     assert _verifier_architectures(tmp_path / "vl") == ["Qwen3VLForConditionalGeneration"]
-    with pytest.raises(ConfigError, match="verifier org/other has hidden_size 128"):
+    with pytest.raises(ConfigError, match="verifier org/other does not fit this drafter: it has hidden_size 128"):
         export_speculators(drafter, tmp_path / "c", verifier="org/other", target_config=target)
 
 
@@ -199,3 +229,55 @@ def test_cli_export_speculators(tmp_path, capsys):
                  "--out", str(tmp_path / "e")]) == 2
     assert f"{tmp_path / 'c'} is a speculators-format export, which this command does not read" in \
         capsys.readouterr().err
+
+
+def _drafter_export(path, kind):
+    """An export of a drafter of the tiny target, in `kind`: ours in the DFlash or speculators format, DFlash2."""
+    drafter, target = tiny_drafter(variant="dflash2" if kind == "dflash2" else "dflash")
+    if kind == "speculators":
+        export_speculators(drafter, path, verifier="org/target", target_config=target, verifier_is_target=True)
+    else:
+        export_drafter(drafter, path, target_config=target)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["dflash", "speculators", "dflash2"])
+def test_a_drafter_export_is_refused_as_the_verifier(tmp_path, kind):
+    """A drafter has the target's hidden size and vocabulary, so only its own marks tell it from its target."""
+    drafter, target = tiny_drafter()
+    export = _drafter_export(tmp_path / "drafter", kind)
+    with pytest.raises(ConfigError, match=rf"verifier {export} is a drafter \(.*\), not a target: name the target"):
+        export_speculators(drafter, tmp_path / "spec", verifier=str(export), target_config=target)
+    assert not (tmp_path / "spec").exists()
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"num_hidden_layers": 3}, "decoder layers 3 (the drafter's: 6, taps [1, 3])"),
+    ({"num_hidden_layers": 8}, "decoder layers 8 (the drafter's: 6)"),
+    ({"vocab_size": 999}, "vocab_size 999 (the drafter's: 1088)"),
+    ({"hidden_size": 32, "vocab_size": 999}, "hidden_size 32 (the drafter's: 64); vocab_size 999"),
+])
+def test_a_verifier_the_drafter_does_not_fit_is_refused_naming_the_mismatch(tmp_path, change, named):
+    drafter, target = tiny_drafter()
+    assert (target.num_hidden_layers, target.vocab_size, target.hidden_size) == (6, 1088, 64)
+    for key, value in change.items():
+        setattr(target, key, value)
+    target.layer_types = None
+    verifier = _verifier_folder(tmp_path / "other", target)
+    with pytest.raises(ConfigError) as raised:
+        export_speculators(drafter, tmp_path / "spec", verifier=str(verifier))
+    assert f"verifier {verifier} does not fit this drafter: it has {named}" in str(raised.value)
+    assert "\n" not in str(raised.value) and not (tmp_path / "spec").exists()
+
+
+def test_cli_export_with_a_drafter_as_the_verifier(tmp_path, capsys):
+    from dflash_trainer.cli import main
+
+    ckpt, _, _ = _demo_checkpoint(tmp_path / "run")
+    args = ["export", "--config", "demo", f"run.dir={tmp_path / 'run'}", "--checkpoint", str(ckpt)]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert main([*args, "--out", str(tmp_path / "b"), "--format", "speculators", "--verifier",
+                 str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "is a drafter (architectures ['DFlashDraftModel']), not a target" in err, err
+    assert not (tmp_path / "b").exists()

@@ -3,8 +3,10 @@ inference format: DFlash (SGLang, the DFlash reference code; the default) or spe
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
+from dflash_trainer.commands.export_dirs import check_export_dirs, staged
 from dflash_trainer.commands.out_dir import checked_out_dir
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
@@ -13,40 +15,50 @@ from dflash_trainer.rundir import check_input_dir
 
 def run(config: Config, args) -> int:
     from dflash_trainer.drafter.export import export_drafter
-    from dflash_trainer.drafter.export_speculators import export_speculators, verifier_reference
+    from dflash_trainer.drafter.export_speculators import export_speculators, local_verifier, verifier_reference
     from dflash_trainer.target.load import target_model_config
     from dflash_trainer.train.checkpoint_drafter import drafter_from_checkpoint, is_checkpoint
 
     if not args.checkpoint or not args.out:
         raise ConfigError("export needs --checkpoint CHECKPOINT_DIR and --out DIR")
+    fmt = getattr(args, "format", "dflash")
+    given, save_target = getattr(args, "verifier", None), getattr(args, "save_target", None)
+    if save_target and given:
+        raise ConfigError("pass --verifier or --save-target, not both (--save-target records the folder it writes)")
+    if fmt != "speculators" and (given or save_target):
+        flag = "--save-target" if save_target else "--verifier"
+        raise ConfigError(f"{flag} is for --format speculators (the DFlash format does not record the target)")
     out_dir = checked_out_dir(args.out)
+    save_dir = checked_out_dir(save_target, flag="--save-target") if save_target else None
+    check_export_dirs(out_dir, save_dir)
     check_input_dir("--checkpoint", args.checkpoint)
     ckpt = Path(args.checkpoint)
     if not is_checkpoint(ckpt):
         raise ConfigError(f"--checkpoint {ckpt} is not a complete training checkpoint (checkpoints/step_N)")
     verifier = None  # the speculators format records the target to serve with; resolved before the work
-    given, save_target = getattr(args, "verifier", None), getattr(args, "save_target", None)
-    if save_target and given:
-        raise ConfigError("pass --verifier or --save-target, not both (--save-target records the folder it writes)")
-    if getattr(args, "format", "dflash") != "speculators" and (given or save_target):
-        flag = "--save-target" if save_target else "--verifier"
-        raise ConfigError(f"{flag} is for --format speculators (the DFlash format does not record the target)")
-    if save_target:
-        given = str(_saved_target(config, checked_out_dir(save_target, flag="--save-target")))
-    if getattr(args, "format", "dflash") == "speculators":
-        verifier = verifier_reference(given, config.target)
+    if fmt == "speculators":
+        verifier = local_verifier(save_dir, f"--save-target {save_target}") if save_dir else \
+            verifier_reference(given, config.target)
     model, averaged = drafter_from_checkpoint(config, ckpt, flag="--checkpoint")
     if averaged:
         print(f"exporting the weight average (train.ema_decay) that {ckpt} holds")
     target_config = target_model_config(config.target)
-    if verifier is not None:
-        target_folder = config.target.path and Path(config.target.path).expanduser().resolve()
-        is_target = not given or Path(verifier) == target_folder
-        out = export_speculators(model, out_dir, verifier=verifier, target_config=target_config,
-                                 verifier_is_target=is_target)
-    else:
-        out = export_drafter(model, out_dir, target_config=target_config)
-    print(f"exported {ckpt} -> {out} (config.json, model.safetensors)")
+    # Everything is written into staging folders and moved into place at the end: a refused drafter (checked
+    # before its files are written) leaves neither --out nor --save-target touched.
+    with staged(out_dir, "drafter") as out_stage, \
+            (staged(save_dir, "target") if save_dir else nullcontext()) as target_stage:
+        if verifier is not None:
+            target_folder = config.target.path and Path(config.target.path).expanduser().resolve()
+            is_target = save_dir is not None or not given or Path(verifier) == target_folder
+            export_speculators(model, out_stage, verifier=verifier, target_config=target_config,
+                               verifier_is_target=is_target)
+        else:
+            export_drafter(model, out_stage, target_config=target_config)
+        if save_dir is not None:
+            _saved_target(config, target_stage)
+    if save_dir is not None:
+        print(f"saved the target to {save_dir} (the verifier this export records)")
+    print(f"exported {ckpt} -> {out_dir} (config.json, model.safetensors)")
     return 0
 
 
@@ -59,5 +71,4 @@ def _saved_target(config: Config, folder: Path) -> Path:
     target = load_target(config.target, "cpu", seed=config.run.seed)
     target.save_pretrained(folder)
     load_tokenizer(config.target, config.data.chat_template).save_pretrained(folder)
-    print(f"saved the target to {folder} (the verifier this export records)")
     return folder

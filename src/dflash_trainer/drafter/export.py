@@ -18,7 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.drafter.dspark import CONFIDENCE_KEYS, MARKOV_KEYS
+from dflash_trainer.drafter.embedding_scale import (SCALE_KEY, block_embedding_scale, embedding_scale_fields,
+                                                    warn_if_vllm_unscaled)
 from dflash_trainer.drafter.engines import warn_if_unserved
+from dflash_trainer.drafter.finite import check_finite
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -97,6 +100,7 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(target_config, key, None) is not None:
                 config[key] = getattr(target_config, key)
+        config["dflash_config"].update(embedding_scale_fields(block_embedding_scale(target_config, dtype)))
     return config
 
 
@@ -120,6 +124,7 @@ def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_c
     state = export_state(model, target_config=target_config, dtype=dtype)
     config = export_config(model.spec, dtype=state["fc.weight"].dtype, target_config=target_config)
     warn_if_unserved(target_config)
+    warn_if_vllm_unscaled(model.spec.variant, config["dflash_config"].get(SCALE_KEY))
     return write_export(out_dir, config, state)
 
 
@@ -244,6 +249,7 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
     except Exception as e:  # safetensors raises its own error type for a cut or corrupt file
         raise ConfigError(f"{root / WEIGHTS_NAME} is unreadable ({e}): cut short or damaged; export the drafter "
                           "again") from None
+    check_finite(state, root / WEIGHTS_NAME, fix="export the drafter again from a checkpoint whose weights are finite")
     if spec.variant == "dspark" and any(k in state for k in CONFIDENCE_KEYS):
         log.info("%s: the DSpark confidence head is left out (chain verification does not use it)", root)
         state = {k: v for k, v in state.items() if k not in CONFIDENCE_KEYS}

@@ -30,8 +30,10 @@ import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import PretrainedConfig
 
+from dflash_trainer.drafter.embedding_scale import block_embedding_scale, refuse_speculators_scale
 from dflash_trainer.drafter.engines import model_classes, warn_if_unserved
 from dflash_trainer.drafter.export import ARCHITECTURES, dflash2_fields, export_config, export_state, write_export
+from dflash_trainer.drafter.fit import drafter_marks, target_mismatches
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -53,19 +55,18 @@ SERVE_LOCAL = ("vllm serve {target} --speculative-config "
 
 
 def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
-    """The verifier to record: `--verifier` if given, else the target's hub id (`target.path`, or the hub id that
-    a local target folder's config.json names in `_name_or_path`). `vllm serve EXPORT` accepts only a hub id, so
-    a local `target.path` that names none is refused with the fix; a local folder given as `--verifier` is
-    recorded as an absolute path (speculators' loader reads it), with a warning saying how vLLM serves it."""
+    """The verifier to record: `--verifier` if given, else the target's hub id (`target.path`, or the repository a
+    local target folder is a hub-cache snapshot of). `vllm serve EXPORT` serves the recorded model, so a local
+    `target.path` is never taken to be the model its config.json's `_name_or_path` names (a fine-tune saved with
+    its base model's name would be served as the base): without `--verifier` it is refused, naming that model and the
+    fixes. A local folder given as `--verifier` is recorded as an absolute path (speculators' loader reads it), with a
+    warning saying how vLLM serves it."""
     if verifier:
         reference = model_reference(verifier, "--verifier", "config.json")
         local = Path(reference).expanduser()
         if not local.is_dir():
             return reference  # a hub id
-        log.warning("--verifier %s is a local folder: speculators' loader reads it, but `vllm serve EXPORT` (vLLM "
-                    "0.33) refuses a local verifier; serve with `%s`, or export again with --verifier HUB_ID",
-                    verifier, SERVE_LOCAL.format(target=local.resolve()))
-        return str(local.resolve())
+        return local_verifier(local, f"--verifier {verifier}")
     if not target.path:
         raise ConfigError(
             "export --format speculators records the target (the verifier), from which vLLM and speculators load "
@@ -76,22 +77,51 @@ def verifier_reference(verifier: Optional[str], target: TargetConfig) -> str:
     local = Path(reference).expanduser()
     if not local.is_dir():
         return reference  # a hub id
+    snapshot_of = _hub_cache_repository(local)
+    if snapshot_of:
+        log.info("recording the verifier as %s, the hub repository whose downloaded copy %s is", snapshot_of, local)
+        return snapshot_of
+    folder = local.resolve()
     named = _hub_id_named_in(local)
-    if named:
-        log.info("recording the verifier as %s, the hub id that %s/config.json names", named, local)
-        return named
+    said = (f"whose config.json names {named} (`_name_or_path`), which transformers also writes into a fine-tune "
+            f"saved from {named}, so it need not be this model" if named else "whose config.json names no hub id")
+    if_same = f"--verifier {named} if it is that very model, " if named else ""
     raise ConfigError(
-        f"export --format speculators records the verifier, the target that `vllm serve EXPORT` serves the drafter "
-        f"with, and vLLM (0.33) takes only a hub repository id there; target.path={target.path} is a local folder "
-        f"whose config.json names none. Pass --verifier HUB_ID (the hub id of this target, e.g. Qwen/Qwen3-8B), or "
-        f"--verifier {local.resolve()} to record the folder (speculators' loader reads it; vLLM then serves it as "
-        f"`{SERVE_LOCAL.format(target=local.resolve())}`)"
+        f"export --format speculators records the verifier, the model `vllm serve EXPORT` serves the drafter with, and "
+        f"vLLM (0.33) takes only a hub repository id there; target.path={target.path} is a local folder {said}. Say "
+        f"which: pass {if_same}--verifier HUB_ID (this target's own hub id), or --verifier {folder} to record the "
+        f"folder (speculators' loader reads it; vLLM then serves it as `{SERVE_LOCAL.format(target=folder)}`)"
     )
 
 
+def local_verifier(folder: Path, given: str) -> str:
+    """A local verifier folder (`given` names where it came from), recorded as an absolute path, with a warning
+    saying how vLLM serves it."""
+    folder = Path(folder).expanduser().resolve()
+    log.warning("%s is a local folder: speculators' loader reads it, but `vllm serve EXPORT` (vLLM 0.33) refuses a "
+                "local verifier; serve with `%s`, or export again with --verifier HUB_ID", given,
+                SERVE_LOCAL.format(target=folder))
+    return str(folder)
+
+
+def _hub_cache_repository(folder: Path) -> Optional[str]:
+    """The hub model id of a folder that is a snapshot in the Hugging Face cache (`models--ORG--NAME/snapshots/REV`,
+    as `snapshot_download` leaves it): that copy is the repository itself, whatever its config names."""
+    folder = folder.resolve()
+    repo = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    name = repo.removeprefix("models--").replace("--", "/")
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
 def _hub_id_named_in(folder: Path) -> Optional[str]:
-    """The hub id a model folder's config.json names (`_name_or_path`, written by older transformers), if it is a
-    valid repository id and no local path."""
+    """The hub id a model folder's config.json names (`_name_or_path`, written by older transformers: the model it
+    was loaded from, so a fine-tune's names its base), if it is a valid repository id and no local path."""
     try:
         name = json.loads((folder / "config.json").read_text()).get("_name_or_path")
     except (OSError, ValueError, AttributeError):
@@ -123,21 +153,25 @@ def causality_field(spec: DrafterSpec) -> bool:
 def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Optional[Any], *,
                            is_target: bool = False) -> list[str]:
     """The verifier's `architectures`, from its config.json (a folder's; a hub id's from the cache or the hub;
-    the target's when `is_target`), which must fit the drafter (hidden size, vocabulary). A hub id whose config
+    the target's when `is_target`), which must be a target (not a drafter) that the drafter fits (hidden size,
+    vocabulary, depth: `drafter/fit.py`, as `eval` checks its target). A hub id whose config
     cannot be read stands for the target (a warning says so). A config without `architectures` gets the model
     class that transformers maps its model type to."""
     config = _verifier_config(verifier, target_config, is_target=is_target)
+    if marks := drafter_marks(config):
+        raise ConfigError(f"verifier {verifier} is a drafter ({marks}), not a target: name the target model the "
+                          "drafter was trained for (its hub id or folder), which engines serve and draft for")
     try:
         text = config.get("text_config") or config  # multimodal configs nest the language model's fields
-        sizes = (int(text["hidden_size"]), int(text["vocab_size"]))
+        layers = text.get("num_hidden_layers")
+        wrong = target_mismatches(spec, hidden_size=int(text["hidden_size"]), vocab_size=int(text["vocab_size"]),
+                                  num_layers=None if layers is None else int(layers))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"verifier {verifier}: cannot read hidden_size and vocab_size from its config.json "
                           f"({type(e).__name__}: {e})") from None
-    if sizes != (spec.hidden_size, spec.vocab_size):
-        raise ConfigError(
-            f"verifier {verifier} has hidden_size {sizes[0]} and vocab_size {sizes[1]}, but this drafter was "
-            f"built for {spec.hidden_size} and {spec.vocab_size}: name the target the drafter was trained for"
-        )
+    if wrong:
+        raise ConfigError(f"verifier {verifier} does not fit this drafter: it has {'; '.join(wrong)}; name the "
+                          "target the drafter was trained for")
     architectures = model_classes(config)
     if not architectures:
         log.warning("verifier %s: its config names no architectures, and transformers maps its model type %r to no "
@@ -146,16 +180,17 @@ def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Opti
 
 
 def _verifier_config(verifier: str, target_config: Optional[Any], *, is_target: bool) -> dict:
-    """The verifier's config.json as a dict (raw: no model code runs): a folder's; the target's when the verifier
-    is the target; else a hub id's from the cache or the hub, or the target's where it cannot be read."""
+    """The verifier's config.json as a dict (raw: no model code runs): the target's when the verifier is the
+    target (a folder `--save-target` is still writing, too); else a folder's; else a hub id's from the cache or the
+    hub, or the target's where it cannot be read."""
+    if is_target and target_config is not None:
+        return target_config.to_dict()
     path = Path(verifier)
     if path.is_dir():
         try:
             return json.loads((path / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"verifier {verifier}: cannot read its config.json ({type(e).__name__}: {e})") from None
-    if is_target and target_config is not None:
-        return target_config.to_dict()
     try:
         try:
             return PretrainedConfig.get_config_dict(verifier, local_files_only=True)[0]
@@ -214,6 +249,8 @@ def export_speculators(model: DFlashDrafter, out_dir: str | os.PathLike, *, veri
     `verifier`: the target's hub id or folder (verifier_reference); `verifier_is_target`: it is `target.path`,
     whose config `target_config` is."""
     causality_field(model.spec)  # a drafter no value describes is refused before anything is read or written
+    if target_config is not None:
+        refuse_speculators_scale(block_embedding_scale(target_config, dtype or next(model.parameters()).dtype))
     architectures = verifier_architectures(verifier, model.spec, target_config, is_target=verifier_is_target)
     warn_if_unserved({"architectures": architectures})
     state = export_state(model, target_config=target_config, dtype=dtype)

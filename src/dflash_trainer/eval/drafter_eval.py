@@ -15,6 +15,7 @@ from typing import Sequence
 from torch import nn
 
 from dflash_trainer.config import Config
+from dflash_trainer.drafter.fit import target_mismatches
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -40,14 +41,13 @@ def check_drafter_fits(spec: DrafterSpec, target: nn.Module, *, where: str) -> N
     except ConfigError as e:
         raise ConfigError(f"drafter {where} does not fit the target: {e}") from None
     config = text_config(target.config)
-    made_for = {"vocabulary (vocab_size)": (spec.vocab_size, int(config.vocab_size)),
-                "decoder layers": (spec.num_target_layers, len(find_decoder_layers(target)))}
-    wrong = [f"{what} {drafter} vs {this}" for what, (drafter, this) in made_for.items() if drafter != this]
+    wrong = target_mismatches(spec, hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size),
+                              num_layers=len(find_decoder_layers(target)))
     if wrong:
         raise ConfigError(
-            f"drafter {where} was made for another target ({'; '.join(wrong)}: the drafter's, then this target's "
-            f"{getattr(config, 'name_or_path', '') or 'model'}): evaluate it with the target it was trained for "
-            "(target.path, or --config RUN_DIR/config.yaml), or train a drafter for this target"
+            f"drafter {where} was made for another target (this target's "
+            f"{getattr(config, 'name_or_path', '') or 'model'} has {'; '.join(wrong)}): evaluate it with the target "
+            "it was trained for (target.path, or --config RUN_DIR/config.yaml), or train a drafter for this target"
         )
 
 

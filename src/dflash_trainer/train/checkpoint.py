@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.drafter.finite import check_finite
 from dflash_trainer.errors import ConfigError, StorageError
 from dflash_trainer.readback import damaged, decode_problem, read_json_file
 from dflash_trainer.rundir import RunDir
@@ -370,7 +371,9 @@ def read_checkpoint_drafter(path: Path) -> CheckpointDrafter:
     if problem is not None:
         raise ConfigError(f"drafter.init_from={path} is damaged: {problem}; start from another checkpoint")
     signature = read_state(path)["model_signature"]
-    raw, averaged = split_averaged(load_file(str(path / "drafter.safetensors")))
+    weights = load_file(str(path / "drafter.safetensors"))
+    check_finite(weights, path / "drafter.safetensors", fix="start from another checkpoint")
+    raw, averaged = split_averaged(weights)
     weights = raw | {k[len(PREFIX):]: v for k, v in averaged.items()}
     return CheckpointDrafter(weights=weights, variant=signature.get("variant", "dflash"),
                              tap_layer_ids=tuple(signature["tap_layer_ids"]))

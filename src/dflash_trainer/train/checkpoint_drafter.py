@@ -9,6 +9,7 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.tokenizer import load_tokenizer
+from dflash_trainer.drafter.finite import check_finite
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import drafter_spec, first_spare_row
 from dflash_trainer.errors import ConfigError
@@ -60,7 +61,9 @@ def _read_weights(ckpt: Path, flag: str) -> dict:
 
     path = ckpt / WEIGHTS
     try:
-        return load_file(str(path))
+        weights = load_file(str(path))
+        check_finite(weights, path, fix="use another checkpoint")
+        return weights
     except (SafetensorError, OSError) as e:
         def step(p: Path) -> tuple[int, str]:
             digits = "".join(c for c in p.name if c.isdigit())
