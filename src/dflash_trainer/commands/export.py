@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Optional
 
 from dflash_trainer.commands.export_dirs import check_export_dirs, staged
 from dflash_trainer.commands.out_dir import checked_out_dir
+from dflash_trainer.commands.serve_command import export_dtype, serve_lines
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.rundir import check_input_dir
@@ -25,9 +27,9 @@ def run(config: Config, args) -> int:
     given, save_target = getattr(args, "verifier", None), getattr(args, "save_target", None)
     if save_target and given:
         raise ConfigError("pass --verifier or --save-target, not both (--save-target records the folder it writes)")
-    if fmt != "speculators" and (given or save_target):
-        flag = "--save-target" if save_target else "--verifier"
-        raise ConfigError(f"{flag} is for --format speculators (the DFlash format does not record the target)")
+    if fmt != "speculators" and given:
+        raise ConfigError("--verifier is for --format speculators (the DFlash format does not record the target; "
+                          "--save-target DIR writes the target to serve it with)")
     out_dir = checked_out_dir(args.out)
     save_dir = checked_out_dir(save_target, flag="--save-target") if save_target else None
     check_export_dirs(out_dir, save_dir)
@@ -57,9 +59,25 @@ def run(config: Config, args) -> int:
         if save_dir is not None:
             _saved_target(config, target_stage)
     if save_dir is not None:
-        print(f"saved the target to {save_dir} (the verifier this export records)")
+        what = "the verifier this export records" if fmt == "speculators" else "the target to serve it with"
+        print(f"saved the target to {save_dir} ({what})")
     print(f"exported {ckpt} -> {out_dir} (config.json, model.safetensors)")
+    target = str(save_dir) if save_dir is not None else _served_target(config)
+    for line in serve_lines(variant=model.spec.variant, draft_length=model.spec.draft_length, export_dir=out_dir,
+                            fmt=fmt, target=target, verifier=verifier,
+                            verifier_is_hub=verifier is not None and not Path(verifier).is_dir(),
+                            dtype=export_dtype(out_dir)):
+        print(line)
     return 0
+
+
+def _served_target(config: Config) -> Optional[str]:
+    """The model to serve a DFlash-format export with: the config's target folder (absolute) or hub id; None for a
+    random target (no folder)."""
+    if not config.target.path:
+        return None
+    path = Path(config.target.path).expanduser()
+    return str(path.resolve()) if path.is_dir() else config.target.path
 
 
 def _saved_target(config: Config, folder: Path) -> Path:

@@ -98,9 +98,9 @@ def local_verifier(folder: Path, given: str) -> str:
     """A local verifier folder (`given` names where it came from), recorded as an absolute path, with a warning
     saying how vLLM serves it."""
     folder = Path(folder).expanduser().resolve()
-    log.warning("%s is a local folder: speculators' loader reads it, but `vllm serve EXPORT` (vLLM 0.33) refuses a "
-                "local verifier; serve with `%s`, or export again with --verifier HUB_ID", given,
-                SERVE_LOCAL.format(target=folder))
+    log.warning("%s is a local folder: speculators' loader reads it, but `vllm serve` of the export (vLLM 0.33) refuses "
+                "a local verifier; serve %s with the export as its --speculative-config model (the command is printed "
+                "when the export is written), or export again with --verifier HUB_ID", given, folder)
     return str(folder)
 
 
