@@ -4,6 +4,7 @@ a slow reference written from the paper's definition, a CPU training step that l
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -231,3 +232,29 @@ def test_dspark_and_dflash_options_with_their_own_variant_are_taken():
     assert DrafterConfig(variant="dspark", markov_rank=64, dspark_divergence="kl").markov_rank == 64
     assert DrafterConfig(variant="dflash2", selector_top_k=4).selector_top_k == 4
     assert dataclasses.replace(DrafterConfig(), block_size=8).variant == "dflash"
+
+
+def test_modelopt_names_read_and_a_dspark_export_starts_a_dspark_drafter(tmp_path):
+    """ModelOpt's export of the same drafter (flat `markov_w1.weight`, `architectures: DFlashDraftModel`) reads as
+    ours does; `drafter.init_from` a DSpark export starts a DSpark drafter with all its weights, Markov head too."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_trainer.drafter.export import export_drafter, init_from_export, load_drafter
+
+    drafter, _ = dspark()
+    perturb_markov(drafter)
+    out = export_drafter(drafter, tmp_path / "ours")
+    state = load_file(str(out / "model.safetensors"))
+    flat = {k.removeprefix("markov_head."): v for k, v in state.items()}
+    assert set(flat) - set(state) == {"markov_w1.weight", "markov_w2.weight"}
+    save_file(flat, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    for key in ("markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head"):
+        config.pop(key)
+    (out / "config.json").write_text(json.dumps(config | {"architectures": ["DFlashDraftModel"]}))
+    loaded = load_drafter(out)
+    assert loaded.spec == drafter.spec
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+    fresh, _ = dspark(seed=9)
+    init_from_export(fresh, out)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), drafter.state_dict().values()))
