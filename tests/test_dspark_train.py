@@ -157,7 +157,8 @@ def test_dspark_hits_are_the_markov_walk_teacher_forced():
     with torch.no_grad():
         hidden = drafter.forward_train(taps=batch.taps, cu_seqlens=batch.cu_seqlens, plan=plan,
                                        embed_weight=batch.embed_weight)
-        out = drafter_loss(hidden, plan, lm_head_weight=head, gamma=2.0, chunk_rows=64, markov=markov_loss(drafter, "l1"))
+        out = drafter_loss(hidden, plan, lm_head_weight=head, gamma=2.0, chunk_rows=64,
+                           markov=markov_loss(drafter, "l1"))
         base = hidden @ head.T  # (N, B, V)
         previous = torch.cat([plan.block_ids[:, :1], plan.labels[:, :-1]], 1)
         picks = (base + F.embedding(previous, drafter.markov_w1.weight) @ drafter.markov_w2.weight.T).argmax(-1)

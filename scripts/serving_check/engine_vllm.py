@@ -67,7 +67,7 @@ def _engine_config(job: Job):
     common = dict(dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True)
     if job.format == "speculators":
         return EngineArgs(model=job.export, **common).create_engine_config()
-    if job.variant == "dspark":  # every slot drafts: `vllm serve TARGET --speculative-config '{"method": "dspark", ...}'`
+    if job.variant == "dspark":  # every slot drafts: `--speculative-config '{"method": "dspark", ...}'`
         speculative = {"method": "dspark", "model": job.export, "num_speculative_tokens": job.block_size}
         return EngineArgs(model=job.target, speculative_config=speculative, **common).create_engine_config()
     speculative = {"method": "dflash", "model": job.export, "num_speculative_tokens": job.block_size - 1}

@@ -48,8 +48,8 @@ SELECTOR_MISSING = ("inject", "ignore")
 @dataclass
 class DrafterConfig:
     variant: str = "dflash"
-    """dflash | dflash2 | dspark: DFlash2 adds grouped dynamic convolutions inside each block around every sublayer and a
-    candidate selector over the top-K of each slot's logits (drafter/dflash2.py). `init_from` a DFlash export or
+    """dflash | dflash2 | dspark: DFlash2 adds grouped dynamic convolutions inside each block around every sublayer and
+    a candidate selector over the top-K of each slot's logits (drafter/dflash2.py). `init_from` a DFlash export or
     checkpoint starts it where that DFlash drafter is. DSpark's anchor slot drafts the next token (B slots draft B
     tokens) and a Markov head biases each slot by the token before it (drafter/dspark.py)."""
     conv_kernel_size: int = 2

@@ -117,8 +117,8 @@ def previous_tokens(plan: BlockPlan) -> torch.Tensor:
     return torch.cat([plan.block_ids[:, :1], plan.labels[:, :-1]], dim=1)
 
 
-def _chunk_losses(rows: torch.Tensor, labels: torch.Tensor, previous: torch.Tensor, teacher_rows: Optional[torch.Tensor],
-                  head: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, final_norm, divergence: str
+def _chunk_losses(rows: torch.Tensor, labels: torch.Tensor, previous: torch.Tensor,
+                  teacher_rows: Optional[torch.Tensor], head: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, final_norm, divergence: str
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ce (r,), distance (r,), hit (r,) bool) of r rows (r, H) with labels and previous tokens (r,) int64."""
     logits = F.linear(rows.to(head.dtype), head).float() + F.linear(w1[previous], w2).float()  # (r, V) fp32
