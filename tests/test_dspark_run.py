@@ -56,3 +56,22 @@ def test_dspark_trains_resumes_exports_and_evaluates(tmp_path):
 
     with pytest.raises(ConfigError, match="a DSpark drafter exports in the dflash format only"):
         export_speculators(drafter, tmp_path / "spec", verifier=str(tmp_path))
+
+
+def test_dspark_trains_sharded(tmp_path, monkeypatch):
+    """FSDP2 (`train.fsdp=true`, gloo on CPU), three colocated ranks whose drafters are sharded: the Markov head, in
+    the root unit, is used by the loss after the forward; the run trains, gathers the full head for its checkpoint
+    and export, and evaluates."""
+    from tests.pipeline_helpers import assert_ok, torchrun
+
+    monkeypatch.delenv("DFLASH_TEST_FAULT", raising=False)
+    run = tmp_path / "run"
+    s = assert_ok(torchrun(run, 3, "train.fsdp=true", "eval.at_end=true", *DSPARK))
+    assert s["roles"] == ["colocated"] * 3 and s["eval"]["tau"] >= 1.0
+    saved = load_file(str(checkpoints(run)[-1] / "drafter.safetensors"))
+    exported = load_file(str(run / "export" / "model.safetensors"))
+    assert saved["markov_head.markov_w2.weight"].shape == (exported["markov_head.markov_w2.weight"].shape[0], 16)
+    for name, tensor in saved.items():
+        torch.testing.assert_close(exported[name].float(), tensor)
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"]
