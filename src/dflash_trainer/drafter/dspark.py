@@ -118,9 +118,10 @@ def previous_tokens(plan: BlockPlan) -> torch.Tensor:
 
 
 def _chunk_losses(rows: torch.Tensor, labels: torch.Tensor, previous: torch.Tensor,
-                  teacher_rows: Optional[torch.Tensor], head: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, final_norm, divergence: str
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ce (r,), distance (r,), hit (r,) bool) of r rows (r, H) with labels and previous tokens (r,) int64."""
+                  teacher_rows: Optional[torch.Tensor], head: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  final_norm, divergence: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ce (r,), distance (r,), hit (r,) bool) of r rows (r, H) with labels and previous tokens (r,) int64; head
+    (V, H) the frozen LM head, w1 (V, r) and w2 (V, r) the Markov factors; teacher_rows (r, H) or None."""
     logits = F.linear(rows.to(head.dtype), head).float() + F.linear(w1[previous], w2).float()  # (r, V) fp32
     logp = torch.log_softmax(logits, dim=-1)
     ce = -logp.gather(1, labels[:, None])[:, 0]  # (r,)
