@@ -61,7 +61,7 @@ def test_a_dspark_export_reads_back_and_carries_its_fields(tmp_path):
     drafter = dspark_drafter()
     out = export_drafter(drafter, tmp_path / "export")
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["markov_rank"] == RANK
     assert config["dflash_config"]["projector_type"] == "dspark"
     assert config["dflash_config"]["markov_rank"] == RANK and config["dflash_config"]["shift_label"] is True
     loaded = load_drafter(out)
@@ -87,7 +87,7 @@ def test_the_confidence_head_is_left_out_and_other_heads_are_refused(tmp_path):
             load_drafter(out)
 
 
-def test_training_never_starts_from_a_dspark_export(tmp_path):
+def test_a_dflash_drafter_never_starts_from_a_dspark_export(tmp_path):
     out = export_drafter(dspark_drafter(), tmp_path / "export")
     model, _ = tiny_drafter(block_size=3)
     with pytest.raises(ConfigError, match="is a DSpark drafter"):

@@ -29,7 +29,8 @@ def test_the_lines_name_the_paths_tokens_and_method():
     assert words[words.index("--speculative-draft-model-path") + 1] == str(out)
     assert "the export holds float32" in lines[0] and "target's dtype" in lines[0]
     dspark = serve_lines(variant="dspark", draft_length=7, export_dir=out, fmt="dflash", target="/m")
-    assert _speculative_config(dspark[1])["method"] == "dspark" and "DSPARK" in dspark[2]
+    assert _speculative_config(dspark[1]) == {"method": "dspark", "model": str(out), "num_speculative_tokens": 7}
+    assert "DSPARK" in dspark[2] and shlex.split(dspark[2])[-2:] == ["--speculative-num-draft-tokens", "8"]
     hub = serve_lines(variant="dflash", draft_length=7, export_dir=out, fmt="speculators", target=None,
                       verifier="Qwen/Qwen3-8B", verifier_is_hub=True)
     assert hub[1] == f"  vllm serve {out}" and _speculative_config(hub[2])["num_speculative_tokens"] == 7

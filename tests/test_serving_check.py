@@ -118,3 +118,38 @@ def test_dflash2_lattice_is_what_decoding_walks(tiny_target_config):
         walked = walk(drafter.candidate_selector, hidden[None, 1:], (hidden[1:] @ head.T)[None], torch.tensor([7]),
                       0.0, None)
     assert walked.tokens[0].tolist() == picks
+
+
+def test_dspark_walk_is_the_markov_walk_and_the_judge_holds_engines_to_it(tmp_path, tiny_target_config):
+    """The DSpark walk the check compares: each slot's scores are its logits plus W2 W1[the previous pick] (the
+    anchor for slot 0), the drafts their argmaxes, and the (randomized) Markov head changes picks. The judge fails an
+    engine whose drafts or scores differ (a head left out, as an engine that loads the backbone only would run)."""
+    from serving_check.variants import DSPARK
+
+    drafter = DSPARK.build(SHAPES[0], BLOCK_SIZE, tiny_target_config)
+    randomize(drafter, seed=3)
+    hidden, head = torch.randn(BLOCK_SIZE, 64), torch.randn(tiny_target_config.vocab_size, 64) * 0.1
+    ours = DSPARK.walk(drafter, hidden, head, 7)
+    prev = 7
+    for k in range(BLOCK_SIZE):
+        with torch.no_grad():
+            scores = hidden[k] @ head.T + drafter.markov_w2.weight @ drafter.markov_w1.weight[prev]
+        torch.testing.assert_close(ours["scores"][k], scores)
+        prev = int(scores.argmax())
+        assert int(ours["drafts"][k]) == prev
+    unbiased = (hidden @ head.T).argmax(-1)
+    assert not torch.equal(ours["drafts"], unbiased)
+
+    ref = reference_of(drafter, hidden, walk=ours)
+    out = tmp_path / "out.pt"
+    ran = dict(job="dspark/all-full/dflash", engine="vllm", status="ran", model_class="Qwen3DSparkForCausalLM",
+               layers=ref.layers, taps=ref.taps, block_size=BLOCK_SIZE, outputs=str(out))
+    job = _job(variant="dspark")
+    for drafts, scores, result in [(ours["drafts"], ours["scores"], PASS),
+                                   (unbiased, hidden @ head.T, FAIL),
+                                   (ours["drafts"], ours["scores"] + 1e-3, FAIL)]:
+        torch.save({"hidden": hidden, "logits": hidden @ head.T, "drafts": drafts, "scores": scores}, out)
+        row = judge("vllm", job, EngineResult(**ran), ref, head, DSPARK.engine_classes)
+        assert row.result == result, row.why
+    torch.save({"hidden": hidden, "logits": hidden @ head.T}, out)
+    assert judge("vllm", job, EngineResult(**ran), ref, head, DSPARK.engine_classes).why == "no Markov walk output"

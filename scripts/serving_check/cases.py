@@ -45,13 +45,16 @@ class Reference:
     """Our tap layer ids (output of decoder layer l), in the order `fc` reads them."""
     selector: Optional[dict] = None
     """DFlash2: our `candidates` (B-1, K) and `lattice` (B-1, K, K) (variants.py); None for DFlash."""
+    walk: Optional[dict] = None
+    """DSpark: our Markov walk's `drafts` (B,) and `scores` (B, V) (variants.py); None for the other variants."""
 
 
-def reference_of(drafter, hidden: torch.Tensor, selector: Optional[dict] = None) -> Reference:
+def reference_of(drafter, hidden: torch.Tensor, selector: Optional[dict] = None, walk: Optional[dict] = None
+                 ) -> Reference:
     spec = drafter.spec
     layers = [{"causal": spec.layer_window(i) is not None, "window": spec.layer_window(i)}
               for i in range(spec.num_layers)]
-    return Reference(hidden=hidden, layers=layers, taps=list(spec.tap_layer_ids), selector=selector)
+    return Reference(hidden=hidden, layers=layers, taps=list(spec.tap_layer_ids), selector=selector, walk=walk)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,6 +121,7 @@ def build_jobs(work: Path, variants: list[Variant], target: Target, target_confi
                 hidden = variant.reference(drafter, inputs, target.embed)
                 selector = variant.selector and variant.selector(drafter, hidden, target.head,
                                                                  int(inputs["block_ids"][0]))
+                walk = variant.walk and variant.walk(drafter, hidden, target.head, int(inputs["block_ids"][0]))
             for fmt in formats:
                 out, refused = work / f"{name}-{fmt}", None
                 try:
@@ -129,9 +133,9 @@ def build_jobs(work: Path, variants: list[Variant], target: Target, target_confi
                 mixed = 0 < len(shape.sliding_layers) < shape.num_layers
                 jobs.append(Job(id=f"{variant.name}/{shape.name}/{fmt}", variant=variant.name, drafter=shape.name,
                                 format=fmt, export=str(out), target=target.path, inputs=str(work / f"{name}-inputs.pt"),
-                                block_size=BLOCK_SIZE, vllm_v2_runner=mixed or variant.selector is not None,
-                                refused=refused))
-                ours[jobs[-1].id] = reference_of(drafter, hidden, selector)
+                                block_size=BLOCK_SIZE, refused=refused,
+                                vllm_v2_runner=mixed or variant.selector is not None or variant.walk is not None))
+                ours[jobs[-1].id] = reference_of(drafter, hidden, selector, walk)
     return jobs, ours
 
 
@@ -168,10 +172,12 @@ def given_job(work: Path, export: Path, reference: Path, target_dir: Path | None
         hidden = variant.reference(drafter, inputs, target.embed.float())
         selector = variant.selector and variant.selector(drafter, hidden, target.head.float(),
                                                          int(inputs["block_ids"][0]))
+        walk = variant.walk and variant.walk(drafter, hidden, target.head.float(), int(inputs["block_ids"][0]))
     job = Job(id=f"{variant.name}/given/{fmt}", variant=variant.name, drafter="given", format=fmt, export=str(export),
               target=str(target_dir), inputs=str(work / "given-inputs.pt"), block_size=drafter.spec.block_size,
-              vllm_v2_runner=len(set(drafter.spec.layer_types)) > 1 or variant.selector is not None)
-    return job, {job.id: reference_of(drafter, hidden, selector)}, target
+              vllm_v2_runner=len(set(drafter.spec.layer_types)) > 1 or variant.selector is not None
+              or variant.walk is not None)
+    return job, {job.id: reference_of(drafter, hidden, selector, walk)}, target
 
 
 def _read_config(folder: Path, flag: str) -> dict:

@@ -131,9 +131,13 @@ def run(job: Job, out_file: str) -> EngineResult:
     _replace_attention(model, inputs, captured)
     positions = inputs["context_positions"]
     with torch.no_grad():
-        context = model.project_target_hidden(inputs["taps"])  # fc + hidden_norm: (C, H)
-        DFlashWorkerV2._append_target_hidden_sequential(worker, ctx_hidden=context, ctx_positions=positions,
-                                                        ctx_cache_loc=positions.clone())
+        if job.variant == "dspark":  # its worker's injector: fc + hidden_norm, then each layer's K/V into the pool
+            model.write_target_hidden_kv(target_hidden=inputs["taps"], pool=_CapturePool(set_kv_buffer),
+                                         positions=positions, cache_loc=positions.clone())
+        else:
+            context = model.project_target_hidden(inputs["taps"])  # fc + hidden_norm: (C, H)
+            DFlashWorkerV2._append_target_hidden_sequential(worker, ctx_hidden=context, ctx_positions=positions,
+                                                            ctx_cache_loc=positions.clone())
         out = model(inputs["block_ids"], inputs["block_positions"], None,
                     input_embeds=target.embed[inputs["block_ids"]])
         hidden = out.hidden_states  # (B, H)
@@ -142,12 +146,38 @@ def run(job: Job, out_file: str) -> EngineResult:
             model.lm_head = _lm_head(target.head)  # the worker attaches the target's LM head
             outputs["candidates"], lattice = _selector_lattice(model, hidden[None, 1:], inputs["block_ids"][:1])
             outputs["candidates"], outputs["lattice"] = outputs["candidates"][0], lattice[0]
+        if job.variant == "dspark":
+            model.lm_head = _lm_head(target.head)  # the worker attaches the target's LM head
+            outputs |= _markov_walk(model, hidden, inputs["block_ids"][:1])
     torch.save(outputs, out_file)
     draft = model_config.hf_config
     target_layers = json.loads((Path(job.target) / "config.json").read_text())["num_hidden_layers"]
     return EngineResult(job=job.id, engine="sglang", status="ran", model_class=type(model).__name__,
                         layers=[_layer_mode(layer.self_attn.attn) for layer in model.layers],
                         taps=_taps(draft, target_layers), block_size=model.block_size, outputs=out_file)
+
+
+class _CapturePool:
+    """The draft KV pool as DSpark's `write_target_hidden_kv` writes it: `set_kv_buffer(layer, loc, k, v, ...)`."""
+
+    def __init__(self, set_kv_buffer):
+        self.set_kv_buffer = set_kv_buffer
+
+
+def _markov_walk(model, hidden: torch.Tensor, anchor: torch.Tensor) -> dict:
+    """The draft worker's greedy `draft_markov_block` over `compute_base_logits` (one request: the block's B slots),
+    and the scores each pick was made from: the base logits plus its Markov head's `step_bias` of the previous pick."""
+    from sglang.srt.speculative.dspark_components.dspark_draft import DraftNoise, draft_markov_block
+
+    base, _ = model.compute_base_logits(hidden)  # (B, V)
+    sync = types.SimpleNamespace(sync=lambda site, tokens: tokens)  # one rank: nothing to agree on
+    drafts, _ = draft_markov_block(markov_head=model.markov_head, base_logits=base[None], anchor_tokens=anchor,
+                                   draft_hidden=None, step_temperatures=torch.zeros(1),
+                                   noise=DraftNoise(key=0, offset=torch.zeros(1, dtype=torch.int64)), tp_sync=sync,
+                                   greedy_draft=True)
+    previous = torch.cat([anchor, drafts[0, :-1]]).long()  # (B,) the token before each slot
+    bias, _ = model.markov_head.step_bias(previous, hidden_states=None, state=None)
+    return {"drafts": drafts[0], "scores": base + bias}
 
 
 def _lm_head(weight: torch.Tensor):

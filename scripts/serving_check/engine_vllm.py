@@ -67,6 +67,9 @@ def _engine_config(job: Job):
     common = dict(dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True)
     if job.format == "speculators":
         return EngineArgs(model=job.export, **common).create_engine_config()
+    if job.variant == "dspark":  # every slot drafts: `--speculative-config '{"method": "dspark", ...}'`
+        speculative = {"method": "dspark", "model": job.export, "num_speculative_tokens": job.block_size}
+        return EngineArgs(model=job.target, speculative_config=speculative, **common).create_engine_config()
     speculative = {"method": "dflash", "model": job.export, "num_speculative_tokens": job.block_size - 1}
     return EngineArgs(model=job.target, speculative_config=speculative, **common).create_engine_config()
 
@@ -140,12 +143,15 @@ def _load(job: Job):
     from vllm.model_executor.model_loader import get_model
     from vllm.v1.spec_decode.dflash import DFlashProposer
     from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
     with _v2_runner(job.vllm_v2_runner):
         vllm_config = _engine_config(job)
         with set_current_vllm_config(vllm_config):
             _setup()  # vLLM's parallel groups read the current config
             target = get_model(vllm_config=vllm_config)
+            if job.variant == "dspark":  # the V2 runner's DSparkSpeculator.load_draft_model
+                return vllm_config, target, load_dspark_model(target, vllm_config)
             if job.vllm_v2_runner:
                 return vllm_config, target, load_dflash_model(target, vllm_config)
             proposer = DFlashProposer(vllm_config, torch.device("cpu"))
@@ -180,9 +186,45 @@ def run(job: Job, out_file: str) -> EngineResult:
             outputs["candidates"] = candidates
             outputs["lattice"] = model.model.candidate_selector(candidates[None], unary[None], hidden[None, 1:],
                                                                 inputs["block_ids"][:1])[0]  # (B-1, K, K)
+        if job.variant == "dspark":
+            outputs |= _markov_walk(model, hidden, inputs["block_ids"][0])
     torch.save(outputs, out_file)
     return EngineResult(
         job=job.id, engine="vllm", status="ran", model_class=type(model).__name__,
         layers=[{"causal": bool(l.self_attn.causal), "window": l.self_attn.sliding_window} for l in model.model.layers],
-        taps=taps, block_size=vllm_config.speculative_config.num_speculative_tokens + 1, notes=notes,
-        outputs=out_file)
+        taps=taps, block_size=_block_size(vllm_config), notes=notes, outputs=out_file)
+
+
+def _block_size(vllm_config) -> int:
+    """The query slots a step drafts with: num_speculative_tokens + 1 (DFlash), or num_speculative_tokens for a
+    DSpark drafter whose anchor slot samples (`DSparkSpeculator`'s `sample_from_anchor`)."""
+    speculative = vllm_config.speculative_config
+    n = speculative.num_speculative_tokens
+    if speculative.method == "dspark" and getattr(speculative.draft_model_config.hf_config, "sample_from_anchor", True):
+        return n
+    return n + 1
+
+
+def _markov_walk(model, hidden: torch.Tensor, anchor: torch.Tensor) -> dict:
+    """The V2 runner's `DSparkSpeculator._sample_sequential` (greedy: no draft logits kept) on one request whose
+    query slots are the block, on a stand-in for the speculator holding the buffers it reads; returns its `drafts`
+    (B,) and the `scores` (B, V) each slot's pick was made from."""
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    n = hidden.shape[0]
+    scores = []
+    speculator = types.SimpleNamespace(
+        model=model, num_speculative_steps=n, _draft_topk=None, use_confidence_head=False, draft_logits=None,
+        sample_indices=torch.arange(n), sample_idx_mapping=torch.zeros(n, dtype=torch.int32),
+        sample_pos=torch.arange(n), input_buffers=types.SimpleNamespace(input_ids=anchor.reshape(1)),
+        _anchor_idx=torch.zeros(1, dtype=torch.int64), draft_tokens=torch.zeros(1, n, dtype=torch.int64),
+        _step_cols=torch.arange(n, dtype=torch.int32),
+        _maybe_predict_acceptance=lambda *args: None)
+
+    def sample_logits(logits, idx_map, sample_pos, step):
+        scores.append(logits.clone())
+        return DSparkSpeculator._sample_logits(speculator, logits, idx_map, sample_pos, step)
+
+    speculator._sample_logits = sample_logits
+    DSparkSpeculator._sample_sequential(speculator, 1, hidden)
+    return {"drafts": speculator.draft_tokens[0].clone(), "scores": torch.cat(scores)}

@@ -29,7 +29,8 @@ class Row:
     hidden_diff: Optional[float]
     logits_diff: Optional[float]
     selector_diff: Optional[float] = None
-    """DFlash2: max |difference| of the selector's lattice of scores (the candidates must be the same)."""
+    """DFlash2: max |difference| of the selector's lattice of scores (the candidates must be the same); DSpark: of
+    the Markov walk's scores (the drafts must be the same)."""
     result: str
     why: str = ""
 
@@ -77,6 +78,15 @@ def judge(engine: str, job, result, reference, head: torch.Tensor, variant_class
             selector_diff = float((out["lattice"].float() - reference.selector["lattice"]).abs().max())
             if not selector_diff < TOLERANCE:
                 problems.append(f"selector scores differ from ours by more than {TOLERANCE:g}")
+    if reference.walk is not None:
+        if "drafts" not in out:
+            problems.append("no Markov walk output")
+        elif not torch.equal(out["drafts"].long(), reference.walk["drafts"]):
+            problems.append(f"Markov drafts {out['drafts'].tolist()}, ours {reference.walk['drafts'].tolist()}")
+        else:
+            selector_diff = float((out["scores"].float() - reference.walk["scores"]).abs().max())
+            if not selector_diff < TOLERANCE:
+                problems.append(f"Markov walk scores differ from ours by more than {TOLERANCE:g}")
     return Row(**base, layers=layers_text(result.layers), hidden_diff=hidden_diff, logits_diff=logits_diff,
                selector_diff=selector_diff, result=FAIL if problems else PASS, why="; ".join(problems))
 

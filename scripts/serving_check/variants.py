@@ -10,6 +10,15 @@ worker's). Config keys both read: `dflash_config.{conv_kernel_size, conv_group_s
 selector_top_k}` (the speculators format: top level, `speculators_model_type: dflash2`); tensors
 `layers.N.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}` and
 `candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}`.
+
+DSpark (drafter/dspark.py) keeps DFlash's layers; every slot of its block drafts (the anchor's the next token), and a
+Markov head adds W2 W1[the token picked before] to each slot's logits, walked left to right. `walk` gives our greedy
+walk as `dflash-train eval` drafts it (`dspark.markov_walk`): the drafts and each slot's biased scores; the engines'
+come from vLLM's `DSparkSpeculator._sample_sequential` (over `Qwen3DSparkForCausalLM.compute_draft_logits`,
+`markov_embed`, `markov_bias`) and SGLang's `draft_markov_block` (over `compute_base_logits` and its
+`markov_head`). Keys both read: `architectures: ["Qwen3DSparkModel"]`, top-level `markov_rank` (SGLang's parser also
+`dflash_config.markov_rank`), `block_size` = the drafted tokens (vLLM's `num_speculative_tokens`, SGLang's gamma);
+tensors `markov_head.markov_w1.weight` and `markov_head.markov_w2.weight`. It exports in the dflash format only.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.dspark import markov_walk
 from dflash_trainer.drafter.export import export_drafter
 from dflash_trainer.drafter.export_speculators import export_speculators
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -55,6 +65,9 @@ class Variant:
     selector: Optional[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], dict]] = None
     """selector(drafter, hidden (B, H), head (V, H), first_token): our candidates (B-1, K) and lattice
     (B-1, K, K) for slots 1..B-1 (module docstring); None: the variant has no selector."""
+    walk: Optional[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], dict]] = None
+    """walk(drafter, hidden (B, H), head (V, H), anchor_token): our greedy Markov walk over the block's B slots,
+    `drafts` (B,) and `scores` (B, V) (module docstring); None: the variant has no walk."""
 
 
 def _builder(**fields) -> Callable[[Shape, int, Any], DFlashDrafter]:
@@ -96,6 +109,15 @@ def _lattice(drafter: DFlashDrafter, hidden: torch.Tensor, head: torch.Tensor, f
     return {"candidates": candidates, "lattice": lattice}
 
 
+@torch.no_grad()
+def _markov_walk(drafter: DFlashDrafter, hidden: torch.Tensor, head: torch.Tensor, anchor: int) -> dict:
+    """Our greedy walk of the block's slots (module docstring), and the scores each pick was the argmax of."""
+    logits = hidden @ head.T  # (B, V)
+    walked = markov_walk(drafter.markov_w1, drafter.markov_w2, logits[None], torch.tensor([anchor]), 0.0, None)
+    previous = torch.cat([torch.tensor([anchor]), walked.tokens[0, :-1]])  # (B,) the token before each slot
+    return {"drafts": walked.tokens[0], "scores": logits + drafter.markov_head.bias(previous)}
+
+
 EXPORTERS = {"dflash": _export_dflash, "speculators": _export_speculators}
 
 DFLASH = Variant(
@@ -116,4 +138,13 @@ DFLASH2 = Variant(
     selector=_lattice,
 )
 
-VARIANTS = {v.name: v for v in (DFLASH, DFLASH2)}
+DSPARK = Variant(
+    name="dspark",
+    engine_classes={"vllm": "Qwen3DSparkForCausalLM", "sglang": "Qwen3DSparkModel"},
+    build=_builder(variant="dspark", markov_rank=8),
+    reference=_reference,
+    exporters=EXPORTERS,  # its speculators export is refused (a REFUSED row)
+    walk=_markov_walk,
+)
+
+VARIANTS = {v.name: v for v in (DFLASH, DFLASH2, DSPARK)}

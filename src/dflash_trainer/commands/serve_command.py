@@ -36,9 +36,11 @@ def serve_lines(*, variant: str, draft_length: int, export_dir: Path, fmt: str, 
         return lines + ["  (this config's target is random weights with no folder: export again with --save-target DIR "
                         "to write it, and serve DIR)"]
     lines.append(f"  vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}")
+    # SGLang reads the block from the export, but for DSpark it verifies the drafts and the anchor: one more
+    width = f" --speculative-num-draft-tokens {draft_length + 1}" if variant == "dspark" else ""
     lines.append(f"  python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm "
                  f"{SGLANG_ALGORITHM.get(variant, 'DFLASH')} --speculative-draft-model-path "
-                 f"{shlex.quote(str(export_dir))}")
+                 f"{shlex.quote(str(export_dir))}{width}")
     return lines
 
 

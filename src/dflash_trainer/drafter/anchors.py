@@ -41,10 +41,10 @@ class BlockPlan:
     """(N, B) int64: block input ids [token at anchor, MASK x (B-1)]."""
     labels: torch.Tensor
     """(N, B) int64: labels[:, k] = token at anchor + k (same position, no shift); 0 where not valid.
-    Slot 0 is never a label."""
+    Slot 0 is never a label. With `label_offset` 1 (DSpark), the token at anchor + k + 1, slot 0's included."""
     label_valid: torch.Tensor
     """(N, B) bool: slot k >= 1 of a valid block whose position anchor + k is inside the same sequence
-    and has loss_mask set; always False at slot 0."""
+    and has loss_mask set; always False at slot 0. With `label_offset` 1: slot k >= 0, position anchor + k + 1."""
 
     @property
     def num_blocks(self) -> int:
@@ -133,8 +133,11 @@ def plan_from_anchors(
     cu_seqlens: torch.Tensor,
     block_size: int,
     mask_token_id: int,
+    label_offset: int = 0,
 ) -> BlockPlan:
-    """The block inputs, positions and labels for given anchors (tests pass hand-picked anchors)."""
+    """The block inputs, positions and labels for given anchors (tests pass hand-picked anchors). `label_offset`:
+    the drafter's (`DrafterSpec.label_offset`); with 1 (DSpark) the anchor rule still holds the first label, at
+    anchor + 1, in the anchor's sequence and supervised, as it holds DFlash's slot 1."""
     num_slots = input_ids.shape[0]
     device = input_ids.device
     seq_ids = token_seq_ids(cu_seqlens, num_slots)  # (T,)
@@ -145,10 +148,10 @@ def plan_from_anchors(
     anchor_pos = torch.where(block_valid, anchors - seq_start, torch.zeros_like(anchors))  # (N,)
     slot = torch.arange(block_size, device=device)  # (B,)
     positions = anchor_pos[:, None] + slot  # (N, B)
-    target_idx = anchors[:, None] + slot  # (N, B) packed index of slot k's label
+    target_idx = anchors[:, None] + slot + label_offset  # (N, B) packed index of slot k's label
     inside = target_idx < seq_end[:, None]  # (N, B)
     safe_idx = target_idx.clamp(max=num_slots - 1)
-    label_valid = block_valid[:, None] & inside & loss_mask.bool()[safe_idx] & (slot >= 1)  # (N, B)
+    label_valid = block_valid[:, None] & inside & loss_mask.bool()[safe_idx] & (slot + label_offset >= 1)  # (N, B)
     labels = torch.where(label_valid, input_ids[safe_idx], torch.zeros_like(safe_idx))  # (N, B)
     block_ids = torch.full_like(labels, mask_token_id)  # (N, B)
     block_ids[:, 0] = input_ids[anchors]
@@ -175,8 +178,10 @@ def plan_blocks(
     seed: int,
     epoch: int,
     job_id: int,
+    label_offset: int = 0,
 ) -> BlockPlan:
-    """Sample the N blocks of a packed batch (keyed by seed, epoch, job_id) and build their inputs/labels."""
+    """Sample the N blocks of a packed batch (keyed by seed, epoch, job_id) and build their inputs/labels
+    (`label_offset`: `plan_from_anchors`'s)."""
     generator = job_generator(seed, epoch, job_id, "anchors", input_ids.device)
     anchors, block_valid = sample_anchors(
         loss_mask=loss_mask, cu_seqlens=cu_seqlens, num_blocks=num_blocks, generator=generator
@@ -189,4 +194,5 @@ def plan_blocks(
         cu_seqlens=cu_seqlens,
         block_size=block_size,
         mask_token_id=mask_token_id,
+        label_offset=label_offset,
     )

@@ -27,8 +27,19 @@ def check_tap_order(tap_layer_ids, where: str) -> None:
                           f"concatenate the taps in layer order; list them as {sorted(taps)}")
 
 
-VARIANTS = ("dflash", "dflash2")
-"""Drafter variants: DFlash, and DFlash2 (DFlash plus block convolutions and a candidate selector, `dflash2.py`)."""
+VARIANTS = ("dflash", "dflash2", "dspark")
+"""Drafter variants: DFlash, DFlash2 (DFlash plus block convolutions and a candidate selector, `dflash2.py`), and
+DSpark (the anchor's slot drafts too, plus a Markov head, `dspark.py`)."""
+
+DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight",
+                   "selector_warmup", "selector_missing", "selector_detach")
+"""DrafterConfig fields only DFlash2 reads."""
+
+DSPARK_OPTIONS = ("markov_rank", "dspark_divergence")
+"""DrafterConfig fields only DSpark reads."""
+
+DIVERGENCES = ("l1", "kl")
+"""`drafter.dspark_divergence`: the distance to the target's distribution that `drafter.kd_weight` weighs."""
 
 SELECTOR_MISSING = ("inject", "ignore")
 """DFlash2's selector loss where the true token is not among the top-K candidates (`dflash2.selector_targets`)."""
@@ -37,9 +48,10 @@ SELECTOR_MISSING = ("inject", "ignore")
 @dataclass
 class DrafterConfig:
     variant: str = "dflash"
-    """dflash | dflash2: DFlash2 adds grouped dynamic convolutions inside each block around every sublayer and a
-    candidate selector over the top-K of each slot's logits (drafter/dflash2.py). `init_from` a DFlash export or
-    checkpoint starts it where that DFlash drafter is."""
+    """dflash | dflash2 | dspark: DFlash2 adds grouped dynamic convolutions inside each block around every sublayer and
+    a candidate selector over the top-K of each slot's logits (drafter/dflash2.py). `init_from` a DFlash export or
+    checkpoint starts it where that DFlash drafter is. DSpark's anchor slot drafts the next token (B slots draft B
+    tokens) and a Markov head biases each slot by the token before it (drafter/dspark.py)."""
     conv_kernel_size: int = 2
     """DFlash2: taps of each block convolution (the current slot and the ones before it)."""
     conv_group_size: int = 16
@@ -57,6 +69,11 @@ class DrafterConfig:
     in the selector's loss."""
     selector_detach: bool = False
     """DFlash2: stop the selector's gradient at the backbone (it then trains the selector's own weights only)."""
+    markov_rank: int = 256
+    """DSpark: rank of the Markov head (an embedding V x r, then r -> V)."""
+    dspark_divergence: str = "l1"
+    """DSpark: the distance to the target's distribution that `kd_weight` weighs: l1 (sum |p - q|, twice the total
+    variation: DSpark's own loss, 0.1 CE + 0.9 L1 at kd_weight 0.9) or kl (DFlash's KD)."""
     num_layers: int = 5
     block_size: int = 16
     tap_layer_ids: Optional[list[int]] = None
@@ -106,6 +123,7 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ConfigError(f"drafter.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+        self._check_variant_options()
         if self.selector_missing not in SELECTOR_MISSING:
             raise ConfigError(f"drafter.selector_missing must be inject or ignore, got {self.selector_missing!r}")
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
@@ -172,6 +190,25 @@ class DrafterConfig:
                               f"got {backend!r}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise ConfigError(f"drafter.sliding_layers must be in [0, {self.num_layers}), got {self.sliding_layers}")
+
+    def _check_variant_options(self) -> None:
+        """DSpark's options set (off their defaults) with another variant, or DFlash2's with DSpark: an error naming
+        the variant that would ignore them."""
+        defaults = DrafterConfig.__dataclass_fields__
+        if self.variant == "dspark":
+            owner, changed = "dflash2", [k for k in DFLASH2_OPTIONS if getattr(self, k) != defaults[k].default]
+        else:
+            owner, changed = "dspark", [k for k in DSPARK_OPTIONS if getattr(self, k) != defaults[k].default]
+        if changed:
+            raise ConfigError(f"drafter.{', drafter.'.join(changed)} {'is a' if len(changed) == 1 else 'are'} "
+                              f"{owner} option{'s' if len(changed) > 1 else ''}, which drafter.variant={self.variant} "
+                              f"ignores: remove {'it' if len(changed) == 1 else 'them'}"
+                              f"{f' or set drafter.variant={owner}' if self.variant != 'dspark' else ''}")
+        if self.markov_rank < 1:
+            raise ConfigError(f"drafter.markov_rank must be >= 1, got {self.markov_rank}")
+        if self.dspark_divergence not in DIVERGENCES:
+            raise ConfigError(f"drafter.dspark_divergence must be one of {', '.join(DIVERGENCES)}, got "
+                              f"{self.dspark_divergence!r}")
 
     @property
     def loss_gamma(self) -> float:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_trainer.drafter.dspark import CONFIDENCE_KEYS, MARKOV_KEYS
+from dflash_trainer.drafter.dspark import CONFIDENCE_KEYS, MARKOV_KEYS, engine_names
 from dflash_trainer.drafter.embedding_scale import (SCALE_KEY, block_embedding_scale, embedding_scale_fields,
                                                     warn_if_vllm_unscaled)
 from dflash_trainer.drafter.engines import warn_if_unserved
@@ -48,9 +48,10 @@ _DFLASH2_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.
                  "candidate_selector.hidden_projection.weight")
 """DFlash2's tensors, named as the reference, vLLM and SGLang read them (the codebooks without `.weight`)."""
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DFlashDraftModel"}
-"""`architectures` of each variant's export: the class the reference package, vLLM and SGLang build (a DSpark
-export, ModelOpt's, names DFlash's and says `dflash_config.projector_type: dspark`)."""
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
+"""`architectures` of each variant's export: the class the reference package, vLLM and SGLang build. A DSpark
+export names the class both engines build (ModelOpt's names DFlash's, which neither engine serves as DSpark) and says
+`dflash_config.projector_type: dspark` as ModelOpt's does, which is what this file reads."""
 
 DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 """DFlash2's `dflash_config` fields (DrafterSpec fields of the same names)."""
@@ -95,6 +96,9 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
         vocab_size=spec.vocab_size,
         dtype=str(dtype).removeprefix("torch."),
     )
+    if spec.variant == "dspark":  # where the engines read them (dspark.py)
+        config.update(markov_rank=spec.markov_rank, markov_head_type="vanilla", sample_from_anchor=True,
+                      enable_confidence_head=False)
     if target_config is not None:
         target_config = text_config(target_config)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -250,6 +254,8 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
         raise ConfigError(f"{root / WEIGHTS_NAME} is unreadable ({e}): cut short or damaged; export the drafter "
                           "again") from None
     check_finite(state, root / WEIGHTS_NAME, fix="export the drafter again from a checkpoint whose weights are finite")
+    if spec.variant == "dspark":
+        state = engine_names(state)  # ModelOpt's flat Markov names
     if spec.variant == "dspark" and any(k in state for k in CONFIDENCE_KEYS):
         log.info("%s: the DSpark confidence head is left out (chain verification does not use it)", root)
         state = {k: v for k, v in state.items() if k not in CONFIDENCE_KEYS}
@@ -299,10 +305,10 @@ def warm_start(model: DFlashDrafter, state: dict[str, torch.Tensor], *, variant:
     """Copy a drafter's weights `state` (of `variant`, tapping `tap_layer_ids`) into `model`: the same taps and
     shapes, else an error naming `where`. A DFlash drafter's weights start a DFlash2 `model` too: its convolutions
     and selector keep their initialisation (the identity, and a selector that adds nothing), so it computes what
-    the DFlash drafter computed."""
-    if variant == "dspark":  # its slots predict one position further on than a DFlash drafter's
-        raise ConfigError(f"{where} is a DSpark drafter (another trainer's): dflash-train evaluates it but does not "
-                          "train it; start from a DFlash or DFlash2 export")
+    the DFlash drafter computed, and a DSpark `model` its backbone (its Markov head keeps its initialisation)."""
+    if variant == "dspark" and model.spec.variant != "dspark":  # its slots predict one position further on
+        raise ConfigError(f"{where} is a DSpark drafter and this one is {model.spec.variant}: its slots predict one "
+                          "token further on and its Markov head would be lost; set drafter.variant=dspark")
     if variant == "dflash2" and model.spec.variant != "dflash2":
         raise ConfigError(f"{where} is a DFlash2 drafter and this one is DFlash: its convolutions and selector would be "
                           "lost; set drafter.variant=dflash2")

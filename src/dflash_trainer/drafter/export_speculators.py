@@ -248,6 +248,9 @@ def export_speculators(model: DFlashDrafter, out_dir: str | os.PathLike, *, veri
     """Write config.json + model.safetensors in the speculators format to out_dir (created); returns it.
     `verifier`: the target's hub id or folder (verifier_reference); `verifier_is_target`: it is `target.path`,
     whose config `target_config` is."""
+    if model.spec.variant == "dspark":  # vLLM's speculators path for it defaults to DFlash's slots (sample_from_anchor)
+        raise ConfigError("a DSpark drafter exports in the dflash format only (vLLM and SGLang serve it as "
+                          "Qwen3DSparkModel with method dspark): drop --format speculators")
     causality_field(model.spec)  # a drafter no value describes is refused before anything is read or written
     if target_config is not None:
         refuse_speculators_scale(block_embedding_scale(target_config, dtype or next(model.parameters()).dtype))

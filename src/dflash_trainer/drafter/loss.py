@@ -10,6 +10,8 @@ Rows are the block slots k = 1..B-1 of all N blocks. Slot k's label is the token
 Per-row loss = (1 - kd_weight) * CE + kd_weight * KL(teacher || drafter), the teacher for slot k being the
 target's distribution at anchor + k - 1 (its last hidden state through its final norm and lm_head).
 
+DSpark (`markov`): its own rows, labels, Markov bias and distance (`dspark.MarkovLoss.loss`).
+
 DFlash2 (`selector`): plus `selector.weight` x the selector's K-way cross-entropy over each slot's top-K candidates
 (`dflash2.py`), teacher-forced, with the same per-slot weights; the slot hits (accuracy, simulated tau) are then
 the selector's greedy picks, as decoding makes them.
@@ -22,7 +24,7 @@ rows under activation checkpointing: fp32 logits of one chunk exist at a time, f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,9 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_trainer.drafter.anchors import BlockPlan
 from dflash_trainer.drafter.dflash2 import CandidateSelector, previous_tokens, selector_targets
+
+if TYPE_CHECKING:  # dspark.py builds on this module
+    from dflash_trainer.drafter.dspark import MarkovLoss
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,10 +190,14 @@ def drafter_loss(
     dpace_alpha: float = 0.5,
     compiled_ce: bool = True,
     selector: Optional[SelectorLoss] = None,
+    markov: Optional["MarkovLoss"] = None,
 ) -> LossOutput:
     """Loss sums for hidden (N, B, H) from `forward_train` with labels from `plan`; lm_head_weight (V, H).
     `compiled_ce` False keeps the frozen-head CE kernel eager on CUDA (`drafter.loss_kernel`); `selector`: DFlash2's
-    selector term (module docstring)."""
+    selector term; `markov`: a DSpark drafter's loss, which replaces this one (module docstring)."""
+    if markov is not None:
+        return markov.loss(hidden, plan, lm_head_weight=lm_head_weight, gamma=gamma, chunk_rows=chunk_rows,
+                           kd_weight=kd_weight, teacher=teacher, dpace=dpace, dpace_alpha=dpace_alpha)
     n, b, h = hidden.shape
     rows = hidden[:, 1:].reshape(-1, h)  # (N*(B-1), H)
     labels = plan.labels[:, 1:].reshape(-1)  # (N*(B-1),)

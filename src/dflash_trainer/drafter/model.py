@@ -26,7 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from dflash_trainer.drafter.anchors import BlockPlan, token_seq_ids
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index
 from dflash_trainer.drafter.dflash2 import BlockConv, CandidateSelector
-from dflash_trainer.drafter.dspark import markov_modules
+from dflash_trainer.drafter.dspark import MarkovHead
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 
@@ -276,12 +276,10 @@ class DFlashDrafter(nn.Module):
             with torch.random.fork_rng(devices=[]):
                 self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank,
                                                             spec.selector_top_k)
-        self.markov_w1: Optional[nn.Embedding] = None
-        """DSpark's Markov head (`dspark.py`), read from an export for evaluation; None for DFlash and DFlash2."""
-        self.markov_w2: Optional[nn.Linear] = None
+        self.markov_head: Optional[MarkovHead] = None
+        """DSpark's Markov head (`dspark.py`); None for DFlash and DFlash2."""
         if spec.variant == "dspark":
-            with torch.random.fork_rng(devices=[]):
-                self.markov_w1, self.markov_w2 = markov_modules(spec.vocab_size, spec.markov_rank)
+            self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank)
         # stable mask_mod across batches (no recompiles)
         self._flex_masks = FlexMaskBuilder(from_intervals=mask_tiles == "intervals")
         self.init_weights()
@@ -289,10 +287,10 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         """DFlash's backbone random (norms 1); DFlash2's convolutions the identity and its selector as
-        `CandidateSelector.reset_parameters`, drawn from a generator of its own (seeded from the run's seed): a
+        `CandidateSelector.reset_parameters`, DSpark's Markov head as `MarkovHead.reset_parameters`, drawn from a generator of its own (seeded from the run's seed): a
         DFlash2 drafter's backbone is the DFlash drafter's of the same seed, and the random state moves on as that
         one's does."""
-        extras = ("_conv.", "candidate_selector.", "markov_w")
+        extras = ("_conv.", "candidate_selector.", "markov_head.")
         for name, p in self.named_parameters():
             if any(e in name for e in extras):
                 continue
@@ -305,6 +303,18 @@ class DFlashDrafter(nn.Module):
                 module.reset_parameters()
         if self.candidate_selector is not None:
             self.candidate_selector.reset_parameters(std, seed=torch.initial_seed() + 1)
+        if self.markov_head is not None:
+            self.markov_head.reset_parameters(std, seed=torch.initial_seed() + 2)
+
+    @property
+    def markov_w1(self) -> Optional[nn.Embedding]:
+        """DSpark's `markov_head.markov_w1` (None for the other variants)."""
+        return None if self.markov_head is None else self.markov_head.markov_w1
+
+    @property
+    def markov_w2(self) -> Optional[nn.Linear]:
+        """DSpark's `markov_head.markov_w2` (None for the other variants)."""
+        return None if self.markov_head is None else self.markov_head.markov_w2
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Context features hidden_norm(fc(taps)): (T, K*H) -> (T, H)."""

@@ -38,8 +38,7 @@ class DrafterSpec:
     """One of full_attention | sliding_attention per drafter layer."""
     sliding_window: Optional[int] = None
     variant: str = "dflash"
-    """dflash | dflash2 (`dflash2.py`) | dspark (`dspark.py`: read from other trainers' exports, for evaluation);
-    the four fields below are DFlash2's (0 otherwise)."""
+    """dflash | dflash2 (`dflash2.py`) | dspark (`dspark.py`); the four fields below are DFlash2's (0 otherwise)."""
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
@@ -92,6 +91,12 @@ class DrafterSpec:
         """Tokens a block drafts: its slots after the anchor's (DFlash, DFlash2), or all of them (DSpark, whose anchor
         slot predicts the next token)."""
         return self.block_size if self.variant == "dspark" else self.block_size - 1
+
+    @property
+    def label_offset(self) -> int:
+        """How far past its own position a slot's label is: 0 (DFlash: slot k labels anchor + k, slot 0 none), 1
+        (DSpark: slot k labels anchor + k + 1)."""
+        return 1 if self.variant == "dspark" else 0
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The attention window of drafter layer `layer` (None: full attention)."""
@@ -193,7 +198,9 @@ def drafter_spec(
 
 
 def variant_fields(drafter: DrafterConfig) -> dict[str, Any]:
-    """The DrafterSpec fields of `drafter.variant` (DFlash2's sizes; none but the name for DFlash)."""
+    """The DrafterSpec fields of `drafter.variant` (DFlash2's sizes, DSpark's rank; none but the name for DFlash)."""
+    if drafter.variant == "dspark":
+        return {"variant": "dspark", "markov_rank": drafter.markov_rank}
     if drafter.variant != "dflash2":
         return {"variant": drafter.variant}
     keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")

@@ -26,6 +26,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.data.plan import build_epoch_plan
 from dflash_trainer.data.tokenized import TokenizedDataset
 from dflash_trainer.drafter.anchors import plan_from_anchors, token_seq_ids, valid_anchor_mask
+from dflash_trainer.drafter.dspark import markov_loss
 from dflash_trainer.drafter.loss import SelectorLoss, drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target.capture import TapCapture
@@ -113,10 +114,11 @@ class HeldOutValidator:
         # a DFlash drafter's
         selector = None if model.candidate_selector is None else SelectorLoss(
             selector=model.candidate_selector, weight=0.0, missing="inject", detach=False)
+        markov = markov_loss(model, "l1")  # DSpark: its CE (kd_weight 0 here, so no divergence is computed)
         # The drafter's mode and the grad mode are left as training has them (the drafter has no mode-dependent
         # layer, and nothing is back-propagated): a compiled training forward would compile again for others.
         sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, weight, accept, blocks
-        slots = torch.zeros(2, spec.block_size - 1, dtype=torch.float64, device=device)  # correct, count
+        slots = torch.zeros(2, spec.draft_length, dtype=torch.float64, device=device)  # correct, count
         steps: list[int] = []
         replies = 0
         for job in self.jobs:
@@ -124,7 +126,7 @@ class HeldOutValidator:
                 batch, _ = forward_job(self.capture, self.dataset, job, self.buffers)
             taps = batch.taps.float() if fp32 else batch.taps
             accept = self._score_blocks(model, batch, taps, size=size, chunked=chunked, embed=embed, lm_head=lm_head,
-                                        autocast=autocast, selector=selector, sums=sums, slots=slots)
+                                        autocast=autocast, selector=selector, sums=sums, slots=slots, markov=markov)
             # host sync: the walk follows each reply's acceptance on the host
             mask = batch.loss_mask[: batch.num_tokens].tolist()
             acceptance = accept[: batch.num_tokens].round().long().tolist()
@@ -151,9 +153,9 @@ class HeldOutValidator:
 
     def _score_blocks(self, model: DFlashDrafter, batch, taps: torch.Tensor, *, size: int, chunked: bool,
                       embed: torch.Tensor, lm_head: torch.Tensor, autocast, selector, sums: torch.Tensor,
-                      slots: torch.Tensor) -> torch.Tensor:
+                      slots: torch.Tensor, markov=None) -> torch.Tensor:
         """One batch's every valid anchor drafted, `size` blocks at a time: adds its loss, weight, acceptance and
-        block count to `sums` (4,) and its slot hits and counts to `slots` (2, B-1); returns each anchor's accepted
+        block count to `sums` (4,) and its slot hits and counts to `slots` (2, drafting slots); returns each anchor's accepted
         length, (T,) fp32 (0 where no block starts)."""
         spec, device = model.spec, taps.device
         seq = token_seq_ids(batch.cu_seqlens, batch.input_ids.shape[0])  # (T,)
@@ -171,7 +173,7 @@ class HeldOutValidator:
             plan = plan_from_anchors(
                 anchors=padded, block_valid=torch.arange(size, device=device) < n,
                 input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
-                block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+                block_size=spec.block_size, mask_token_id=spec.mask_token_id, label_offset=spec.label_offset,
             )
             with autocast:
                 if context is None:
@@ -181,7 +183,7 @@ class HeldOutValidator:
                     hidden = model.forward_train_blocks(context=context, plan=plan, cu_seqlens=batch.cu_seqlens,
                                                         embed_weight=embed)  # (C, B, H)
                 out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
-                                   chunk_rows=self.chunk_rows, selector=selector)
+                                   chunk_rows=self.chunk_rows, selector=selector, markov=markov)
             sums += torch.stack([out.loss_sum.detach(), out.weight_sum, out.accept_sum, out.block_count]).double()
             slots += torch.stack([out.slot_correct, out.slot_count]).double()
             accept[chunk] = out.block_accept[:n].float()

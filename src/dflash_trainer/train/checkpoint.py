@@ -359,7 +359,7 @@ class CheckpointDrafter:
     weights: dict[str, torch.Tensor]
     """The drafter's weights, fp32 on the host: the weight average where the run kept one (what it exported)."""
     variant: str
-    """dflash | dflash2."""
+    """dflash | dflash2 | dspark."""
     tap_layer_ids: tuple[int, ...]
 
 

@@ -18,6 +18,7 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.dspark import MarkovLoss, markov_loss
 from dflash_trainer.drafter.anchors import BlockPlan, plan_blocks
 from dflash_trainer.drafter.loss import LossOutput, SelectorLoss, Teacher, drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -65,12 +66,13 @@ def _result(sums: tuple[torch.Tensor, ...], num_tokens: int, counts_batch: bool 
 
 
 def step_loss(dcfg: DrafterConfig, lm_head: torch.Tensor, teacher: Optional[Teacher] = None,
-              selector: Optional[SelectorLoss] = None) -> Callable[[torch.Tensor, BlockPlan], LossOutput]:
+              selector: Optional[SelectorLoss] = None,
+              markov: Optional[MarkovLoss] = None) -> Callable[[torch.Tensor, BlockPlan], LossOutput]:
     """The drafter loss of `drafter.*` as `loss_of(hidden (n, B, H), plan)` for the blocks of `plan`."""
     return functools.partial(
         drafter_loss, lm_head_weight=lm_head, gamma=dcfg.loss_gamma, chunk_rows=dcfg.loss_chunk_rows,
         kd_weight=dcfg.kd_weight, teacher=teacher, dpace=dcfg.dpace, dpace_alpha=dcfg.dpace_alpha,
-        compiled_ce=dcfg.loss_kernel == "compiled", selector=selector,
+        compiled_ce=dcfg.loss_kernel == "compiled", selector=selector, markov=markov,
     )
 
 
@@ -126,7 +128,7 @@ def make_micro_step(
         plan = plan_blocks(
             input_ids=batch.input_ids, loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens,
             num_blocks=config.batch.num_blocks, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
-            seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id,
+            seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id, label_offset=spec.label_offset,
         )
         shard = shards.shard(batch.num_tokens, config.batch.token_budget) if shards is not None else None
         own = batch.taps if shard is None else batch.taps[: shard.length]  # (T or S, K*H)
@@ -137,7 +139,8 @@ def make_micro_step(
         teacher = None
         if dcfg.kd_weight > 0:
             teacher = Teacher(last_hidden=batch.last_hidden, final_norm=head.final_norm)
-        loss_of = step_loss(dcfg, lm_head, teacher, selector_loss(dcfg, model, progress()))
+        loss_of = step_loss(dcfg, lm_head, teacher, selector_loss(dcfg, model, progress()),
+                            markov_loss(model, dcfg.dspark_divergence))
         if shard is not None:
             sums = shard_forward_backward(model, taps=taps, shard=shard, group=shards.group, plan=plan,
                                           cu_seqlens=batch.cu_seqlens, embed=embed, autocast=autocast, loss_of=loss_of,

@@ -180,7 +180,7 @@ class DrafterTrainer:
             # a CP group trains each job together: its first rank alone commits it (the ledger counts it once)
             job_key=lambda b: (b.epoch, b.job_id) if shards is None or shards.index == 0 else None,
             grad_accum=train.grad_accum,
-            block_size=self.spec.block_size,
+            block_size=self.spec.draft_length + 1,  # the loop counts one accuracy per drafting slot
             grad_clip=train.grad_clip,
             group=self.group,
             device=self.device,
