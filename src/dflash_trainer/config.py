@@ -107,6 +107,12 @@ class Config:
                 f"pipeline.context_parallel={self.pipeline.context_parallel} does not support distillation yet (a "
                 "block's teacher rows can lie in the next shard): set drafter.kd_weight=0"
             )
+        if self.pipeline.context_parallel > 1 and self.drafter.variant == "lilicorr":
+            raise ConfigError(
+                f"pipeline.context_parallel={self.pipeline.context_parallel} does not support drafter.variant=lilicorr "
+                "yet (a block's anchor context and teacher rows can lie in another shard): set "
+                "pipeline.context_parallel=1"
+            )
         if self.pipeline.pool_capacity < self.train.grad_accum:
             raise ConfigError(
                 f"pipeline.pool_capacity ({self.pipeline.pool_capacity}) must be >= train.grad_accum "

@@ -27,8 +27,9 @@ def check_tap_order(tap_layer_ids, where: str) -> None:
                           f"concatenate the taps in layer order; list them as {sorted(taps)}")
 
 
-VARIANTS = ("dflash", "dflash2")
-"""Drafter variants: DFlash, and DFlash2 (DFlash plus block convolutions and a candidate selector, `dflash2.py`)."""
+VARIANTS = ("dflash", "dflash2", "lilicorr")
+"""Drafter variants: DFlash, DFlash2 (DFlash plus block convolutions and a candidate selector, `dflash2.py`), and
+LiLiCorr (DFlash, DFlash2's convolutions optional, plus a lattice head over the top-K candidates, `lilicorr.py`)."""
 
 SELECTOR_MISSING = ("inject", "ignore")
 """DFlash2's selector loss where the true token is not among the top-K candidates (`dflash2.selector_targets`)."""
@@ -57,6 +58,29 @@ class DrafterConfig:
     in the selector's loss."""
     selector_detach: bool = False
     """DFlash2: stop the selector's gradient at the backbone (it then trains the selector's own weights only)."""
+    lilicorr_conv: bool = False
+    """LiLiCorr: wrap every sublayer in DFlash2's block convolutions (drafter.conv_kernel_size, conv_group_size)."""
+    lilicorr_hidden_size: int = 0
+    """LiLiCorr: width of the lattice head (0: the drafter's hidden size)."""
+    lilicorr_candidate_topk: int = 8
+    """LiLiCorr: candidates per slot (a power of two <= 16, the engines' limit)."""
+    lilicorr_num_layers: int = 2
+    lilicorr_num_heads: int = 8
+    lilicorr_mlp_ratio: float = 2.0
+    lilicorr_factor_dim: int = 128
+    """LiLiCorr: width of the out/in vectors whose cosines score the transitions."""
+    lilicorr_vector_eps: float = 1e-6
+    lilicorr_logit_scale: float = 10.0
+    """LiLiCorr: the fixed scale of the cosine scores (their log-factors lie in [-scale, scale])."""
+    lilicorr_w_ce: float = 0.25
+    """LiLiCorr: weight of the lattice's K-way cross-entropy (ModelOpt's `base` recipe: 0.25, `margin`: 0.125)."""
+    lilicorr_w_margin: float = 0.0
+    """LiLiCorr: weight of the hinge on (true score - best other) (`margin` recipe: 0.125)."""
+    lilicorr_margin: float = 2.0
+    """LiLiCorr: the hinge's width."""
+    lilicorr_w_pen: float = 0.25
+    """LiLiCorr: weight of the distractor penalty (E over the head's distribution of the target's logit gap to the
+    true token); needs the target's last hidden state, which the run then captures."""
     num_layers: int = 5
     block_size: int = 16
     tap_layer_ids: Optional[list[int]] = None
@@ -114,6 +138,13 @@ class DrafterConfig:
         if self.conv_kernel_size > self.block_size:
             raise ConfigError(f"drafter.conv_kernel_size={self.conv_kernel_size} reaches past a block of "
                               f"drafter.block_size={self.block_size} slots: at most the block size")
+        weights = (self.lilicorr_w_ce, self.lilicorr_w_margin, self.lilicorr_w_pen)
+        if self.variant == "lilicorr" and (min(weights) < 0 or not any(weights)):
+            raise ConfigError(f"drafter.lilicorr_w_ce, lilicorr_w_margin, lilicorr_w_pen must be >= 0 and one > 0 (or "
+                              f"the lattice head never trains), got {weights}")
+        if self.variant == "lilicorr" and self.lilicorr_w_margin > 0 and self.lilicorr_margin <= 0:
+            raise ConfigError(f"drafter.lilicorr_w_margin > 0 needs drafter.lilicorr_margin > 0, got "
+                              f"{self.lilicorr_margin}")
         if self.selector_weight < 0 or not 0.0 <= self.selector_warmup <= 1.0:
             raise ConfigError("drafter.selector_weight must be >= 0 and drafter.selector_warmup in [0, 1]")
         if self.num_layers < 1:
@@ -172,6 +203,11 @@ class DrafterConfig:
                               f"got {backend!r}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise ConfigError(f"drafter.sliding_layers must be in [0, {self.num_layers}), got {self.sliding_layers}")
+
+    @property
+    def needs_last_hidden(self) -> bool:
+        """The loss reads the target's last hidden state: distillation, or LiLiCorr's distractor penalty."""
+        return self.kd_weight > 0 or (self.variant == "lilicorr" and self.lilicorr_w_pen > 0)
 
     @property
     def loss_gamma(self) -> float:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_trainer.drafter.dspark import CONFIDENCE_KEYS, MARKOV_KEYS
 from dflash_trainer.drafter.engines import warn_if_unserved
+from dflash_trainer.drafter.lilicorr import LatticeSpec, lattice_key_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -45,7 +46,8 @@ _DFLASH2_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.
                  "candidate_selector.hidden_projection.weight")
 """DFlash2's tensors, named as the reference, vLLM and SGLang read them (the codebooks without `.weight`)."""
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DFlashDraftModel"}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DFlashDraftModel",
+                 "lilicorr": "LiLiCorrDraftModel"}
 """`architectures` of each variant's export: the class the reference package, vLLM and SGLang build (a DSpark
 export, ModelOpt's, names DFlash's and says `dflash_config.projector_type: dspark`)."""
 
@@ -53,8 +55,10 @@ DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "
 """DFlash2's `dflash_config` fields (DrafterSpec fields of the same names)."""
 
 
-def expected_keys(num_layers: int, variant: str = "dflash") -> set[str]:
-    """The exact tensor names of an exported drafter with `num_layers` layers."""
+def expected_keys(num_layers: int, variant: str = "dflash", spec: Optional[DrafterSpec] = None) -> set[str]:
+    """The exact tensor names of an exported drafter with `num_layers` layers (a LiLiCorr drafter's: of `spec`)."""
+    if variant == "lilicorr":
+        return lilicorr_keys(spec)
     layer_keys = _LAYER_KEYS + (_DFLASH2_LAYER_KEYS if variant == "dflash2" else ())
     keys = {f"layers.{i}.{name}" for i in range(num_layers) for name in layer_keys}
     keys |= set(_DFLASH2_KEYS) if variant == "dflash2" else set()
@@ -62,8 +66,17 @@ def expected_keys(num_layers: int, variant: str = "dflash") -> set[str]:
     return keys | {"fc.weight", "hidden_norm.weight", "norm.weight"}
 
 
-def check_keys(keys: set[str], num_layers: int, where: str, variant: str = "dflash") -> None:
-    expected = expected_keys(num_layers, variant)
+def lilicorr_keys(spec: DrafterSpec) -> set[str]:
+    """A LiLiCorr drafter's tensor names: DFlash's, DFlash2's convolutions when on, and the lattice head's."""
+    layer_keys = _LAYER_KEYS + (_DFLASH2_LAYER_KEYS if spec.block_conv else ())
+    keys = {f"layers.{i}.{name}" for i in range(spec.num_layers) for name in layer_keys}
+    head = lattice_key_names(spec.lattice, model_hidden=spec.hidden_size, block_size=spec.block_size)
+    return keys | head | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+
+
+def check_keys(keys: set[str], num_layers: int, where: str, variant: str = "dflash",
+               spec: Optional[DrafterSpec] = None) -> None:
+    expected = expected_keys(num_layers, variant, spec)
     missing, unexpected = sorted(expected - keys), sorted(keys - expected)
     if missing or unexpected:
         raise ConfigError(
@@ -84,7 +97,7 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
         num_target_layers=spec.num_target_layers,
         block_size=spec.block_size,
         dflash_config={"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.tap_layer_ids),
-                       **dflash2_fields(spec), **dspark_fields(spec)},
+                       **dflash2_fields(spec), **dspark_fields(spec), **lilicorr_fields(spec)},
         tie_word_embeddings=False,
         layer_types=list(spec.layer_types),
         rope_parameters=rope,
@@ -106,6 +119,15 @@ def dspark_fields(spec: DrafterSpec) -> dict[str, Any]:
         return {}
     return {"projector_type": "dspark", "shift_label": True, "markov_rank": spec.markov_rank,
             "markov_head_type": "vanilla", "use_confidence_head": False}
+
+
+def lilicorr_fields(spec: DrafterSpec) -> dict[str, Any]:
+    """LiLiCorr's `dflash_config` fields ({} for the other variants): the lattice head's geometry, the block size,
+    and DFlash2's convolution sizes (0 when off: the engines build none then)."""
+    if spec.variant != "lilicorr":
+        return {}
+    return {**spec.lattice.export_fields(), "block_size": spec.block_size,
+            "conv_kernel_size": spec.conv_kernel_size, "conv_group_size": spec.conv_group_size}
 
 
 def dflash2_fields(spec: DrafterSpec) -> dict[str, int]:
@@ -132,7 +154,7 @@ def export_state(model: DFlashDrafter, *, target_config: Optional[Any] = None,
     if target_hidden is not None and target_hidden != spec.hidden_size:
         raise ConfigError(f"export: drafter hidden size {spec.hidden_size} != target's {target_hidden}")
     state = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}  # host copy
-    check_keys(set(state), spec.num_layers, "export", spec.variant)
+    check_keys(set(state), spec.num_layers, "export", spec.variant, spec)
     return state
 
 
@@ -182,6 +204,9 @@ def spec_from_export(config: dict) -> DrafterSpec:
             raise ConfigError(f"a DFlash2DraftModel config needs dflash_config.{{{', '.join(DFLASH2_CONFIG_KEYS)}}}; "
                               f"it lacks {missing}")
         fields |= {k: int(dflash[k]) for k in DFLASH2_CONFIG_KEYS}
+    if "LiLiCorrDraftModel" in (config.get("architectures") or []):
+        fields = {"variant": "lilicorr", "lattice": LatticeSpec.from_export(dflash),
+                  **{k: int(dflash.get(k) or 0) for k in ("conv_kernel_size", "conv_group_size")}}
     projector = dflash.get("projector_type")
     if projector == "dspark":
         fields = {"variant": "dspark", "markov_rank": dspark_rank(dflash)}
@@ -247,7 +272,7 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
     if spec.variant == "dspark" and any(k in state for k in CONFIDENCE_KEYS):
         log.info("%s: the DSpark confidence head is left out (chain verification does not use it)", root)
         state = {k: v for k, v in state.items() if k not in CONFIDENCE_KEYS}
-    check_keys(set(state), spec.num_layers, str(root), spec.variant)
+    check_keys(set(state), spec.num_layers, str(root), spec.variant, spec)
     return spec, state
 
 
@@ -293,14 +318,21 @@ def warm_start(model: DFlashDrafter, state: dict[str, torch.Tensor], *, variant:
     """Copy a drafter's weights `state` (of `variant`, tapping `tap_layer_ids`) into `model`: the same taps and
     shapes, else an error naming `where`. A DFlash drafter's weights start a DFlash2 `model` too: its convolutions
     and selector keep their initialisation (the identity, and a selector that adds nothing), so it computes what
-    the DFlash drafter computed."""
+    the DFlash drafter computed; a LiLiCorr `model` starts from one likewise (its lattice head as initialised)."""
     if variant == "dspark":  # its slots predict one position further on than a DFlash drafter's
         raise ConfigError(f"{where} is a DSpark drafter (another trainer's): dflash-train evaluates it but does not "
                           "train it; start from a DFlash or DFlash2 export")
+    if variant == "lilicorr" and model.spec.variant != "lilicorr":
+        raise ConfigError(f"{where} is a LiLiCorr drafter and this one is {model.spec.variant}: its lattice head would "
+                          "be lost; set drafter.variant=lilicorr")
+    if variant == "dflash2" and model.spec.variant == "lilicorr":
+        raise ConfigError(f"{where} is a DFlash2 drafter: a LiLiCorr drafter starts from a DFlash or LiLiCorr one "
+                          "(its candidate selector has no place here)")
     if variant == "dflash2" and model.spec.variant != "dflash2":
         raise ConfigError(f"{where} is a DFlash2 drafter and this one is DFlash: its convolutions and selector would be "
                           "lost; set drafter.variant=dflash2")
-    check_keys(set(state), model.spec.num_layers, f"{where} (for a {model.spec.num_layers}-layer drafter)", variant)
+    check_keys(set(state), model.spec.num_layers, f"{where} (for a {model.spec.num_layers}-layer drafter)", variant,
+               model.spec)
     if tuple(tap_layer_ids) != model.spec.tap_layer_ids:
         raise ConfigError(
             f"{where} taps layers {list(tap_layer_ids)} but this drafter taps "
