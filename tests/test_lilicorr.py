@@ -15,8 +15,12 @@ from dflash_trainer.drafter.export import export_drafter, init_from_export, load
 from dflash_trainer.drafter.lilicorr import LatticeLoss, LatticeSpec, candidates, lattice_loss, lattice_term, walk_lattice
 from dflash_trainer.drafter.loss import drafter_loss
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.eval.batched import decode_batch
+from dflash_trainer.eval.evaluate import evaluate_tau
+from dflash_trainer.eval.speculative import speculative_generate, target_generate
+from tests import test_batched_decode as decode_tests
 from tests.drafter_helpers import packed_batch, single_thread, tiny_drafter  # noqa: F401
-from tests.eval_helpers import LATTICE_SIZES
+from tests.eval_helpers import LATTICE_SIZES, batch_proposer_for, fitted, proposer_for, target_taps
 
 CONV = dict(lilicorr_conv=True, conv_kernel_size=2, conv_group_size=16)
 
@@ -334,3 +338,46 @@ def test_lattice_spec_round_trips_its_export_fields():
     spec = LatticeSpec(hidden_size=0, candidate_topk=8, num_layers=2, num_heads=8, mlp_ratio=2.0, factor_dim=128,
                        vector_eps=1e-6, logit_scale=10.0)
     assert LatticeSpec.from_export(json.loads(json.dumps(spec.export_fields()))) == spec
+
+
+def test_batched_decoding_equals_the_reference_loop_and_drafts_beyond_the_bonus():
+    """`dflash-train eval`'s batched loop and the one-sequence reference loop walk the fitted drafter's lattice the
+    same way (each anchored on its newest committed context), to the same outputs and acceptance lengths."""
+    setup = fitted(variant="lilicorr")
+    drafter, taps = setup.drafter, setup.drafter.spec.tap_layer_ids
+    lengths = []
+    for max_new in (26, 9):  # 9 ends inside a block
+        results = decode_batch(setup.target, setup.prompts, proposer=batch_proposer_for(drafter, setup.target),
+                               block_size=4, tap_layer_ids=taps, max_new_tokens=max_new, stop_token_ids=[])
+        for prompt, result in zip(setup.prompts, results):
+            ref = speculative_generate(setup.target, proposer_for(drafter, setup.target), prompt, block_size=4,
+                                       tap_layer_ids=taps, max_new_tokens=max_new, stop_token_ids=[])
+            assert (result.output_ids, result.acceptance_lengths) == (ref.output_ids, ref.acceptance_lengths)
+            assert result.output_ids == target_generate(setup.target, prompt, max_new_tokens=max_new,
+                                                        stop_token_ids=[]).output_ids  # lossless
+            lengths += result.acceptance_lengths
+    assert max(lengths) >= 3  # the fitted lattice drafts beyond the bonus token
+
+
+def test_validation_walk_is_real_decodings():
+    """The held-out walk (teacher-forced blocks, the lattice walk's picks) gives real decoding's acceptance."""
+    decode_tests.test_walk_tau_equals_real_decoding_on_greedy_replies("lilicorr")
+
+
+def test_sampled_drafts_carry_the_lattice_distribution_they_were_drawn_from():
+    """At temperature > 0 each draft comes with its distribution over the K candidates (zero elsewhere), which the
+    acceptance rule compares with the target's: decoding stays lossless, and commits every token asked for."""
+    setup = fitted(variant="lilicorr")
+    drafter, taps = setup.drafter, setup.drafter.spec.tap_layer_ids
+    make = lambda: batch_proposer_for(drafter, setup.target)  # noqa: E731
+    report = evaluate_tau(setup.target, make, setup.prompts[:2], block_size=4, max_new_tokens=10, tap_layer_ids=taps,
+                          stop_token_ids=[], temperature=0.8, with_prompt_lookup=False, with_baseline=False)
+    assert sum(k * c for k, c in enumerate(report.acceptance_histogram, 1)) == 20 - 2
+    proposer = proposer_for(drafter, setup.target)
+    prompt = setup.prompts[0]
+    proposer.add_context(target_taps(setup.target, prompt, taps), torch.arange(prompt.shape[0]))
+    draft = proposer.propose(int(prompt[-1]), prompt.shape[0], 4, 0.8, torch.Generator().manual_seed(0))
+    probs = draft.probs  # (B-1, V)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    assert ((probs > 0).sum(-1) <= drafter.lilicorr.top_k).all()
+    assert (probs.gather(-1, draft.tokens[:, None]) > 0).all()
