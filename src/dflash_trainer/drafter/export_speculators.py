@@ -213,6 +213,10 @@ def export_speculators(model: DFlashDrafter, out_dir: str | os.PathLike, *, veri
     """Write config.json + model.safetensors in the speculators format to out_dir (created); returns it.
     `verifier`: the target's hub id or folder (verifier_reference); `verifier_is_target`: it is `target.path`,
     whose config `target_config` is."""
+    if model.spec.variant == "lilicorr":
+        raise ConfigError("the speculators format has no LiLiCorr drafter (speculators 0.9 knows dflash and dflash2): "
+                          "export it in the default format (`dflash-train export` without --format), which vLLM "
+                          "and SGLang serve as LiLiCorrDraftModel")
     causality_field(model.spec)  # a drafter no value describes is refused before anything is read or written
     architectures = verifier_architectures(verifier, model.spec, target_config, is_target=verifier_is_target)
     warn_if_unserved({"architectures": architectures})
