@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from pipeline_helpers import checkpoints, metrics, train_in_process
+from pipeline_helpers import assert_ok, checkpoints, metrics, torchrun, train_in_process
 
 from dflash_trainer.drafter.export import load_drafter
 from dflash_trainer.faults import InjectedFault
@@ -49,3 +49,17 @@ def test_lilicorr_trains_checkpoints_and_resumes_on_the_uninterrupted_curve(conv
     rc = train_in_process(split, *extra, "drafter.lilicorr_factor_dim=8", resume=True)
     err = capsys.readouterr().err
     assert rc == 2 and "of another model shape" in err and "'factor_dim': 16" in err, err
+
+
+def test_lilicorr_trains_sharded(tmp_path, monkeypatch):
+    """FSDP2 (gloo on CPU), two sharded drafters: the lattice head (a unit of its own, used in the loss) and the
+    anchor contexts (fc and hidden_norm gathered outside the forwards) train; the full drafter is exported and
+    evaluated."""
+    monkeypatch.delenv("DFLASH_TEST_FAULT", raising=False)
+    run_dir = tmp_path / "run"
+    s = assert_ok(torchrun(run_dir, 3, "pipeline.colocated=false", "pipeline.num_targets=1", "train.fsdp=true",
+                           "eval.at_end=true", "eval.num_prompts=2", "eval.max_new_tokens=8", *LATTICE,
+                           "drafter.lilicorr_conv=true", "train.max_steps=4"))
+    assert s["roles"] == ["target", "drafter", "drafter"] and s["steps"] == 4 and s["eval"]["tau"] >= 1.0
+    drafter = load_drafter(run_dir / "export")
+    assert drafter.spec.variant == "lilicorr" and drafter.spec.block_conv

@@ -38,13 +38,16 @@ SELECTOR_MISSING = ("inject", "ignore")
 @dataclass
 class DrafterConfig:
     variant: str = "dflash"
-    """dflash | dflash2: DFlash2 adds grouped dynamic convolutions inside each block around every sublayer and a
-    candidate selector over the top-K of each slot's logits (drafter/dflash2.py). `init_from` a DFlash export or
-    checkpoint starts it where that DFlash drafter is."""
+    """dflash | dflash2 | lilicorr: DFlash2 adds grouped dynamic convolutions inside each block around every sublayer
+    and a candidate selector over the top-K of each slot's logits (drafter/dflash2.py); LiLiCorr adds a lattice head
+    that walks the top-K candidates as a chain (drafter/lilicorr.py; DFlash2's convolutions with lilicorr_conv).
+    `init_from` a DFlash export or checkpoint starts either where that DFlash drafter is."""
     conv_kernel_size: int = 2
-    """DFlash2: taps of each block convolution (the current slot and the ones before it)."""
+    """DFlash2 (and LiLiCorr with lilicorr_conv): taps of each block convolution (the current slot and the ones
+    before it)."""
     conv_group_size: int = 16
-    """DFlash2: channels sharing one dynamic kernel weight; must divide the hidden size."""
+    """DFlash2 (and LiLiCorr with lilicorr_conv): channels sharing one dynamic kernel weight; must divide the hidden
+    size."""
     selector_rank: int = 256
     """DFlash2: rank of the selector's codebooks (vocab x rank each) and hidden projection."""
     selector_top_k: int = 16
