@@ -381,3 +381,27 @@ def test_sampled_drafts_carry_the_lattice_distribution_they_were_drawn_from():
     torch.testing.assert_close(probs.sum(-1), torch.ones(3))
     assert ((probs > 0).sum(-1) <= drafter.lilicorr.top_k).all()
     assert (probs.gather(-1, draft.tokens[:, None]) > 0).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_eval_command_walks_a_lilicorr_export(temperature, tmp_path, capsys):
+    """`dflash-train eval --drafter EXPORT` on a LiLiCorr export (convolutions on): it decodes with the lattice walk,
+    losslessly (greedy: the target's own tokens), at a temperature too."""
+    from dflash_trainer import cli
+
+    drafter, target = lilicorr(conv=True)
+    perturb(drafter)
+    export = export_drafter(drafter, tmp_path / "export", target_config=target)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n"
+                               for text in ("Count to ten.", "Name three colours.")))
+    rc = cli.main(["eval", "--drafter", str(export), "--out", str(tmp_path / "out"), "target.random_init=tiny",
+                   "target.tokenizer=tiny", "target.dtype=float32", "run.device=cpu", f"run.dir={tmp_path / 'run'}",
+                   f"eval.prompts={prompts}", "eval.num_prompts=2", "eval.max_new_tokens=10", "data.max_length=64",
+                   f"eval.temperature={temperature}"])
+    assert rc == 0, capsys.readouterr().err
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert result["prompts"] == 2 and result["block_size"] == 4 and result["temperature"] == temperature
+    committed = sum(k * c for k, c in enumerate(result["acceptance_histogram"], 1))
+    assert result["tokens_generated"] == committed + 2 == 20
+    assert result["greedy_match_rate"] == (1.0 if temperature == 0 else None)
