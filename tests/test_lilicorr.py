@@ -156,7 +156,7 @@ def slow_lattice_mean(start, pair, ids, labels, label_valid, w, target=None):
             node = start[n] if s == 0 else pair[n, s - 1, prev]
             loss = w["ce"] * -torch.log_softmax(node, -1)[t]
             others = [float(node[j].detach()) for j in range(node.numel()) if j != t]
-            loss = loss + w["margin"] * max(0.0, w["width"] - (float(node[t]) - max(others)))
+            loss = loss + w["margin"] * max(0.0, w["width"] - (float(node[t].detach()) - max(others)))
             if target is not None:
                 gap = (target[n, s, t] - target[n, s]).clamp_min(0)
                 loss = loss + w["pen"] * (torch.softmax(node, -1) * gap).sum()
@@ -176,7 +176,7 @@ def test_lattice_terms_match_a_slow_reference_and_train_the_backbone():
     label_valid = torch.ones(n, slots, dtype=torch.bool)
     label_valid[3, 3] = False  # a partly supervised block: none of block 3
     taps = torch.randn(30, drafter.spec.num_taps * hm, generator=gen)
-    teacher = torch.randn(n, slots, k, generator=gen)
+    teacher_table = torch.randn(40, vocab + 2, generator=gen)  # the target's logits at each packed position
     anchors = torch.tensor([5, 9, 12, 20, 0, 25])
     anchor_pos = torch.tensor([3, 0, 4, 6, 0, 2])
     log_probs = torch.randn(n, slots, k, generator=gen).requires_grad_(True)
@@ -185,12 +185,13 @@ def test_lattice_terms_match_a_slow_reference_and_train_the_backbone():
     w = dict(ce=0.3, margin=0.2, width=2.0, pen=0.5)
     loss = LatticeLoss(head=drafter.lilicorr, w_ce=w["ce"], w_margin=w["margin"], w_pen=w["pen"], margin=w["width"],
                        embed_weight=embed, anchor_context=lambda rows: drafter.anchor_context(taps[rows]),
-                       teacher_logits=lambda where, cand: teacher)
+                       teacher_logits=lambda where, cand: teacher_table[where].gather(-1, cand))
     term = lattice_term(loss, ids=ids, log_probs=log_probs, hidden=hidden, labels=labels, label_valid=label_valid,
                         anchors=anchors, anchor_pos=anchor_pos)
     with torch.no_grad():
         anchor = drafter.context(taps[(anchors - 1).clamp(min=0)]) * (anchor_pos > 0)[:, None]
         start, pair = drafter.lilicorr(embed[ids], log_probs, hidden, anchor, anchor_pos > 0)
+    teacher = teacher_table[anchors[:, None] + torch.arange(slots)].gather(-1, ids)  # (n, S, K)
     want = slow_lattice_mean(start, pair, ids, labels, label_valid, w, teacher)
     torch.testing.assert_close(term.mean.detach(), torch.as_tensor(want, dtype=torch.float32), atol=1e-5, rtol=1e-5)
     assert torch.equal(term.hit, walk_lattice(start, pair, ids, 0.0, None, vocab).tokens == labels)
@@ -198,6 +199,17 @@ def test_lattice_terms_match_a_slow_reference_and_train_the_backbone():
     assert log_probs.grad.abs().sum() > 0 and hidden.grad.abs().sum() > 0  # the backbone learns from it
     assert drafter.fc.weight.grad.abs().sum() > 0  # through the anchor context
     assert drafter.lilicorr.out_head.weight.grad.abs().sum() > 0
+    # in chunks of blocks (each recomputed in the backward): the same value, hits and gradients
+    grads = [t.grad.clone() for t in (log_probs, hidden, drafter.fc.weight, drafter.lilicorr.in_head.weight)]
+    for t in (log_probs, hidden, drafter.fc.weight, drafter.lilicorr.in_head.weight):
+        t.grad = None
+    chunked = lattice_term(loss, ids=ids, log_probs=log_probs, hidden=hidden, labels=labels, label_valid=label_valid,
+                           anchors=anchors, anchor_pos=anchor_pos, chunk_blocks=4)
+    chunked.mean.backward()
+    torch.testing.assert_close(chunked.mean, term.mean)
+    assert torch.equal(chunked.hit, term.hit)
+    for want, t in zip(grads, (log_probs, hidden, drafter.fc.weight, drafter.lilicorr.in_head.weight)):
+        torch.testing.assert_close(t.grad, want)
     with pytest.raises(ConfigError, match="lilicorr_w_pen > 0 needs the target's logits"):
         lattice_term(LatticeLoss(**{**{f: getattr(loss, f) for f in LatticeLoss.__dataclass_fields__},
                                     "teacher_logits": None}), ids=ids, log_probs=log_probs, hidden=hidden,

@@ -35,12 +35,14 @@ which the export and the conformance check hold us to:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from dflash_trainer.errors import ConfigError
@@ -324,16 +326,36 @@ class LatticeTerm:
 
 
 def lattice_term(loss: LatticeLoss, *, ids: torch.Tensor, log_probs: torch.Tensor, hidden: torch.Tensor,
-                 labels: torch.Tensor, label_valid: torch.Tensor, anchors: torch.Tensor,
-                 anchor_pos: torch.Tensor) -> LatticeTerm:
+                 labels: torch.Tensor, label_valid: torch.Tensor, anchors: torch.Tensor, anchor_pos: torch.Tensor,
+                 chunk_blocks: Optional[int] = None) -> LatticeTerm:
     """ModelOpt's objective (module docstring) on n blocks: ids (n, S, K) the top-K of the slots' logits, log_probs
     (n, S, K) their log-probabilities (differentiable), hidden (n, S, H) the slots' hidden states, labels and
     label_valid (n, S) the true tokens, anchors (n,) the blocks' anchor indices, anchor_pos (n,) their positions in
-    their sequences (0: no context before the block, the anchor context is zero)."""
-    head = loss.head
+    their sequences (0: no context before the block, the anchor context is zero). The head runs `chunk_blocks` blocks
+    at a time (None: all), each chunk's activations recomputed in the backward (its lattice is S*K candidates a
+    block, each a head-wide state through every head layer)."""
+    n = ids.shape[0]
+    size = n if chunk_blocks is None else max(1, chunk_blocks)
+    totals, counts, hits = [], [], []
+    for lo in range(0, n, size):
+        args = tuple(t[lo:lo + size] for t in (ids, log_probs, hidden, labels, label_valid, anchors, anchor_pos))
+        run = functools.partial(_lattice_chunk, loss)
+        total, count, hit = checkpoint(run, *args, use_reentrant=False) if torch.is_grad_enabled() else run(*args)
+        totals.append(total)
+        counts.append(count)
+        hits.append(hit)
+    mean = torch.stack(totals).sum() / torch.stack(counts).sum().clamp_min(1.0)
+    return LatticeTerm(mean=mean, hit=torch.cat(hits))
+
+
+def _lattice_chunk(loss: LatticeLoss, ids: torch.Tensor, log_probs: torch.Tensor, hidden: torch.Tensor,
+                   labels: torch.Tensor, label_valid: torch.Tensor, anchors: torch.Tensor,
+                   anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`lattice_term` on one chunk of blocks: (the weighted terms summed over its supervised slots (), their count (),
+    the greedy walk's hits (n, S) bool)."""
     anchor_valid = anchor_pos > 0  # (n,)
     anchor = loss.anchor_context((anchors - 1).clamp(min=0)) * anchor_valid[:, None]  # (n, H) the row before the block
-    start, pair = head(F.embedding(ids, loss.embed_weight).detach(), log_probs, hidden, anchor, anchor_valid)
+    start, pair = loss.head(F.embedding(ids, loss.embed_weight).detach(), log_probs, hidden, anchor, anchor_valid)
     match = ids == labels[..., None]  # (n, S, K)
     present = match.any(-1)
     truth = match.long().argmax(-1)  # (n, S) 0 where absent (those slots are not supervised)
@@ -356,11 +378,9 @@ def lattice_term(loss: LatticeLoss, *, ids: torch.Tensor, log_probs: torch.Tenso
         target = loss.teacher_logits(where, ids)  # (n, S, K)
         rejection = (target.gather(-1, truth[..., None]) - target).clamp_min(0.0)
         per_slot = per_slot + loss.w_pen * (torch.softmax(scores, -1) * rejection).sum(-1)
-    mean = (per_slot * supervised).sum() / supervised.sum().clamp_min(1.0)
     with torch.no_grad():
-        picked = walk_lattice(start, pair, ids, 0.0, None, 0).tokens
-    return LatticeTerm(mean=mean, hit=picked == labels)
-
+        hit = walk_lattice(start, pair, ids, 0.0, None, 0).tokens == labels
+    return (per_slot * supervised).sum(), supervised.sum(), hit
 
 def lattice_loss(dcfg, model: nn.Module, *, taps: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor,
                  last_hidden: Optional[torch.Tensor], final_norm: Optional[Callable]) -> Optional[LatticeLoss]:

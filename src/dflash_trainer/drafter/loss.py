@@ -290,7 +290,8 @@ def _lattice_term(rows: torch.Tensor, labels: torch.Tensor, ce: torch.Tensor, to
     log_probs = picked[:, :-1] - (picked[:, -1:] + ce[:, None])  # (R, K)
     return lattice_term(loss, ids=ids.view(n, b - 1, -1), log_probs=log_probs.view(n, b - 1, -1),
                         hidden=rows.view(n, b - 1, -1), labels=labels.view(n, b - 1),
-                        label_valid=plan.label_valid[:, 1:], anchors=plan.anchors, anchor_pos=plan.anchor_pos)
+                        label_valid=plan.label_valid[:, 1:], anchors=plan.anchors, anchor_pos=plan.anchor_pos,
+                        chunk_blocks=chunk_rows // ((b - 1) * loss.head.top_k))  # ~chunk_rows candidates a chunk
 
 
 def candidate_logits(rows: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor, chunk_rows: int) -> torch.Tensor:
