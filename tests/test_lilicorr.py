@@ -326,6 +326,18 @@ def test_export_round_trip_in_the_engines_format_and_warm_start_rules(conv, tmp_
     other, _ = lilicorr(conv=not conv)
     with pytest.raises(ConfigError, match="do not match the LiLiCorrDraftModel export format"):
         init_from_export(other, tmp_path / "l")
+    # a DFlash2 drafter starts a LiLiCorr one with convolutions: its backbone and convolutions, not its selector
+    d2, _ = tiny_drafter(variant="dflash2", seed=5, conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                         selector_top_k=4)
+    export_drafter(d2, tmp_path / "d2", target_config=target)
+    if conv:
+        init_from_export(drafter, tmp_path / "d2")
+        theirs = d2.state_dict()
+        assert all(torch.equal(v, theirs[k]) for k, v in drafter.state_dict().items() if not k.startswith("lilicorr."))
+        assert torch.equal(drafter.state_dict()["lilicorr.in_head.weight"], loaded.state_dict()["lilicorr.in_head.weight"])
+    else:
+        with pytest.raises(ConfigError, match="has no convolutions: set drafter.lilicorr_conv=true"):
+            init_from_export(drafter, tmp_path / "d2")
     del config["dflash_config"]["lilicorr_logit_scale"]
     (tmp_path / "l" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="lacks \\['lilicorr_logit_scale'\\]"):

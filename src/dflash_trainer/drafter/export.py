@@ -318,16 +318,21 @@ def warm_start(model: DFlashDrafter, state: dict[str, torch.Tensor], *, variant:
     """Copy a drafter's weights `state` (of `variant`, tapping `tap_layer_ids`) into `model`: the same taps and
     shapes, else an error naming `where`. A DFlash drafter's weights start a DFlash2 `model` too: its convolutions
     and selector keep their initialisation (the identity, and a selector that adds nothing), so it computes what
-    the DFlash drafter computed; a LiLiCorr `model` starts from one likewise (its lattice head as initialised)."""
+    the DFlash drafter computed; a LiLiCorr `model` starts from one likewise (its lattice head as initialised), and with
+    its convolutions on from a DFlash2 drafter too (its backbone and convolutions; the selector is left out)."""
     if variant == "dspark":  # its slots predict one position further on than a DFlash drafter's
         raise ConfigError(f"{where} is a DSpark drafter (another trainer's): dflash-train evaluates it but does not "
                           "train it; start from a DFlash or DFlash2 export")
     if variant == "lilicorr" and model.spec.variant != "lilicorr":
         raise ConfigError(f"{where} is a LiLiCorr drafter and this one is {model.spec.variant}: its lattice head would "
                           "be lost; set drafter.variant=lilicorr")
-    if variant == "dflash2" and model.spec.variant == "lilicorr":
-        raise ConfigError(f"{where} is a DFlash2 drafter: a LiLiCorr drafter starts from a DFlash or LiLiCorr one "
-                          "(its candidate selector has no place here)")
+    if variant == "dflash2" and model.spec.variant == "lilicorr" and not model.spec.block_conv:
+        raise ConfigError(f"{where} is a DFlash2 drafter and this LiLiCorr one has no convolutions: set "
+                          "drafter.lilicorr_conv=true (with its conv_kernel_size and conv_group_size) to start from it")
+    if variant == "dflash2" and model.spec.variant == "lilicorr":  # the backbone and convolutions, not the selector
+        check_keys(set(state), model.spec.num_layers, f"{where} (for a {model.spec.num_layers}-layer drafter)", variant)
+        state, variant = {k: v for k, v in state.items() if not k.startswith("candidate_selector.")}, "lilicorr"
+        state = state | {k: v for k, v in model.state_dict().items() if k.startswith("lilicorr.")}
     if variant == "dflash2" and model.spec.variant != "dflash2":
         raise ConfigError(f"{where} is a DFlash2 drafter and this one is DFlash: its convolutions and selector would be "
                           "lost; set drafter.variant=dflash2")
