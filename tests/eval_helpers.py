@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trainer.drafter.anchors import plan_blocks
+from dflash_trainer.drafter.config import DrafterConfig
+from dflash_trainer.drafter.lilicorr import lattice_loss
 from dflash_trainer.drafter.loss import SelectorLoss, drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.eval.proposers import DFlashBatchProposer
@@ -40,6 +42,14 @@ def target_taps(target, ids: torch.Tensor, tap_layer_ids) -> torch.Tensor:
     return torch.cat([out.hidden_states[l + 1][0] for l in tap_layer_ids], dim=-1)  # (T, K*H)
 
 
+LATTICE_FIT = DrafterConfig(variant="lilicorr", block_size=4, gamma=2.0, lilicorr_w_ce=1.0, lilicorr_w_pen=0.0)
+"""A LiLiCorr drafter's lattice terms when fitting (no penalty: it needs the target's last hidden state)."""
+
+LATTICE_SIZES = dict(lilicorr_candidate_topk=4, lilicorr_num_heads=2, lilicorr_hidden_size=32,
+                     lilicorr_factor_dim=16)
+"""A tiny lattice head."""
+
+
 def fit_drafter(drafter: DFlashDrafter, target, prompts: list[torch.Tensor], *, new_tokens: int = 40,
                 steps: int = 30, lr: float = 3e-3, num_blocks: int = 64) -> None:
     """Train `drafter` in place for `steps` Adam steps on the target's greedy continuations of `prompts`."""
@@ -64,7 +74,10 @@ def fit_drafter(drafter: DFlashDrafter, target, prompts: list[torch.Tensor], *, 
         hidden = drafter.forward_train(taps=all_taps, cu_seqlens=cu_seqlens, plan=plan, embed_weight=embed)
         selector = None if drafter.candidate_selector is None else SelectorLoss(
             selector=drafter.candidate_selector, weight=1.0, missing="inject", detach=False)
-        loss = drafter_loss(hidden, plan, lm_head_weight=head, gamma=2.0, chunk_rows=4096, selector=selector)
+        lattice = lattice_loss(LATTICE_FIT, drafter, taps=all_taps, embed=embed, lm_head=head, last_hidden=None,
+                               final_norm=None)
+        loss = drafter_loss(hidden, plan, lm_head_weight=head, gamma=2.0, chunk_rows=4096, selector=selector,
+                            lattice=lattice)
         optimizer.zero_grad()
         (loss.loss_sum / loss.weight_sum).backward()
         optimizer.step()
@@ -102,6 +115,7 @@ def fitted(block_size: int = 4, variant: str = "dflash") -> Fitted:
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 1000, (n,), generator=generator) for n in (9, 14, 20, 11)]
         sizes = dict(conv_group_size=16, selector_rank=16, selector_top_k=4) if variant == "dflash2" else {}
+        sizes = LATTICE_SIZES if variant == "lilicorr" else sizes
         drafter, _ = tiny_drafter(block_size=block_size, variant=variant, **sizes)  # 2 layers, taps [1, 3]
         fit_drafter(drafter, target, prompts, steps=40)
     finally:

@@ -205,7 +205,7 @@ def test_dflash2_export_round_trip_and_warm_start_rules(tmp_path):
     loaded = load_drafter(tmp_path / "d2")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in drafter.state_dict().items())
     base, _ = tiny_drafter()
-    with pytest.raises(ConfigError, match="is a DFlash2 drafter and this one is DFlash.*drafter.variant=dflash2"):
+    with pytest.raises(ConfigError, match="is a DFlash2 drafter and this one is dflash: .*drafter.variant=dflash2"):
         init_from_export(base, tmp_path / "d2")
     config = json.loads((tmp_path / "d2" / "config.json").read_text())
     del config["dflash_config"]["selector_rank"]

@@ -153,3 +153,37 @@ def test_dspark_walk_is_the_markov_walk_and_the_judge_holds_engines_to_it(tmp_pa
         assert row.result == result, row.why
     torch.save({"hidden": hidden, "logits": hidden @ head.T}, out)
     assert judge("vllm", job, EngineResult(**ran), ref, head, DSPARK.engine_classes).why == "no Markov walk output"
+
+
+@pytest.mark.parametrize("name", ["lilicorr", "lilicorr-conv"])
+def test_lilicorr_lattice_is_what_decoding_walks_and_the_judge_checks_the_picks(name, tmp_path, tiny_target_config):
+    """The LiLiCorr scores the check compares (slot s's row p: after the previous slot's candidate p; slot 0's rows the
+    anchor's) give our walk's picks when walked as the engines walk them; a row whose picks differ fails."""
+    from serving_check.cases import Target
+    from serving_check.variants import VARIANTS
+
+    variant = VARIANTS[name]
+    drafter = variant.build(SHAPES[0], BLOCK_SIZE, tiny_target_config)
+    randomize(drafter, seed=3)
+    inputs = make_inputs(drafter.spec, seed=4)
+    v, h = tiny_target_config.vocab_size, tiny_target_config.hidden_size
+    target = Target(path="T", embed=torch.randn(v, h), head=torch.randn(v, h))
+    with torch.no_grad():
+        hidden = variant.reference(drafter, inputs, target.embed)
+        ours = variant.lattice(drafter, hidden, inputs, target)
+    previous, picks = 0, []
+    for scores, candidates in zip(ours["lattice"], ours["candidates"]):
+        previous = int(scores[previous].argmax())
+        picks.append(int(candidates[previous]))
+    assert ours["picks"].tolist() == picks
+    assert len(set(picks)) > 1 and not torch.equal(ours["lattice"][1], ours["lattice"][1][:1].expand_as(ours["lattice"][1]))
+    ref = reference_of(drafter, hidden, ours)
+    out = tmp_path / "out.pt"
+    ran = dict(job="j", engine="sglang", status="ran", model_class="LiLiCorrDraftModel", layers=ref.layers,
+               taps=ref.taps, block_size=BLOCK_SIZE, outputs=str(out))
+    job = _job(variant=name)
+    torch.save({"hidden": hidden, "logits": hidden @ target.head.T, **ours}, out)
+    assert judge("sglang", job, EngineResult(**ran), ref, target.head, variant.engine_classes).result == PASS
+    torch.save({"hidden": hidden, "logits": hidden @ target.head.T, **ours, "picks": ours["picks"].flip(0)}, out)
+    row = judge("sglang", job, EngineResult(**ran), ref, target.head, variant.engine_classes)
+    assert row.result == FAIL and "picks differ" in row.why

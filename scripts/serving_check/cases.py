@@ -44,7 +44,8 @@ class Reference:
     taps: list
     """Our tap layer ids (output of decoder layer l), in the order `fc` reads them."""
     selector: Optional[dict] = None
-    """DFlash2: our `candidates` (B-1, K) and `lattice` (B-1, K, K) (variants.py); None for DFlash."""
+    """DFlash2: our `candidates` (B-1, K) and `lattice` (B-1, K, K) (variants.py); LiLiCorr: those and our walk's
+    `picks` (B-1,); None for DFlash."""
     walk: Optional[dict] = None
     """DSpark: our Markov walk's `drafts` (B,) and `scores` (B, V) (variants.py); None for the other variants."""
 
@@ -121,6 +122,7 @@ def build_jobs(work: Path, variants: list[Variant], target: Target, target_confi
                 hidden = variant.reference(drafter, inputs, target.embed)
                 selector = variant.selector and variant.selector(drafter, hidden, target.head,
                                                                  int(inputs["block_ids"][0]))
+                selector = selector or (variant.lattice and variant.lattice(drafter, hidden, inputs, target))
                 walk = variant.walk and variant.walk(drafter, hidden, target.head, int(inputs["block_ids"][0]))
             for fmt in formats:
                 out, refused = work / f"{name}-{fmt}", None
@@ -134,7 +136,8 @@ def build_jobs(work: Path, variants: list[Variant], target: Target, target_confi
                 jobs.append(Job(id=f"{variant.name}/{shape.name}/{fmt}", variant=variant.name, drafter=shape.name,
                                 format=fmt, export=str(out), target=target.path, inputs=str(work / f"{name}-inputs.pt"),
                                 block_size=BLOCK_SIZE, refused=refused,
-                                vllm_v2_runner=mixed or variant.selector is not None or variant.walk is not None))
+                                vllm_v2_runner=mixed or variant.selector is not None or variant.walk is not None
+                                or variant.lattice is not None))
                 ours[jobs[-1].id] = reference_of(drafter, hidden, selector, walk)
     return jobs, ours
 
@@ -172,11 +175,12 @@ def given_job(work: Path, export: Path, reference: Path, target_dir: Path | None
         hidden = variant.reference(drafter, inputs, target.embed.float())
         selector = variant.selector and variant.selector(drafter, hidden, target.head.float(),
                                                          int(inputs["block_ids"][0]))
+        selector = selector or (variant.lattice and variant.lattice(drafter, hidden, inputs, target))
         walk = variant.walk and variant.walk(drafter, hidden, target.head.float(), int(inputs["block_ids"][0]))
     job = Job(id=f"{variant.name}/given/{fmt}", variant=variant.name, drafter="given", format=fmt, export=str(export),
               target=str(target_dir), inputs=str(work / "given-inputs.pt"), block_size=drafter.spec.block_size,
               vllm_v2_runner=len(set(drafter.spec.layer_types)) > 1 or variant.selector is not None
-              or variant.walk is not None)
+              or variant.walk is not None or variant.lattice is not None)
     return job, {job.id: reference_of(drafter, hidden, selector, walk)}, target
 
 

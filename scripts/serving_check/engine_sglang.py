@@ -11,7 +11,9 @@
 - block: `DFlashDraftModel.forward` with the block embedded by the target's embedding, as the worker does; logits
   through the target's LM head (the worker's greedy path); DFlash2: the worker's own `_selector_lattice` (the
   candidates from the target's LM head, then the selector's scores) on slots 1..B-1. Its torch.compile'd functions
-  (`_grouped_conv`, `_score_edges`) compile and run on the CPU as they are.
+  (`_grouped_conv`, `_score_edges`) compile and run on the CPU as they are. LiLiCorr: the worker's
+  `lilicorr_candidates`, the head's scores and `propose_lilicorr_block` (greedy, its torch walk), anchored on the
+  last context row (`publish_anchor`).
 
 Substitutions, each for a reason:
 1. attention kernel: each layer's `RadixAttention.forward` is `attention.attend` (SDPA over the captured context and
@@ -146,6 +148,8 @@ def run(job: Job, out_file: str) -> EngineResult:
             model.lm_head = _lm_head(target.head)  # the worker attaches the target's LM head
             outputs["candidates"], lattice = _selector_lattice(model, hidden[None, 1:], inputs["block_ids"][:1])
             outputs["candidates"], outputs["lattice"] = outputs["candidates"][0], lattice[0]
+        elif job.variant.startswith("lilicorr"):
+            outputs.update(_lilicorr(model, hidden, context, target))
         if job.variant == "dspark":
             model.lm_head = _lm_head(target.head)  # the worker attaches the target's LM head
             outputs |= _markov_walk(model, hidden, inputs["block_ids"][:1])
@@ -178,6 +182,25 @@ def _markov_walk(model, hidden: torch.Tensor, anchor: torch.Tensor) -> dict:
     previous = torch.cat([anchor, drafts[0, :-1]]).long()  # (B,) the token before each slot
     bias, _ = model.markov_head.step_bias(previous, hidden_states=None, state=None)
     return {"drafts": drafts[0], "scores": base + bias}
+
+
+def _lilicorr(model, hidden: torch.Tensor, context: torch.Tensor, target) -> dict:
+    """The draft worker's LiLiCorr pass on the drafted slots 1..B-1, anchored as `publish_anchor` anchors it (the
+    last row of `project_target_hidden`): `lilicorr_candidates`, the head's `score` and `log_factors` (the lattice
+    its walk reads) and `propose_lilicorr_block` (its greedy path: the picks)."""
+    from sglang.kernels.ops.speculative.lilicorr import _lattice_scores
+    from sglang.srt.speculative.lilicorr_utils import lilicorr_candidates, propose_lilicorr_block
+
+    head, lm_head = model.lilicorr, _lm_head(target.head)
+    embed = torch.nn.Embedding.from_pretrained(target.embed)  # the target's input embedding, as the worker's
+    anchor = context[-1:]  # (1, H)
+    log_probs, candidates = lilicorr_candidates(hidden_states=hidden[1:], lm_head=lm_head, topk=head.candidate_topk)
+    start, pair = head.log_factors(*head.score(
+        token_embeddings=embed(candidates)[None, None], candidate_log_probs=log_probs[None, None],
+        pass_hidden=hidden[None, None, 1:], anchor_hidden=anchor[None], anchor_valid=torch.ones(1, 1, dtype=torch.bool)))
+    picks, _, _ = propose_lilicorr_block(head=head, draft_hidden=hidden[None], lm_head=lm_head, embed_tokens=embed,
+                                         anchor=anchor)
+    return {"candidates": candidates, "lattice": _lattice_scores(start[:, 0], pair[:, 0])[0], "picks": picks[0]}
 
 
 def _lm_head(weight: torch.Tensor):

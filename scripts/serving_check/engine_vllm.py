@@ -28,7 +28,11 @@ Substitutions, each for a reason:
    check (`vllm.config.vllm.HAS_TRITON`) that Triton is there, and loads the drafter with the V2 runner's
    `load_dflash_model`; the V2 runner attends per layer (`get_draft_attn_causal`), as substitution 1 does, and its
    DFlash2 speculator scores candidates with the model's `compute_candidates` and `candidate_selector`, which the
-   check calls. No V2 kernel runs.
+   check calls. No V2 kernel runs. LiLiCorr, like DFlash2, needs the V2 runner: its speculator scores the lattice with
+   the model's `compute_candidates` and `lilicorr` head, anchored on `hidden_norm` of the last committed context row,
+   which the check calls.
+5. LiLiCorr's (and DFlash2's) walk is a Triton kernel; the check walks vLLM's lattice greedily as the kernel does
+   (`_greedy_walk`), so the picks compared are those of vLLM's scores.
 """
 
 from __future__ import annotations
@@ -159,6 +163,16 @@ def _load(job: Job):
             return vllm_config, target, proposer.model
 
 
+def _greedy_walk(lattice: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Substitution 5: the greedy path of vLLM's candidate walk kernel (`_selector_walk_kernel`, Triton) over a
+    lattice (S, K, K): slot s takes the best of row `previous` (0 at slot 0), `previous` becomes its index."""
+    previous, picks = 0, []
+    for s in range(lattice.shape[0]):
+        previous = int(lattice[s, previous].argmax())
+        picks.append(candidates[s, previous])
+    return torch.stack(picks)
+
+
 def run(job: Job, out_file: str) -> EngineResult:
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
@@ -186,6 +200,12 @@ def run(job: Job, out_file: str) -> EngineResult:
             outputs["candidates"] = candidates
             outputs["lattice"] = model.model.candidate_selector(candidates[None], unary[None], hidden[None, 1:],
                                                                 inputs["block_ids"][:1])[0]  # (B-1, K, K)
+        elif job.variant.startswith("lilicorr"):  # what the V2 runner's LiLiCorr speculator calls on slots 1..B-1
+            candidates, log_probs = model.compute_candidates(hidden[1:])  # (B-1, K) each
+            anchor = model.model.hidden_norm(context[-1:])  # `prepare_context_anchor`: the last committed row
+            lattice = model.model.lilicorr(target.model.embed_tokens(candidates)[None], log_probs[None],
+                                           hidden[None, 1:], anchor, torch.ones(1, dtype=torch.bool))[0]
+            outputs.update(candidates=candidates, lattice=lattice, picks=_greedy_walk(lattice, candidates))
         if job.variant == "dspark":
             outputs |= _markov_walk(model, hidden, inputs["block_ids"][0])
     torch.save(outputs, out_file)

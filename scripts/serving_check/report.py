@@ -78,6 +78,9 @@ def judge(engine: str, job, result, reference, head: torch.Tensor, variant_class
             selector_diff = float((out["lattice"].float() - reference.selector["lattice"]).abs().max())
             if not selector_diff < TOLERANCE:
                 problems.append(f"selector scores differ from ours by more than {TOLERANCE:g}")
+            if "picks" in reference.selector and not torch.equal(out.get("picks", torch.empty(0)).long(),
+                                                                 reference.selector["picks"]):
+                problems.append("lattice walk's picks differ from ours")
     if reference.walk is not None:
         if "drafts" not in out:
             problems.append("no Markov walk output")

@@ -19,6 +19,15 @@ come from vLLM's `DSparkSpeculator._sample_sequential` (over `Qwen3DSparkForCaus
 `markov_head`). Keys both read: `architectures: ["Qwen3DSparkModel"]`, top-level `markov_rank` (SGLang's parser also
 `dflash_config.markov_rank`), `block_size` = the drafted tokens (vLLM's `num_speculative_tokens`, SGLang's gamma);
 tensors `markov_head.markov_w1.weight` and `markov_head.markov_w2.weight`. It exports in the dflash format only.
+LiLiCorr (drafter/lilicorr.py), with and without DFlash2's convolutions, adds a lattice head: each slot's top-K
+candidates (by full-vocabulary log-probability) scored as a chain anchored on the last committed context, the
+context feature of the last context slot. `lattice` gives ours: the candidates (B-1, K), the scores (B-1, K, K) the
+engines' walks read (row p of slot s: after the previous slot's candidate p; slot 0's rows all the anchor's start
+scores) and our greedy walk's picks (B-1,). The engines': vLLM's `LiLiCorrForCausalLM.compute_candidates` and
+`model.lilicorr` (what its V2 runner's LiLiCorr speculator calls); SGLang's `lilicorr_candidates`, the head's
+`score` + `log_factors` and `propose_lilicorr_block` (its draft worker's greedy path, picks included). Config keys
+both read: `architectures: ["LiLiCorrDraftModel"]`, `dflash_config.{lilicorr_*, block_size, conv_kernel_size,
+conv_group_size}`; tensors under `lilicorr.`.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.dspark import markov_walk
 from dflash_trainer.drafter.export import export_drafter
 from dflash_trainer.drafter.export_speculators import export_speculators
+from dflash_trainer.drafter.lilicorr import candidates, walk_lattice
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import drafter_spec
 
@@ -68,6 +78,9 @@ class Variant:
     walk: Optional[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], dict]] = None
     """walk(drafter, hidden (B, H), head (V, H), anchor_token): our greedy Markov walk over the block's B slots,
     `drafts` (B,) and `scores` (B, V) (module docstring); None: the variant has no walk."""
+    lattice: Optional[Callable[[torch.nn.Module, torch.Tensor, dict, Any], dict]] = None
+    """lattice(drafter, hidden (B, H), inputs, target): LiLiCorr's candidates, lattice and picks on the check's
+    block (module docstring); None: the variant has no lattice head."""
 
 
 def _builder(**fields) -> Callable[[Shape, int, Any], DFlashDrafter]:
@@ -116,6 +129,15 @@ def _markov_walk(drafter: DFlashDrafter, hidden: torch.Tensor, head: torch.Tenso
     walked = markov_walk(drafter.markov_w1, drafter.markov_w2, logits[None], torch.tensor([anchor]), 0.0, None)
     previous = torch.cat([torch.tensor([anchor]), walked.tokens[0, :-1]])  # (B,) the token before each slot
     return {"drafts": walked.tokens[0], "scores": logits + drafter.markov_head.bias(previous)}
+def _lilicorr_lattice(drafter: DFlashDrafter, hidden: torch.Tensor, inputs: dict, target: Any) -> dict:
+    """Our lattice head's scores and walk on the block (module docstring), anchored on the last context slot."""
+    head = drafter.lilicorr
+    ids, log_probs = candidates(hidden[None, 1:] @ target.head.float().T, head.top_k)  # (1, B-1, K) each
+    anchor = drafter.context(inputs["taps"][-1:])  # (1, H)
+    start, pair = head(target.embed.float()[ids], log_probs, hidden[None, 1:], anchor, torch.tensor([True]))
+    lattice = torch.cat([start[:, None, None, :].expand(-1, 1, head.top_k, -1), pair], dim=1)  # (1, B-1, K, K)
+    picks = walk_lattice(start, pair, ids, 0.0, None, target.head.shape[0]).tokens
+    return {"candidates": ids[0], "lattice": lattice[0], "picks": picks[0]}
 
 
 EXPORTERS = {"dflash": _export_dflash, "speculators": _export_speculators}
@@ -147,4 +169,26 @@ DSPARK = Variant(
     walk=_markov_walk,
 )
 
-VARIANTS = {v.name: v for v in (DFLASH, DFLASH2, DSPARK)}
+# 4 candidates, a 32-wide 2-head lattice head (narrower than the tiny target's 64: token_proj is exported)
+_LATTICE = dict(variant="lilicorr", lilicorr_candidate_topk=4, lilicorr_hidden_size=32, lilicorr_num_heads=2,
+                lilicorr_factor_dim=16)
+
+LILICORR = Variant(
+    name="lilicorr",
+    engine_classes={"vllm": "LiLiCorrForCausalLM", "sglang": "LiLiCorrDraftModel"},
+    build=_builder(**_LATTICE),
+    reference=_reference,
+    exporters=EXPORTERS,  # our speculators exporter refuses LiLiCorr (no such format): a REFUSED row
+    lattice=_lilicorr_lattice,
+)
+
+LILICORR_CONV = Variant(
+    name="lilicorr-conv",
+    engine_classes=LILICORR.engine_classes,
+    build=_builder(**_LATTICE, lilicorr_conv=True, conv_kernel_size=3, conv_group_size=16),
+    reference=_reference,
+    exporters=LILICORR.exporters,
+    lattice=_lilicorr_lattice,
+)
+
+VARIANTS = {v.name: v for v in (DFLASH, DFLASH2, DSPARK, LILICORR, LILICORR_CONV)}

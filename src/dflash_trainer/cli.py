@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from dflash_trainer.config import Config, list_recipes, load_config
+from dflash_trainer.config import NO_TARGET, Config, list_recipes, load_config
 from dflash_trainer.errors import ConfigError, DataError, NotBuiltYet, StorageError
 from dflash_trainer.resume import resumed_config
 from dflash_trainer.runtime.cpu_threads import set_cpu_threads
@@ -208,8 +208,9 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> Config | None:
         if recipe is None and args.command in ("eval", "export"):
             given = "--drafter" if args.command == "eval" else "--checkpoint"
             path = getattr(args, given[2:])
-            if path and (problem := input_dir_problem(given, path)):  # no run around a path that is not there:
-                raise ConfigError(problem) from None  # the missing folder is the mistake, not the config
+            if path and (problem := input_dir_problem(given, path)):  # no run around a path that is not there
+                # a config naming no target is a consequence of the missing folder, not a second mistake
+                raise ConfigError(problem if str(e) == NO_TARGET else f"{problem}; and {e}") from None
             raise ConfigError(f"{e}; or pass --config RUN_DIR/config.yaml, the config of the run that trained it "
                               f"(none was found: {given} is not inside a run directory)") from None
         raise

@@ -88,6 +88,10 @@ class LoggingConfig:
     """Write RUN_DIR/report/ (figures, index.html) at the end of a run (`dflash-train report RUN_DIR` does it any time)."""
 
 
+NO_TARGET = "set target.path (a model dir or hub id) or target.random_init (a config)"
+"""The error of a config that names no target (the one an eval or export outside a run dir gets with no --config)."""
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -104,7 +108,7 @@ class Config:
     def __post_init__(self) -> None:
         _check_finite(self, "")
         if self.target.path is None and self.target.random_init is None:
-            raise ConfigError("set target.path (a model dir or hub id) or target.random_init (a config)")
+            raise ConfigError(NO_TARGET)
         if self.target.quantize == "fp8" and self.run.device == "cpu":
             raise ConfigError("target.quantize=fp8 needs a CUDA GPU with FP8 tensor cores (compute capability "
                               "8.9+), and run.device=cpu asks for none: set target.quantize=null on the CPU")
@@ -112,6 +116,12 @@ class Config:
             raise ConfigError(
                 f"pipeline.context_parallel={self.pipeline.context_parallel} does not support distillation yet (a "
                 "block's teacher rows can lie in the next shard): set drafter.kd_weight=0"
+            )
+        if self.pipeline.context_parallel > 1 and self.drafter.variant == "lilicorr":
+            raise ConfigError(
+                f"pipeline.context_parallel={self.pipeline.context_parallel} does not support drafter.variant=lilicorr "
+                "yet (a block's anchor context and teacher rows can lie in another shard): set "
+                "pipeline.context_parallel=1"
             )
         if self.pipeline.pool_capacity < self.train.grad_accum:
             raise ConfigError(

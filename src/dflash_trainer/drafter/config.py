@@ -27,9 +27,10 @@ def check_tap_order(tap_layer_ids, where: str) -> None:
                           f"concatenate the taps in layer order; list them as {sorted(taps)}")
 
 
-VARIANTS = ("dflash", "dflash2", "dspark")
-"""Drafter variants: DFlash, DFlash2 (DFlash plus block convolutions and a candidate selector, `dflash2.py`), and
-DSpark (the anchor's slot drafts too, plus a Markov head, `dspark.py`)."""
+VARIANTS = ("dflash", "dflash2", "dspark", "lilicorr")
+"""Drafter variants: DFlash, DFlash2 (DFlash plus block convolutions and a candidate selector, `dflash2.py`), DSpark
+(the anchor's slot drafts too, plus a Markov head, `dspark.py`), and LiLiCorr (DFlash, DFlash2's convolutions
+optional, plus a lattice head over the top-K candidates, `lilicorr.py`)."""
 
 DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight",
                    "selector_warmup", "selector_missing", "selector_detach")
@@ -48,14 +49,18 @@ SELECTOR_MISSING = ("inject", "ignore")
 @dataclass
 class DrafterConfig:
     variant: str = "dflash"
-    """dflash | dflash2 | dspark: DFlash2 adds grouped dynamic convolutions inside each block around every sublayer and
-    a candidate selector over the top-K of each slot's logits (drafter/dflash2.py). `init_from` a DFlash export or
-    checkpoint starts it where that DFlash drafter is. DSpark's anchor slot drafts the next token (B slots draft B
-    tokens) and a Markov head biases each slot by the token before it (drafter/dspark.py)."""
+    """dflash | dflash2 | dspark | lilicorr: DFlash2 adds grouped dynamic convolutions inside each block around every
+    sublayer and a candidate selector over the top-K of each slot's logits (drafter/dflash2.py). DSpark's anchor slot
+    drafts the next token (B slots draft B tokens) and a Markov head biases each slot by the token before it
+    (drafter/dspark.py). LiLiCorr adds a lattice head that walks the top-K candidates as a chain (drafter/lilicorr.py;
+    DFlash2's convolutions with lilicorr_conv). `init_from` a DFlash export or checkpoint starts DFlash2 or LiLiCorr
+    where that DFlash drafter is."""
     conv_kernel_size: int = 2
-    """DFlash2: taps of each block convolution (the current slot and the ones before it)."""
+    """DFlash2 (and LiLiCorr with lilicorr_conv): taps of each block convolution (the current slot and the ones
+    before it)."""
     conv_group_size: int = 16
-    """DFlash2: channels sharing one dynamic kernel weight; must divide the hidden size."""
+    """DFlash2 (and LiLiCorr with lilicorr_conv): channels sharing one dynamic kernel weight; must divide the hidden
+    size."""
     selector_rank: int = 256
     """DFlash2: rank of the selector's codebooks (vocab x rank each) and hidden projection."""
     selector_top_k: int = 16
@@ -74,6 +79,29 @@ class DrafterConfig:
     dspark_divergence: str = "l1"
     """DSpark: the distance to the target's distribution that `kd_weight` weighs: l1 (sum |p - q|, twice the total
     variation: DSpark's own loss, 0.1 CE + 0.9 L1 at kd_weight 0.9) or kl (DFlash's KD)."""
+    lilicorr_conv: bool = False
+    """LiLiCorr: wrap every sublayer in DFlash2's block convolutions (drafter.conv_kernel_size, conv_group_size)."""
+    lilicorr_hidden_size: int = 0
+    """LiLiCorr: width of the lattice head (0: the drafter's hidden size)."""
+    lilicorr_candidate_topk: int = 8
+    """LiLiCorr: candidates per slot (a power of two <= 16, the engines' limit)."""
+    lilicorr_num_layers: int = 2
+    lilicorr_num_heads: int = 8
+    lilicorr_mlp_ratio: float = 2.0
+    lilicorr_factor_dim: int = 128
+    """LiLiCorr: width of the out/in vectors whose cosines score the transitions."""
+    lilicorr_vector_eps: float = 1e-6
+    lilicorr_logit_scale: float = 10.0
+    """LiLiCorr: the fixed scale of the cosine scores (their log-factors lie in [-scale, scale])."""
+    lilicorr_w_ce: float = 0.25
+    """LiLiCorr: weight of the lattice's K-way cross-entropy (ModelOpt's `base` recipe: 0.25, `margin`: 0.125)."""
+    lilicorr_w_margin: float = 0.0
+    """LiLiCorr: weight of the hinge on (true score - best other) (`margin` recipe: 0.125)."""
+    lilicorr_margin: float = 2.0
+    """LiLiCorr: the hinge's width."""
+    lilicorr_w_pen: float = 0.25
+    """LiLiCorr: weight of the distractor penalty (E over the head's distribution of the target's logit gap to the
+    true token); needs the target's last hidden state, which the run then captures."""
     num_layers: int = 5
     block_size: int = 16
     tap_layer_ids: Optional[list[int]] = None
@@ -132,6 +160,13 @@ class DrafterConfig:
         if self.conv_kernel_size > self.block_size:
             raise ConfigError(f"drafter.conv_kernel_size={self.conv_kernel_size} reaches past a block of "
                               f"drafter.block_size={self.block_size} slots: at most the block size")
+        weights = (self.lilicorr_w_ce, self.lilicorr_w_margin, self.lilicorr_w_pen)
+        if self.variant == "lilicorr" and (min(weights) < 0 or not any(weights)):
+            raise ConfigError(f"drafter.lilicorr_w_ce, lilicorr_w_margin, lilicorr_w_pen must be >= 0 and one > 0 (or "
+                              f"the lattice head never trains), got {weights}")
+        if self.variant == "lilicorr" and self.lilicorr_w_margin > 0 and self.lilicorr_margin <= 0:
+            raise ConfigError(f"drafter.lilicorr_w_margin > 0 needs drafter.lilicorr_margin > 0, got "
+                              f"{self.lilicorr_margin}")
         if self.selector_weight < 0 or not 0.0 <= self.selector_warmup <= 1.0:
             raise ConfigError("drafter.selector_weight must be >= 0 and drafter.selector_warmup in [0, 1]")
         if self.num_layers < 1:
@@ -209,6 +244,11 @@ class DrafterConfig:
         if self.dspark_divergence not in DIVERGENCES:
             raise ConfigError(f"drafter.dspark_divergence must be one of {', '.join(DIVERGENCES)}, got "
                               f"{self.dspark_divergence!r}")
+
+    @property
+    def needs_last_hidden(self) -> bool:
+        """The loss reads the target's last hidden state: distillation, or LiLiCorr's distractor penalty."""
+        return self.kd_weight > 0 or (self.variant == "lilicorr" and self.lilicorr_w_pen > 0)
 
     @property
     def loss_gamma(self) -> float:

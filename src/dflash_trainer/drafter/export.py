@@ -22,6 +22,7 @@ from dflash_trainer.drafter.embedding_scale import (SCALE_KEY, block_embedding_s
                                                     warn_if_vllm_unscaled)
 from dflash_trainer.drafter.engines import warn_if_unserved
 from dflash_trainer.drafter.finite import check_finite
+from dflash_trainer.drafter.lilicorr import LatticeSpec, lattice_key_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -48,7 +49,8 @@ _DFLASH2_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.
                  "candidate_selector.hidden_projection.weight")
 """DFlash2's tensors, named as the reference, vLLM and SGLang read them (the codebooks without `.weight`)."""
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel",
+                 "lilicorr": "LiLiCorrDraftModel"}
 """`architectures` of each variant's export: the class the reference package, vLLM and SGLang build. A DSpark
 export names the class both engines build (ModelOpt's names DFlash's, which neither engine serves as DSpark) and says
 `dflash_config.projector_type: dspark` as ModelOpt's does, which is what this file reads."""
@@ -57,8 +59,10 @@ DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "
 """DFlash2's `dflash_config` fields (DrafterSpec fields of the same names)."""
 
 
-def expected_keys(num_layers: int, variant: str = "dflash") -> set[str]:
-    """The exact tensor names of an exported drafter with `num_layers` layers."""
+def expected_keys(num_layers: int, variant: str = "dflash", spec: Optional[DrafterSpec] = None) -> set[str]:
+    """The exact tensor names of an exported drafter with `num_layers` layers (a LiLiCorr drafter's: of `spec`)."""
+    if variant == "lilicorr":
+        return lilicorr_keys(spec)
     layer_keys = _LAYER_KEYS + (_DFLASH2_LAYER_KEYS if variant == "dflash2" else ())
     keys = {f"layers.{i}.{name}" for i in range(num_layers) for name in layer_keys}
     keys |= set(_DFLASH2_KEYS) if variant == "dflash2" else set()
@@ -66,8 +70,17 @@ def expected_keys(num_layers: int, variant: str = "dflash") -> set[str]:
     return keys | {"fc.weight", "hidden_norm.weight", "norm.weight"}
 
 
-def check_keys(keys: set[str], num_layers: int, where: str, variant: str = "dflash") -> None:
-    expected = expected_keys(num_layers, variant)
+def lilicorr_keys(spec: DrafterSpec) -> set[str]:
+    """A LiLiCorr drafter's tensor names: DFlash's, DFlash2's convolutions when on, and the lattice head's."""
+    layer_keys = _LAYER_KEYS + (_DFLASH2_LAYER_KEYS if spec.block_conv else ())
+    keys = {f"layers.{i}.{name}" for i in range(spec.num_layers) for name in layer_keys}
+    head = lattice_key_names(spec.lattice, model_hidden=spec.hidden_size, block_size=spec.block_size)
+    return keys | head | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+
+
+def check_keys(keys: set[str], num_layers: int, where: str, variant: str = "dflash",
+               spec: Optional[DrafterSpec] = None) -> None:
+    expected = expected_keys(num_layers, variant, spec)
     missing, unexpected = sorted(expected - keys), sorted(keys - expected)
     if missing or unexpected:
         raise ConfigError(
@@ -88,7 +101,7 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
         num_target_layers=spec.num_target_layers,
         block_size=spec.block_size,
         dflash_config={"mask_token_id": spec.mask_token_id, "target_layer_ids": list(spec.tap_layer_ids),
-                       **dflash2_fields(spec), **dspark_fields(spec)},
+                       **dflash2_fields(spec), **dspark_fields(spec), **lilicorr_fields(spec)},
         tie_word_embeddings=False,
         layer_types=list(spec.layer_types),
         rope_parameters=rope,
@@ -116,6 +129,15 @@ def dspark_fields(spec: DrafterSpec) -> dict[str, Any]:
             "markov_head_type": "vanilla", "use_confidence_head": False}
 
 
+def lilicorr_fields(spec: DrafterSpec) -> dict[str, Any]:
+    """LiLiCorr's `dflash_config` fields ({} for the other variants): the lattice head's geometry, the block size,
+    and DFlash2's convolution sizes (0 when off: the engines build none then)."""
+    if spec.variant != "lilicorr":
+        return {}
+    return {**spec.lattice.export_fields(), "block_size": spec.block_size,
+            "conv_kernel_size": spec.conv_kernel_size, "conv_group_size": spec.conv_group_size}
+
+
 def dflash2_fields(spec: DrafterSpec) -> dict[str, int]:
     """DFlash2's config fields of `spec` ({} for DFlash)."""
     return {k: getattr(spec, k) for k in DFLASH2_CONFIG_KEYS} if spec.variant == "dflash2" else {}
@@ -141,7 +163,7 @@ def export_state(model: DFlashDrafter, *, target_config: Optional[Any] = None,
     if target_hidden is not None and target_hidden != spec.hidden_size:
         raise ConfigError(f"export: drafter hidden size {spec.hidden_size} != target's {target_hidden}")
     state = {k: v.detach().to("cpu", dtype=dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}  # host copy
-    check_keys(set(state), spec.num_layers, "export", spec.variant)
+    check_keys(set(state), spec.num_layers, "export", spec.variant, spec)
     return state
 
 
@@ -191,6 +213,9 @@ def spec_from_export(config: dict) -> DrafterSpec:
             raise ConfigError(f"a DFlash2DraftModel config needs dflash_config.{{{', '.join(DFLASH2_CONFIG_KEYS)}}}; "
                               f"it lacks {missing}")
         fields |= {k: int(dflash[k]) for k in DFLASH2_CONFIG_KEYS}
+    if "LiLiCorrDraftModel" in (config.get("architectures") or []):
+        fields = {"variant": "lilicorr", "lattice": LatticeSpec.from_export(dflash),
+                  **{k: int(dflash.get(k) or 0) for k in ("conv_kernel_size", "conv_group_size")}}
     projector = dflash.get("projector_type")
     if projector == "dspark":
         fields = {"variant": "dspark", "markov_rank": dspark_rank(dflash)}
@@ -259,7 +284,7 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
     if spec.variant == "dspark" and any(k in state for k in CONFIDENCE_KEYS):
         log.info("%s: the DSpark confidence head is left out (chain verification does not use it)", root)
         state = {k: v for k, v in state.items() if k not in CONFIDENCE_KEYS}
-    check_keys(set(state), spec.num_layers, str(root), spec.variant)
+    check_keys(set(state), spec.num_layers, str(root), spec.variant, spec)
     return spec, state
 
 
@@ -305,14 +330,27 @@ def warm_start(model: DFlashDrafter, state: dict[str, torch.Tensor], *, variant:
     """Copy a drafter's weights `state` (of `variant`, tapping `tap_layer_ids`) into `model`: the same taps and
     shapes, else an error naming `where`. A DFlash drafter's weights start a DFlash2 `model` too: its convolutions
     and selector keep their initialisation (the identity, and a selector that adds nothing), so it computes what
-    the DFlash drafter computed, and a DSpark `model` its backbone (its Markov head keeps its initialisation)."""
+    the DFlash drafter computed, and a DSpark `model` its backbone (its Markov head keeps its initialisation); a
+    LiLiCorr `model` starts from one likewise (its lattice head as initialised), and with its convolutions on from a
+    DFlash2 drafter too (its backbone and convolutions; the selector is left out)."""
     if variant == "dspark" and model.spec.variant != "dspark":  # its slots predict one position further on
         raise ConfigError(f"{where} is a DSpark drafter and this one is {model.spec.variant}: its slots predict one "
                           "token further on and its Markov head would be lost; set drafter.variant=dspark")
+    if variant == "lilicorr" and model.spec.variant != "lilicorr":
+        raise ConfigError(f"{where} is a LiLiCorr drafter and this one is {model.spec.variant}: its lattice head would "
+                          "be lost; set drafter.variant=lilicorr")
+    if variant == "dflash2" and model.spec.variant == "lilicorr" and not model.spec.block_conv:
+        raise ConfigError(f"{where} is a DFlash2 drafter and this LiLiCorr one has no convolutions: set "
+                          "drafter.lilicorr_conv=true (with its conv_kernel_size and conv_group_size) to start from it")
+    if variant == "dflash2" and model.spec.variant == "lilicorr":  # the backbone and convolutions, not the selector
+        check_keys(set(state), model.spec.num_layers, f"{where} (for a {model.spec.num_layers}-layer drafter)", variant)
+        state, variant = {k: v for k, v in state.items() if not k.startswith("candidate_selector.")}, "lilicorr"
+        state = state | {k: v for k, v in model.state_dict().items() if k.startswith("lilicorr.")}
     if variant == "dflash2" and model.spec.variant != "dflash2":
-        raise ConfigError(f"{where} is a DFlash2 drafter and this one is DFlash: its convolutions and selector would be "
-                          "lost; set drafter.variant=dflash2")
-    check_keys(set(state), model.spec.num_layers, f"{where} (for a {model.spec.num_layers}-layer drafter)", variant)
+        raise ConfigError(f"{where} is a DFlash2 drafter and this one is {model.spec.variant}: its convolutions and "
+                          "selector would be lost; set drafter.variant=dflash2")
+    check_keys(set(state), model.spec.num_layers, f"{where} (for a {model.spec.num_layers}-layer drafter)", variant,
+               model.spec)
     if tuple(tap_layer_ids) != model.spec.tap_layer_ids:
         raise ConfigError(
             f"{where} taps layers {list(tap_layer_ids)} but this drafter taps "

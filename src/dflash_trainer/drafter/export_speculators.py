@@ -251,6 +251,10 @@ def export_speculators(model: DFlashDrafter, out_dir: str | os.PathLike, *, veri
     if model.spec.variant == "dspark":  # vLLM's speculators path for it defaults to DFlash's slots (sample_from_anchor)
         raise ConfigError("a DSpark drafter exports in the dflash format only (vLLM and SGLang serve it as "
                           "Qwen3DSparkModel with method dspark): drop --format speculators")
+    if model.spec.variant == "lilicorr":
+        raise ConfigError("the speculators format has no LiLiCorr drafter (speculators 0.9 knows dflash and dflash2): "
+                          "export it in the default format (`dflash-train export` without --format), which vLLM "
+                          "and SGLang serve as LiLiCorrDraftModel")
     causality_field(model.spec)  # a drafter no value describes is refused before anything is read or written
     if target_config is not None:
         refuse_speculators_scale(block_embedding_scale(target_config, dtype or next(model.parameters()).dtype))

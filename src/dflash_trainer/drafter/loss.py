@@ -16,6 +16,11 @@ DFlash2 (`selector`): plus `selector.weight` x the selector's K-way cross-entrop
 (`dflash2.py`), teacher-forced, with the same per-slot weights; the slot hits (accuracy, simulated tau) are then
 the selector's greedy picks, as decoding makes them.
 
+LiLiCorr (`lattice`): plus the lattice head's terms (`lilicorr.lattice_term`), a mean over the supervised slots,
+scaled by this call's (detached) weight sum so that the trainer's one division adds that mean to the DFlash loss, as
+ModelOpt's `dflash_loss + lilicorr_loss` (a chunked step averages its chunks' means, weighted by their DFlash
+weights). The slot hits are the lattice walk's greedy picks, as decoding makes them.
+
 The trainer divides the summed `loss_sum` by the `weight_sum` of the whole optimizer step (all microbatches,
 all ranks), so both are returned as device tensors. The vocab projection runs in chunks of `chunk_rows`
 rows under activation checkpointing: fp32 logits of one chunk exist at a time, forward and backward.
@@ -32,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_trainer.drafter.anchors import BlockPlan
 from dflash_trainer.drafter.dflash2 import CandidateSelector, previous_tokens, selector_targets
+from dflash_trainer.drafter.lilicorr import LatticeLoss, lattice_term
 
 if TYPE_CHECKING:  # dspark.py builds on this module
     from dflash_trainer.drafter.dspark import MarkovLoss
@@ -191,10 +197,12 @@ def drafter_loss(
     compiled_ce: bool = True,
     selector: Optional[SelectorLoss] = None,
     markov: Optional["MarkovLoss"] = None,
+    lattice: Optional[LatticeLoss] = None,
 ) -> LossOutput:
     """Loss sums for hidden (N, B, H) from `forward_train` with labels from `plan`; lm_head_weight (V, H).
     `compiled_ce` False keeps the frozen-head CE kernel eager on CUDA (`drafter.loss_kernel`); `selector`: DFlash2's
-    selector term; `markov`: a DSpark drafter's loss, which replaces this one (module docstring)."""
+    selector term; `markov`: a DSpark drafter's loss, which replaces this one; `lattice`: LiLiCorr's lattice terms
+    (module docstring)."""
     if markov is not None:
         return markov.loss(hidden, plan, lm_head_weight=lm_head_weight, gamma=gamma, chunk_rows=chunk_rows,
                            kd_weight=kd_weight, teacher=teacher, dpace=dpace, dpace_alpha=dpace_alpha)
@@ -209,7 +217,7 @@ def drafter_loss(
         # slot k's teacher is the target at anchor + k - 1, i.e. positions anchor + 0 .. anchor + B-2
         idx = (plan.anchors[:, None] + torch.arange(b - 1, device=hidden.device)).clamp(max=teacher.last_hidden.shape[0] - 1)
         teacher_rows = teacher.last_hidden[idx.reshape(-1)]  # (N*(B-1), H)
-    top_k = 0 if selector is None else selector.selector.top_k
+    top_k = max(0 if selector is None else selector.selector.top_k, 0 if lattice is None else lattice.head.top_k)
     ce_parts, kl_parts, hit_parts, top_parts = [], [], [], []
     grad = torch.is_grad_enabled() and rows.requires_grad
     if grad and teacher_rows is None and not lm_head_weight.requires_grad:
@@ -236,11 +244,17 @@ def drafter_loss(
         picked = _selector_term(rows, labels, torch.cat(top_parts), plan, lm_head_weight, selector, chunk_rows)
         per_row = per_row + selector.weight * picked.weight.view(n, b - 1) * picked.ce.view(n, b - 1)
         hit = picked.hit.view(n, b - 1) & valid  # decoding's picks are the selector's
+    extra = weights.new_zeros(())
+    if lattice is not None:
+        term = _lattice_term(rows, labels, ce.reshape(-1), torch.cat(top_parts), plan, lm_head_weight, lattice,
+                             chunk_rows)
+        extra = term.mean * weights.sum().detach()
+        hit = term.hit & valid  # decoding's picks are the lattice walk's
     accepted = torch.cumprod(hit.to(torch.float32), dim=1).sum(1) + 1.0  # (N,)
     block_valid = plan.block_valid.to(torch.float32)
     block_accept = accepted * block_valid  # (N,)
     return LossOutput(
-        loss_sum=(weights * per_row).sum(),
+        loss_sum=(weights * per_row).sum() + extra,
         weight_sum=weights.sum().detach(),
         ce_sum=(weights * ce).sum().detach(),
         slot_correct=hit.to(torch.float32).sum(0),
@@ -273,6 +287,21 @@ def _selector_term(rows: torch.Tensor, labels: torch.Tensor, top: torch.Tensor, 
     scores = loss.selector.scores(hidden, unary, previous, targets.candidates)  # (R, K) fp32
     ce = F.cross_entropy(scores, targets.target, reduction="none")  # (R,)
     return _SelectorTerm(ce=ce, weight=targets.weight, hit=targets.contains & (scores.argmax(-1) == targets.target))
+
+
+def _lattice_term(rows: torch.Tensor, labels: torch.Tensor, ce: torch.Tensor, top: torch.Tensor, plan: BlockPlan,
+                  head: torch.Tensor, loss: LatticeLoss, chunk_rows: int):
+    """LiLiCorr's lattice terms on rows (R, H) (the block slots 1..B-1 of `plan`) with true tokens labels (R,), their
+    CE (R,) (differentiable) and the top ids of their logits (R, >= K). The candidates' log-probabilities come without
+    another vocabulary pass: log p(c) = logit(c) - logsumexp = logit(c) - logit(label) - CE."""
+    n, b = plan.labels.shape
+    ids = top[:, :loss.head.top_k]  # (R, K)
+    picked = candidate_logits(rows, head, torch.cat([ids, labels[:, None]], dim=1), chunk_rows)  # (R, K+1)
+    log_probs = picked[:, :-1] - (picked[:, -1:] + ce[:, None])  # (R, K)
+    return lattice_term(loss, ids=ids.view(n, b - 1, -1), log_probs=log_probs.view(n, b - 1, -1),
+                        hidden=rows.view(n, b - 1, -1), labels=labels.view(n, b - 1),
+                        label_valid=plan.label_valid[:, 1:], anchors=plan.anchors, anchor_pos=plan.anchor_pos,
+                        chunk_blocks=chunk_rows // ((b - 1) * loss.head.top_k))  # ~chunk_rows candidates a chunk
 
 
 def candidate_logits(rows: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor, chunk_rows: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dflash_trainer.drafter.anchors import BlockPlan, token_seq_ids
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index
 from dflash_trainer.drafter.dflash2 import BlockConv, CandidateSelector
 from dflash_trainer.drafter.dspark import MarkovHead
+from dflash_trainer.drafter.lilicorr import LatticeHead
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 
@@ -165,7 +166,7 @@ class DrafterLayer(nn.Module):
         self.mlp = Qwen3MLP(spec.qwen3_config())
         self.input_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        if spec.variant == "dflash2":
+        if spec.block_conv:
             with torch.random.fork_rng(devices=[]):  # the backbone draws its weights as a DFlash drafter does
                 self.attention_conv = BlockConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
                 self.mlp_conv = BlockConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
@@ -280,6 +281,12 @@ class DFlashDrafter(nn.Module):
         """DSpark's Markov head (`dspark.py`); None for DFlash and DFlash2."""
         if spec.variant == "dspark":
             self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank)
+        self.lilicorr: Optional[LatticeHead] = None
+        """LiLiCorr's lattice head over the top-K of each slot's logits (`lilicorr.py`); None for the others."""
+        if spec.lattice is not None:
+            with torch.random.fork_rng(devices=[]):
+                self.lilicorr = LatticeHead(spec.lattice, model_hidden=spec.hidden_size, block_size=spec.block_size,
+                                            rms_norm_eps=spec.rms_norm_eps)
         # stable mask_mod across batches (no recompiles)
         self._flex_masks = FlexMaskBuilder(from_intervals=mask_tiles == "intervals")
         self.init_weights()
@@ -290,7 +297,7 @@ class DFlashDrafter(nn.Module):
         `CandidateSelector.reset_parameters`, DSpark's Markov head as `MarkovHead.reset_parameters`, drawn from a generator of its own (seeded from the run's seed): a
         DFlash2 drafter's backbone is the DFlash drafter's of the same seed, and the random state moves on as that
         one's does."""
-        extras = ("_conv.", "candidate_selector.", "markov_head.")
+        extras = ("_conv.", "candidate_selector.", "markov_head.", "lilicorr.")
         for name, p in self.named_parameters():
             if any(e in name for e in extras):
                 continue
@@ -305,6 +312,8 @@ class DFlashDrafter(nn.Module):
             self.candidate_selector.reset_parameters(std, seed=torch.initial_seed() + 1)
         if self.markov_head is not None:
             self.markov_head.reset_parameters(std, seed=torch.initial_seed() + 2)
+        if self.lilicorr is not None:
+            self.lilicorr.reset_parameters(std, seed=torch.initial_seed() + 2)
 
     @property
     def markov_w1(self) -> Optional[nn.Embedding]:
@@ -319,6 +328,11 @@ class DFlashDrafter(nn.Module):
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Context features hidden_norm(fc(taps)): (T, K*H) -> (T, H)."""
         return self.hidden_norm(self.fc(taps))
+
+    def anchor_context(self, taps: torch.Tensor) -> torch.Tensor:
+        """`context` of a few rows, called outside the training forwards (LiLiCorr's anchors, in its loss): a
+        method of its own so a sharded drafter gathers fc and hidden_norm for it (`train/parallel.py`)."""
+        return self.context(taps)
 
     def _attention_kind(self, device: torch.device) -> str:
         if self.attention == "auto":

@@ -8,6 +8,7 @@ from typing import Any, Optional
 from transformers import Qwen3Config
 
 from dflash_trainer.drafter.config import DrafterConfig, check_tap_order
+from dflash_trainer.drafter.lilicorr import LatticeSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.checks import choose_tap_layer_ids
 from dflash_trainer.target.load import text_config
@@ -38,13 +39,17 @@ class DrafterSpec:
     """One of full_attention | sliding_attention per drafter layer."""
     sliding_window: Optional[int] = None
     variant: str = "dflash"
-    """dflash | dflash2 (`dflash2.py`) | dspark (`dspark.py`); the four fields below are DFlash2's (0 otherwise)."""
+    """dflash | dflash2 (`dflash2.py`) | dspark (`dspark.py`) | lilicorr (`lilicorr.py`); the four fields below are
+    DFlash2's (0 otherwise; LiLiCorr's convolutions use the first two)."""
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
     markov_rank: int = 0
     """DSpark's Markov head rank (0 otherwise)."""
+    lattice: Optional[LatticeSpec] = None
+    """LiLiCorr's lattice head (`lilicorr.py`; None otherwise); its convolutions, when on, are DFlash2's
+    (conv_kernel_size, conv_group_size; 0 when off)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -79,8 +84,23 @@ class DrafterSpec:
         elif self.variant == "dspark":
             if self.markov_rank < 1:
                 raise ConfigError(f"a DSpark drafter needs markov_rank >= 1, got {self.markov_rank}")
+        elif self.variant == "lilicorr":
+            if self.lattice is None:
+                raise ConfigError("a LiLiCorr drafter needs its lattice head's geometry (lilicorr_*)")
+            self.lattice.check(self.hidden_size, self.vocab_size)
+            if self.block_conv and self.hidden_size % self.conv_group_size:
+                raise ConfigError(f"drafter.conv_group_size={self.conv_group_size} must divide the hidden size "
+                                  f"{self.hidden_size} (DFlash2's convolution shares a kernel per group of channels)")
+            if bool(self.conv_kernel_size) != bool(self.conv_group_size):
+                raise ConfigError("a LiLiCorr drafter's convolutions need both conv_kernel_size and conv_group_size "
+                                  f"(or neither), got {self.conv_kernel_size}, {self.conv_group_size}")
         elif self.variant != "dflash":
-            raise ConfigError(f"unknown drafter variant {self.variant!r}: dflash, dflash2 or dspark")
+            raise ConfigError(f"unknown drafter variant {self.variant!r}: dflash, dflash2, dspark or lilicorr")
+
+    @property
+    def block_conv(self) -> bool:
+        """Every sublayer sits between DFlash2's block convolutions (DFlash2; LiLiCorr when they are on)."""
+        return self.variant == "dflash2" or (self.variant == "lilicorr" and self.conv_kernel_size > 0)
 
     @property
     def num_taps(self) -> int:
@@ -198,9 +218,14 @@ def drafter_spec(
 
 
 def variant_fields(drafter: DrafterConfig) -> dict[str, Any]:
-    """The DrafterSpec fields of `drafter.variant` (DFlash2's sizes, DSpark's rank; none but the name for DFlash)."""
+    """The DrafterSpec fields of `drafter.variant` (DFlash2's sizes, DSpark's rank, LiLiCorr's lattice; none but the
+    name for DFlash)."""
     if drafter.variant == "dspark":
         return {"variant": "dspark", "markov_rank": drafter.markov_rank}
+    if drafter.variant == "lilicorr":
+        lattice = LatticeSpec(**{k: getattr(drafter, f"lilicorr_{k}") for k in LatticeSpec.__dataclass_fields__})
+        conv = {k: getattr(drafter, k) if drafter.lilicorr_conv else 0 for k in ("conv_kernel_size", "conv_group_size")}
+        return {"variant": "lilicorr", "lattice": lattice, **conv}
     if drafter.variant != "dflash2":
         return {"variant": drafter.variant}
     keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")

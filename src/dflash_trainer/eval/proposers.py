@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from dflash_trainer.drafter.dflash2 import walk
 from dflash_trainer.drafter.dspark import markov_walk
+from dflash_trainer.drafter.lilicorr import AnchorTracker, draft_block
 from dflash_trainer.drafter.model import DFlashDrafter, DraftContext
 from dflash_trainer.eval.batched import BlockDrafts, ContextUpdate
 
@@ -21,7 +22,8 @@ from dflash_trainer.eval.batched import BlockDrafts, ContextUpdate
 class DFlashBatchProposer:
     """Drafts every row's block in one drafter forward, over the target's frozen embedding and LM head; a DFlash2
     drafter's selector then walks the slots (`dflash2.walk`), a DSpark drafter's Markov head too
-    (`dspark.markov_walk`, every slot drafting: its blocks are one slot shorter than the verified block)."""
+    (`dspark.markov_walk`, every slot drafting: its blocks are one slot shorter than the verified block), a LiLiCorr
+    drafter's lattice head too (`lilicorr.draft_block`, anchored on each row's newest committed context)."""
 
     needs_taps = True
 
@@ -32,12 +34,16 @@ class DFlashBatchProposer:
         self.mask_token_id = drafter.spec.mask_token_id
         self.dtype = next(drafter.parameters()).dtype
         self.context: Optional[DraftContext] = None
+        self.anchors = AnchorTracker()
+        """LiLiCorr's anchor context per row (unused by the other variants)."""
 
     def observe(self, update: ContextUpdate) -> None:
         if self.context is None:
             self.context = self.drafter.empty_context(update.tokens.shape[0], update.tokens.device, self.dtype)
         self.context = self.drafter.extend_context(self.context, update.taps.to(self.dtype), update.positions,
                                                    update.valid)
+        if self.drafter.lilicorr is not None:
+            self.anchors.observe(self.drafter.context, update.taps.to(self.dtype), update.valid)
 
     def propose(self, last_tokens: torch.Tensor, starts: torch.Tensor, max_lengths: torch.Tensor, block_size: int,
                 temperature: float, generator: Optional[torch.Generator]) -> BlockDrafts:
@@ -60,6 +66,10 @@ class DFlashBatchProposer:
                                  generator)
             return BlockDrafts(tokens=walked.tokens, lengths=max_lengths, probs=walked.probs)
         logits = F.linear(hidden[:, 1:].to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (R, B-1, V)
+        if self.drafter.lilicorr is not None:  # LiLiCorr: the lattice head walks each slot's top-K candidates
+            walked = draft_block(self.drafter.lilicorr, hidden[:, 1:], self.lm_head_weight, self.embed_weight,
+                                 self.anchors.context, self.anchors.valid, temperature, generator)
+            return BlockDrafts(tokens=walked.tokens, lengths=max_lengths, probs=walked.probs)
         selector = self.drafter.candidate_selector
         if selector is not None:  # DFlash2: the selector walks each slot's top-K candidates
             walked = walk(selector, hidden[:, 1:], logits, last_tokens, temperature, generator)
@@ -72,6 +82,8 @@ class DFlashBatchProposer:
 
     def keep(self, rows: torch.Tensor) -> None:
         self.context = self.context.select(rows)
+        if self.drafter.lilicorr is not None:
+            self.anchors.keep(rows)
 
 
 class _NgramIndex:

@@ -30,6 +30,7 @@ from transformers import DynamicCache
 
 from dflash_trainer.drafter.dflash2 import walk
 from dflash_trainer.drafter.dspark import markov_walk
+from dflash_trainer.drafter.lilicorr import draft_block
 from dflash_trainer.target.capture import SDPA_WITHOUT_CUDNN
 
 
@@ -223,7 +224,8 @@ def _accept_sampled(logits: torch.Tensor, draft: Draft, temperature: float, gene
 
 class DFlashProposer:
     """Drafts a block with a DFlash drafter over the target's frozen embedding and LM head (DFlash2: its selector
-    walks the slots; DSpark: its Markov head does, every slot drafting)."""
+    walks the slots; DSpark: its Markov head does, every slot drafting; LiLiCorr: its lattice head does, anchored on
+    the newest committed context)."""
 
     def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, mask_token_id: int) -> None:
         self.drafter = drafter
@@ -232,10 +234,13 @@ class DFlashProposer:
         self.mask_token_id = mask_token_id
         self._cache = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._anchor: Optional[torch.Tensor] = None
+        """LiLiCorr: the context feature of the newest committed token (H,), None before any."""
 
     def reset(self) -> None:
         self._cache = None
         self._pending = []
+        self._anchor = None
 
     def add_context(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
         self._pending.append((taps, positions))
@@ -250,6 +255,9 @@ class DFlashProposer:
         pos = torch.cat([p for _, p in self._pending]) if self._pending else None
         self._pending = []
         dtype = next(self.drafter.parameters()).dtype
+        lattice = getattr(self.drafter, "lilicorr", None)
+        if lattice is not None and taps is not None:
+            self._anchor = self.drafter.context(taps[-1:].to(dtype))[0]  # the slot before this block
         result = self.drafter.forward_block(
             block_embeds=F.embedding(ids, self.embed_weight).to(dtype),
             block_positions=torch.arange(start, start + slots, device=device),
@@ -264,6 +272,12 @@ class DFlashProposer:
                                  generator)
             return Draft(tokens=walked.tokens[0], probs=None if walked.probs is None else walked.probs[0])
         logits = F.linear(result.hidden[1:].to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (B-1, V)
+        if lattice is not None:  # LiLiCorr: the lattice head walks each slot's top-K candidates
+            anchor = self._anchor if self._anchor is not None else result.hidden.new_zeros(result.hidden.shape[-1])
+            valid = torch.tensor([self._anchor is not None], device=device)
+            walked = draft_block(lattice, result.hidden[None, 1:], self.lm_head_weight, self.embed_weight, anchor[None],
+                                 valid, temperature, generator)
+            return Draft(tokens=walked.tokens[0], probs=None if walked.probs is None else walked.probs[0])
         selector = getattr(self.drafter, "candidate_selector", None)
         if selector is not None:  # DFlash2: the selector walks each slot's top-K candidates
             walked = walk(selector, result.hidden[None, 1:], logits[None], ids[:1], temperature, generator)

@@ -27,6 +27,7 @@ from dflash_trainer.data.plan import build_epoch_plan
 from dflash_trainer.data.tokenized import TokenizedDataset
 from dflash_trainer.drafter.anchors import plan_from_anchors, token_seq_ids, valid_anchor_mask
 from dflash_trainer.drafter.dspark import markov_loss
+from dflash_trainer.drafter.lilicorr import lattice_loss
 from dflash_trainer.drafter.loss import SelectorLoss, drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.target.capture import TapCapture
@@ -165,6 +166,8 @@ class HeldOutValidator:
         if chunked:
             with autocast:
                 context = model.train_context(taps, batch.cu_seqlens)  # per layer (T, nkv, hd), once a batch
+        # LiLiCorr: the lattice walk's picks score the blocks; its terms are left out (weights 0), as DFlash2's
+        lattice = lattice_loss(None, model, taps=taps, embed=embed, lm_head=lm_head, last_hidden=None, final_norm=None)
         for lo in range(0, anchors.numel(), size):
             chunk = anchors[lo : lo + size]
             n = chunk.numel()
@@ -183,7 +186,7 @@ class HeldOutValidator:
                     hidden = model.forward_train_blocks(context=context, plan=plan, cu_seqlens=batch.cu_seqlens,
                                                         embed_weight=embed)  # (C, B, H)
                 out = drafter_loss(hidden, plan, lm_head_weight=lm_head, gamma=self.gamma,
-                                   chunk_rows=self.chunk_rows, selector=selector, markov=markov)
+                                   chunk_rows=self.chunk_rows, selector=selector, markov=markov, lattice=lattice)
             sums += torch.stack([out.loss_sum.detach(), out.weight_sum, out.accept_sum, out.block_count]).double()
             slots += torch.stack([out.slot_correct, out.slot_count]).double()
             accept[chunk] = out.block_accept[:n].float()

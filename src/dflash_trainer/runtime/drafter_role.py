@@ -101,7 +101,7 @@ def run_drafter(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Dr
     is_leader = setup.env.rank == placement.drafter_ranks[0]
     evaluations = Evaluations(setup, control, target=target, capture=capture, head=head, is_leader=is_leader)
     empty = WireHeader(job_id=-1, bucket_id=-1, epoch=0, num_tokens=0, num_seqs=0,
-                       has_last_hidden=config.drafter.kd_weight > 0, end_of_stream=False)
+                       has_last_hidden=config.drafter.needs_last_hidden, end_of_stream=False)
     remaining_jobs = sum(len(r) for r in setup.remaining)
     if is_leader:
         log.info("budget: %s", budget_note(config, remaining_jobs, placement.replicas,

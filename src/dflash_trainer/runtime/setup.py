@@ -267,7 +267,7 @@ def load_checked_target(setup: RunSetup, control: ControlPlane) -> tuple[torch.n
         )
         if sharded:
             target = shard_target(target, setup.target_group, setup.device)
-    capture = TapCapture(target, spec.tap_layer_ids, capture_last_hidden=config.drafter.kd_weight > 0,
+    capture = TapCapture(target, spec.tap_layer_ids, capture_last_hidden=config.drafter.needs_last_hidden,
                          cudnn_attention=config.target.cudnn_attention)
     if config.target.compile and setup.device.type == "cuda":
         # Each layer compiled (hooks and early exit stay eager); padded shapes vary by job, so dynamic.

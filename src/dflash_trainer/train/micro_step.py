@@ -18,8 +18,9 @@ import torch
 
 from dflash_trainer.config import Config
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.drafter.dspark import MarkovLoss, markov_loss
 from dflash_trainer.drafter.anchors import BlockPlan, plan_blocks
+from dflash_trainer.drafter.dspark import MarkovLoss, markov_loss
+from dflash_trainer.drafter.lilicorr import LatticeLoss, lattice_loss
 from dflash_trainer.drafter.loss import LossOutput, SelectorLoss, Teacher, drafter_loss
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.noise import add_tap_noise
@@ -67,12 +68,13 @@ def _result(sums: tuple[torch.Tensor, ...], num_tokens: int, counts_batch: bool 
 
 def step_loss(dcfg: DrafterConfig, lm_head: torch.Tensor, teacher: Optional[Teacher] = None,
               selector: Optional[SelectorLoss] = None,
-              markov: Optional[MarkovLoss] = None) -> Callable[[torch.Tensor, BlockPlan], LossOutput]:
+              markov: Optional[MarkovLoss] = None,
+              lattice: Optional[LatticeLoss] = None) -> Callable[[torch.Tensor, BlockPlan], LossOutput]:
     """The drafter loss of `drafter.*` as `loss_of(hidden (n, B, H), plan)` for the blocks of `plan`."""
     return functools.partial(
         drafter_loss, lm_head_weight=lm_head, gamma=dcfg.loss_gamma, chunk_rows=dcfg.loss_chunk_rows,
         kd_weight=dcfg.kd_weight, teacher=teacher, dpace=dcfg.dpace, dpace_alpha=dcfg.dpace_alpha,
-        compiled_ce=dcfg.loss_kernel == "compiled", selector=selector, markov=markov,
+        compiled_ce=dcfg.loss_kernel == "compiled", selector=selector, markov=markov, lattice=lattice,
     )
 
 
@@ -139,8 +141,10 @@ def make_micro_step(
         teacher = None
         if dcfg.kd_weight > 0:
             teacher = Teacher(last_hidden=batch.last_hidden, final_norm=head.final_norm)
+        lattice = lattice_loss(dcfg, model, taps=taps, embed=embed, lm_head=lm_head, last_hidden=batch.last_hidden,
+                               final_norm=head.final_norm)
         loss_of = step_loss(dcfg, lm_head, teacher, selector_loss(dcfg, model, progress()),
-                            markov_loss(model, dcfg.dspark_divergence))
+                            markov_loss(model, dcfg.dspark_divergence), lattice)
         if shard is not None:
             sums = shard_forward_backward(model, taps=taps, shard=shard, group=shards.group, plan=plan,
                                           cu_seqlens=batch.cu_seqlens, embed=embed, autocast=autocast, loss_of=loss_of,

@@ -66,10 +66,12 @@ def shard_drafter(model: nn.Module, group: dist.ProcessGroup, device: torch.devi
         # gathers its weights (its codebooks are vocabulary-sized)
         fully_shard(model.candidate_selector, mesh=mesh)
         register_fsdp_forward_method(model.candidate_selector, "scores")
+    if getattr(model, "lilicorr", None) is not None:
+        fully_shard(model.lilicorr, mesh=mesh)  # LiLiCorr's lattice head runs in the loss: a unit of its own
     fully_shard(model, mesh=mesh)
     # the drafter is not called through forward(): its training forwards (one pass; the chunked step's context and
     # blocks) and decoding's block forward gather the root's weights as a forward does
-    for method in ("forward_train", "train_context", "forward_train_blocks", "forward_block"):
+    for method in ("forward_train", "train_context", "forward_train_blocks", "forward_block", "anchor_context"):
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
 

@@ -63,6 +63,8 @@ def model_signature(spec: DrafterSpec) -> dict:
     d = asdict(spec)
     if spec.variant == "dflash":  # a DFlash drafter's signature as before the variants: its checkpoints still resume
         d = {k: v for k, v in d.items() if k not in DFLASH2_FIELDS}
+    if d.get("lattice", 0) is None:  # a drafter without LiLiCorr's lattice head: its signature as before that variant
+        del d["lattice"]
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "rope_parameters"}
 
 

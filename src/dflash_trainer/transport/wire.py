@@ -110,7 +110,7 @@ def wire_spec(config: Config, *, hidden: int, num_taps: int) -> WireSpec:
     """The `WireSpec` of a run's hidden-state batches: taps in the target dtype, and the target's last hidden
     state when distilling."""
     return WireSpec.of(config.batch, num_taps=num_taps, hidden=hidden, dtype=getattr(torch, config.target.dtype),
-                       has_last_hidden=config.drafter.kd_weight > 0)
+                       has_last_hidden=config.drafter.needs_last_hidden)
 
 
 def allocate(spec: WireSpec, device: torch.device | str) -> WireBatch:
