@@ -60,6 +60,14 @@ def update_scale(shape: torch.Size) -> float:
     return 0.2 * math.sqrt(max(shape[0], shape[1]))
 
 
+def _evaluate(closure) -> Optional[torch.Tensor]:
+    """An optimizer's `closure` (recomputes the loss) run with gradients on, or None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Optimizer):
     """Muon over 2-D parameters (whole or FSDP2-sharded); weight decay decoupled, as AdamW's."""
 
@@ -73,10 +81,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
@@ -86,9 +91,9 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = _orthogonalize_whole(update)
+                buf.lerp_(p.grad, 1 - momentum)  # (A, B), or this rank's rows of it: the momentum
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf  # (A, B): Nesterov's look-ahead
+                update = _orthogonalize_whole(update)  # (A, B) bf16
                 p.mul_(1 - lr * decay)
                 p.add_(update, alpha=-lr * update_scale(p.shape))
         return loss
@@ -122,10 +127,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for part in self.parts.values():
             part.step()
         return loss
