@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 
 import pytest
@@ -107,10 +108,16 @@ def test_an_unseen_variants_vocabulary_tables_and_embeddings_stay_out_of_muon():
     assert routes == {"tables": {"table", "bias", "positions.weight"}, "muon": {"hidden.weight"}, "adamw": {"gate"}}
 
 
-def test_groups_lrs_and_the_schedule_drive_every_group():
+def test_groups_lrs_and_the_schedule_drive_every_group(caplog):
     model, _ = tiny_drafter(num_layers=1, variant="dflash2")
-    opt = build_optimizer(model, MUON, vocab_size=model.spec.vocab_size)
+    with caplog.at_level(logging.INFO, logger="dflash_trainer.train.optim"):
+        opt = build_optimizer(model, MUON, vocab_size=model.spec.vocab_size)
     assert isinstance(opt, MuonAdamW)
+    said = [r.getMessage() for r in caplog.records]
+    table_size = 2 * model.spec.vocab_size * model.spec.selector_rank
+    assert len(said) == 1 and said[0].startswith("train.optimizer=muon: Muon at lr 0.01: 11 matrices ("), said
+    assert (f"AdamW at Muon's lr 0.01: 2 vocabulary tables ({table_size:,} parameters: candidate_selector."
+            "predecessor_codebook, candidate_selector.successor_codebook); AdamW at lr 0.001: 8 others") in said[0]
     by_kind = {}
     for g in opt.param_groups:
         by_kind.setdefault((g["optimizer"], g["lr"]), set()).update(id(p) for p in g["params"])

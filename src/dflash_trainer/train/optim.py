@@ -30,9 +30,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, *, vocab_size: int) -> t
     adamw = _by_decay([p for _, p in routes["adamw"]], cfg.lr, cfg.weight_decay)
     tables = _by_decay([p for _, p in routes["tables"]], cfg.muon_table_peak_lr, cfg.weight_decay)
     muon = [{"params": [p for _, p in routes["muon"]], "lr": cfg.muon_peak_lr, "weight_decay": cfg.weight_decay}]
-    log.info("train.optimizer=muon: Muon (lr %.3g) steps %s; AdamW at lr %.3g the vocabulary tables %s; AdamW at "
-             "lr %.3g %s", cfg.muon_peak_lr, _count(routes["muon"], "matrices"), cfg.muon_table_peak_lr,
-             _count(routes["tables"], "tables", names=True), cfg.lr, _count(routes["adamw"], "others"))
+    log.info("train.optimizer=muon: Muon at lr %.3g: %s; AdamW at Muon's lr %.3g: %s; AdamW at lr %.3g: %s",
+             cfg.muon_peak_lr, _count(routes["muon"], "matrices"), cfg.muon_table_peak_lr,
+             _count(routes["tables"], "vocabulary tables", names=True), cfg.lr, _count(routes["adamw"], "others"))
     return MuonAdamW([g for g in adamw + tables if g["params"]], [g for g in muon if g["params"]],
                      betas=tuple(cfg.betas), fused=fused, momentum=cfg.muon_momentum)
 
@@ -48,7 +48,7 @@ def _by_decay(params: list[nn.Parameter], lr: float, weight_decay: float) -> lis
 def _count(named: list[tuple[str, nn.Parameter]], what: str, names: bool = False) -> str:
     """'N what (M parameters)', with the names when asked."""
     listed = f": {', '.join(n for n, _ in named)}" if names and named else ""
-    return f"{len(named)} {what} ({sum(p.numel() for _, p in named):,} parameters){listed}"
+    return f"{len(named)} {what} ({sum(p.numel() for _, p in named):,} parameters{listed})"
 
 
 def sync_scale_and_clip(
