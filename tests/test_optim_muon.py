@@ -216,6 +216,18 @@ def _sharded_equals_whole(rank: int, world: int, port: int) -> None:
         for p, q in zip(plain.parameters(), whole.parameters()):
             key = "momentum_buffer" if p.ndim == 2 else "exp_avg"
             assert torch.equal(plain_opt.state[p][key], opts[0].state[q][key])
+        # and into a freshly sharded one, which then steps on as the whole run does (a sharded resume)
+        again = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3, bias=False))
+        fully_shard(again, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+        again_opt = build_optimizer(again, MUON, vocab_size=1000)
+        load_full_state(again, again_opt, got, state)
+        for model, opt in ((whole, opts[0]), (again, again_opt)):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+        got = full_weights(again)
+        for name, want in whole.state_dict().items():
+            assert torch.equal(got[name], want), name
     finally:
         dist.destroy_process_group()
 
