@@ -152,12 +152,12 @@ def mfu_workload(num_jobs: int, seqs: int, seq_len: int, vocab: int) -> Workload
 def drafter_loop(config: Config, spec: DrafterSpec, head: TargetHead, device: torch.device, *,
                  total_steps: int) -> StepLoop:
     """The trainer's drafter side on one device, from `config` as the trainer reads it: the drafter built
-    by `build_drafter`, its forward compiled per `train.compile`/`train.compile_mode` (CUDA only), fused
-    AdamW, the schedule, clipping."""
+    by `build_drafter`, its forward compiled per `train.compile`/`train.compile_mode` (CUDA only), its optimizer
+    (`train.optimizer`), the schedule, clipping."""
     model = build_drafter(config, spec, device)
     if config.train.compile and device.type == "cuda":
         compile_forward_train(model, mode=config.train.compile_mode)
-    optimizer = build_optimizer(model, config.train)
+    optimizer = build_optimizer(model, config.train, vocab_size=spec.vocab_size)
     scheduler = build_scheduler(optimizer, total_steps=total_steps, warmup_ratio=config.train.warmup_ratio,
                                 min_lr_ratio=config.train.min_lr_ratio)
     chunks = plan_step_chunks(config, model, device)

@@ -60,3 +60,23 @@ def test_sharding_choice():
     assert want_sharding(True, model, cpu, world=1) is False  # nothing to shard over
     assert want_sharding(False, model, cpu, world=4) is False
     assert want_sharding(None, model, cpu, world=4) is False  # auto: GPUs only
+
+
+def test_fsdp_muon_run_then_unsharded_resume(tmp_path, monkeypatch):
+    """`train.optimizer=muon` with sharded drafters: Muon orthogonalises each gathered matrix, the codebooks (AdamW)
+    shard as before; the checkpoint holds every matrix's whole momentum and resumes unsharded."""
+    monkeypatch.delenv("DFLASH_TEST_FAULT", raising=False)
+    run_dir = tmp_path / "run"
+    s = assert_ok(torchrun(run_dir, 3, "pipeline.colocated=false", "pipeline.num_targets=1", "train.fsdp=true",
+                           "train.checkpoint_interval=3", "drafter.variant=dflash2", "train.optimizer=muon"))
+    assert s["roles"] == ["target", "drafter", "drafter"]
+    assert sorted(committed_jobs(metrics(run_dir))) == sorted(planned_jobs(run_dir))
+    state = torch.load(checkpoints(run_dir)[-1] / "optimizer.pt", weights_only=True)
+    saved = load_file(str(checkpoints(run_dir)[-1] / "drafter.safetensors"))
+    momentum = state["state"]["fc.weight"]["momentum_buffer"]
+    assert momentum.shape == saved["fc.weight"].shape and momentum.abs().sum() > 0  # whole, and trained
+    assert "exp_avg" in state["state"]["candidate_selector.predecessor_codebook"]
+
+    assert train_in_process(run_dir, "train.num_epochs=2", "train.checkpoint_interval=3", resume=True) == 0
+    s2 = summary(run_dir)
+    assert s2["status"] == "ok" and s2["jobs_trained"]["1"] == s2["jobs_planned"]["1"]

@@ -2,7 +2,8 @@
 
 Each arm named `<label>-<minutes>-<rest>` (e.g. `d2-5-s0`) gets `train.max_steps = minutes * 60 / step_s`, where
 step_s is the measured step of its drafter variant (`drafter.variant=...` on its line, else dflash) at the priced
-shape, read from `bench/speed/run.py` JSONs (`--set drafter.variant=...` in their command names the variant), over
+shape, read from `bench/speed/run.py` JSONs (`--set drafter.variant=...` in their command names the variant; with
+`--set train.optimizer=muon` it is priced apart, as `<variant>+muon`), over
 `train.grad_accum` when the arm sets it (each of its steps trains that many priced batches):
 
     python bench/quality/price_arms.py --arms bench/quality/arms/dflash2-8b.txt --prices /tmp/suite-results --out /tmp/arms.txt
@@ -17,8 +18,10 @@ from pathlib import Path
 
 
 def variant_of(text: str) -> str:
+    """The drafter variant, `+muon` added under `train.optimizer=muon` (its optimizer step costs more)."""
     found = re.search(r"drafter\.variant=(\S+)", text)
-    return found.group(1) if found else "dflash"
+    variant = found.group(1) if found else "dflash"
+    return f"{variant}+muon" if re.search(r"train\.optimizer=muon\b", text) else variant
 
 
 def step_prices(folder: Path) -> dict[str, float]:

@@ -10,6 +10,9 @@ from dflash_trainer.errors import ConfigError
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SCHEDULES = ("cosine", "wsd")
+OPTIMIZERS = ("adamw", "muon")
+MUON_LR_RATIO = 10.0
+"""Muon's default peak lr over train.lr (speculators' default since its PR #746)."""
 
 
 @dataclass
@@ -34,6 +37,18 @@ class TrainConfig:
     """wsd: the fraction of training spent decaying."""
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    optimizer: str = "adamw"
+    """adamw | muon: Muon steps the drafter's weight matrices and AdamW (train.lr, train.betas) the rest; the
+    vocabulary tables (any parameter with a vocabulary-sized dimension, or an embedding: DFlash2's codebooks,
+    DSpark's Markov factors) stay out of Muon but step at its lr. train.weight_decay applies to all, the schedule
+    scales every lr alike."""
+    muon_lr: Optional[float] = None
+    """train.optimizer=muon: Muon's peak lr (null: 10 x train.lr). Its step is scaled by 0.2 sqrt(max(rows, cols))
+    per matrix, which makes its RMS about AdamW's at the same lr."""
+    muon_momentum: float = 0.95
+    """train.optimizer=muon: Muon's (Nesterov) momentum."""
+    muon_table_lr: Optional[float] = None
+    """train.optimizer=muon: the vocabulary tables' peak lr (AdamW; null: Muon's lr)."""
     grad_clip: float = 1.0
     ema_decay: Optional[float] = None
     """Evaluate, export and choose the best drafter by an exponential moving average of the weights with this
@@ -100,5 +115,31 @@ class TrainConfig:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(f"train.compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        self._check_optimizer()
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError(f"train.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        for key in ("muon_lr", "muon_table_lr"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if self.optimizer != "muon":
+                raise ConfigError(f"train.{key}={value} is read only with train.optimizer=muon: set "
+                                  f"train.optimizer=muon, or drop train.{key}")
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"train.{key} must be a finite number > 0 or null, got {value!r}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+
+    @property
+    def muon_peak_lr(self) -> float:
+        """Muon's peak lr: train.muon_lr, or MUON_LR_RATIO x train.lr."""
+        return self.muon_lr if self.muon_lr is not None else MUON_LR_RATIO * self.lr
+
+    @property
+    def muon_table_peak_lr(self) -> float:
+        """The vocabulary tables' peak lr under Muon: train.muon_table_lr, or Muon's."""
+        return self.muon_table_lr if self.muon_table_lr is not None else self.muon_peak_lr

@@ -1,7 +1,9 @@
-"""AdamW over fp32 master weights (compute runs under autocast), gradient sync and clipping."""
+"""The optimizer over fp32 master weights (compute runs under autocast): AdamW, or Muon beside AdamW; gradient
+sync and clipping."""
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Optional
 
 import torch
@@ -9,22 +11,44 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_trainer.train.config import TrainConfig
+from dflash_trainer.train.muon import MuonAdamW, route_parameters
 from dflash_trainer.train.parallel import global_norm
 
+log = logging.getLogger(__name__)
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """Norm weights get no weight decay; fused AdamW on CUDA."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, *, vocab_size: int) -> torch.optim.Optimizer:
+    """`train.optimizer`: AdamW over everything, or Muon over the weight matrices beside AdamW over the rest
+    (`muon.py`); weight decay on parameters of 2 or more dimensions only; fused AdamW on CUDA. Which parameters
+    go where is logged once. `vocab_size`: the drafter's vocabulary, which marks the vocabulary tables."""
+    fused = next(model.parameters()).is_cuda or None
+    if cfg.optimizer == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(_by_decay(params, cfg.lr, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                                 fused=fused)
+    routes = route_parameters(model, vocab_size)
+    adamw = _by_decay([p for _, p in routes["adamw"]], cfg.lr, cfg.weight_decay)
+    tables = _by_decay([p for _, p in routes["tables"]], cfg.muon_table_peak_lr, cfg.weight_decay)
+    muon = [{"params": [p for _, p in routes["muon"]], "lr": cfg.muon_peak_lr, "weight_decay": cfg.weight_decay}]
+    log.info("train.optimizer=muon: Muon at lr %.3g: %s; AdamW at Muon's lr %.3g: %s; AdamW at lr %.3g: %s",
+             cfg.muon_peak_lr, _count(routes["muon"], "matrices"), cfg.muon_table_peak_lr,
+             _count(routes["tables"], "vocabulary tables", names=True), cfg.lr, _count(routes["adamw"], "others"))
+    return MuonAdamW([g for g in adamw + tables if g["params"]], [g for g in muon if g["params"]],
+                     betas=tuple(cfg.betas), fused=fused, momentum=cfg.muon_momentum)
+
+
+def _by_decay(params: list[nn.Parameter], lr: float, weight_decay: float) -> list[dict]:
+    """AdamW groups at `lr`: weight decay on the parameters of 2 or more dimensions, none on the others."""
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "lr": lr, "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "lr": lr, "weight_decay": 0.0},
     ]
-    on_cuda = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=on_cuda or None)
+
+
+def _count(named: list[tuple[str, nn.Parameter]], what: str, names: bool = False) -> str:
+    """'N what (M parameters)', with the names when asked."""
+    listed = f": {', '.join(n for n, _ in named)}" if names and named else ""
+    return f"{len(named)} {what} ({sum(p.numel() for _, p in named):,} parameters{listed})"
 
 
 def sync_scale_and_clip(

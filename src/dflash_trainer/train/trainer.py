@@ -142,7 +142,7 @@ class DrafterTrainer:
             shard_drafter(self.model, group, device)
         if config.train.compile and device.type == "cuda":
             compile_forward_train(self.model, mode=config.train.compile_mode)
-        self.optimizer = build_optimizer(self.model, config.train)
+        self.optimizer = build_optimizer(self.model, config.train, vocab_size=spec.vocab_size)
         train = config.train
         self.scheduler = build_scheduler(self.optimizer, total_steps=self.total_steps, warmup_ratio=train.warmup_ratio,
                                          min_lr_ratio=train.min_lr_ratio, schedule=train.schedule,
@@ -213,6 +213,11 @@ class DrafterTrainer:
         return WeightAverage(self.model, decay)
 
     def _restore(self, ckpt: LoadedCheckpoint) -> None:
+        saved = ckpt.state.extra.get("optimizer", "adamw")  # checkpoints from before train.optimizer: AdamW's
+        if saved != self.config.train.optimizer:
+            raise ConfigError(f"checkpoint {ckpt.path} was trained with train.optimizer={saved}, the config asks for "
+                              f"train.optimizer={self.config.train.optimizer}: resume with train.optimizer={saved}, "
+                              f"or start a new run.dir from its weights (drafter.init_from={ckpt.path})")
         weights, averaged = split_averaged(ckpt.weights)
         missing = set(self.model.state_dict()) ^ set(weights)
         if missing:
@@ -320,7 +325,8 @@ class DrafterTrainer:
             step=step, epoch=max(self.ledger) if self.ledger else 0, ledger=self.ledger,
             model_signature=self.signature, data_fingerprint=self.fingerprint,
             scheduler=self.scheduler.state_dict(),
-            extra={"tokens": self.loop.state.tokens, "time_spent_s": self.loop.state.time_spent_s},
+            extra={"tokens": self.loop.state.tokens, "time_spent_s": self.loop.state.time_spent_s,
+                   "optimizer": self.config.train.optimizer},
         )
         path = save_checkpoint(self.run_dir, state, weights, optimizer_state, keep_last=self.config.train.keep_last)
         self.checkpoints.append(str(path))
