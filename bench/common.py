@@ -165,7 +165,7 @@ def drafter_loop(config: Config, spec: DrafterSpec, head: TargetHead, device: to
         f"({chunks.reason})")
     micro_step = make_micro_step(config, model, head, device=device, progress=lambda: 0.0, chunks=chunks)
     return StepLoop(model=model, optimizer=optimizer, scheduler=scheduler, micro_step=micro_step,
-                    job_key=lambda b: (b.epoch, b.job_id), grad_accum=1, block_size=spec.block_size,
+                    job_key=lambda b: (b.epoch, b.job_id), grad_accum=1, block_size=spec.draft_length + 1,
                     grad_clip=config.train.grad_clip, group=None, device=device)
 
 

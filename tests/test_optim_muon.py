@@ -86,7 +86,7 @@ def test_dspark_markov_factors_are_tables():
     base, _ = tiny_drafter(num_layers=1)
     model = DFlashDrafter(dataclasses.replace(base.spec, variant="dspark", markov_rank=4))
     routes = _routes(model, model.spec.vocab_size)
-    assert routes["tables"] == {"markov_w1.weight", "markov_w2.weight"}
+    assert routes["tables"] == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
 
 
 class _Unseen(nn.Module):

@@ -64,8 +64,10 @@ def make_batches(args, config, spec, device, count: int):
     job = workload.jobs[0]
     inputs = prepare_inputs([workload.dataset[i] for i in job.sequence_ids], wire)
     wire.taps.normal_()
+    if wire.last_hidden is not None:  # a variant that reads the target's last hidden state (KD, LiLiCorr's penalty)
+        wire.last_hidden.normal_()
     headers = [WireHeader(job_id=k, bucket_id=0, epoch=0, num_tokens=inputs.num_tokens, num_seqs=inputs.num_seqs,
-                          has_last_hidden=False, end_of_stream=False) for k in range(count)]
+                          has_last_hidden=config.drafter.needs_last_hidden, end_of_stream=False) for k in range(count)]
     return [from_wire(wire, h) for h in headers]
 
 
