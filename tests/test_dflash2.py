@@ -222,7 +222,7 @@ def test_dflash2_export_round_trip_and_warm_start_rules(tmp_path):
 ])
 def test_bad_dflash2_settings_are_named(override, message):
     with pytest.raises(ConfigError, match=message):
-        DrafterConfig(**override)
+        DrafterConfig(**{"variant": "dflash2", **override})
 
 
 def test_a_group_size_that_does_not_divide_the_hidden_size_is_refused():

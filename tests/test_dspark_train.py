@@ -259,3 +259,22 @@ def test_modelopt_names_read_and_a_dspark_export_starts_a_dspark_drafter(tmp_pat
     fresh, _ = dspark(seed=9)
     init_from_export(fresh, out)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), drafter.state_dict().values()))
+
+
+@pytest.mark.parametrize("variant, option, named", [
+    ("dflash", {"selector_top_k": 8}, "drafter.selector_top_k is a dflash2 option, which drafter.variant=dflash "
+                                      "ignores: remove it or set drafter.variant=dflash2"),
+    ("dflash", {"conv_group_size": 32}, "drafter.conv_group_size is a dflash2 option, which drafter.variant=dflash"),
+    ("lilicorr", {"conv_kernel_size": 3}, "which drafter.variant=lilicorr ignores: remove it or set "
+                                          "drafter.lilicorr_conv=true or set drafter.variant=dflash2"),
+    ("lilicorr", {"selector_rank": 64}, "drafter.selector_rank is a dflash2 option, which drafter.variant=lilicorr"),
+    ("dflash2", {"lilicorr_candidate_topk": 4}, "drafter.lilicorr_candidate_topk is a lilicorr option"),
+    ("dspark", {"lilicorr_conv": True}, "drafter.lilicorr_conv is a lilicorr option, which drafter.variant=dspark"),
+])
+def test_every_variants_options_are_refused_by_the_others(variant, option, named):
+    """A setting only another variant reads is an error naming that variant (DFlash2's on a DFlash drafter trained a
+    plain DFlash drafter without a word); LiLiCorr reads the convolution sizes only with its convolutions on."""
+    with pytest.raises(ConfigError, match=named):
+        DrafterConfig(variant=variant, **option)
+    assert DrafterConfig(variant="lilicorr", lilicorr_conv=True, conv_kernel_size=3).conv_kernel_size == 3
+    assert DrafterConfig(variant="lilicorr", lilicorr_candidate_topk=4).lilicorr_candidate_topk == 4

@@ -39,6 +39,14 @@ DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "sele
 DSPARK_OPTIONS = ("markov_rank", "dspark_divergence")
 """DrafterConfig fields only DSpark reads."""
 
+BLOCK_CONV_OPTIONS = ("conv_kernel_size", "conv_group_size")
+"""DFlash2's convolution sizes, which LiLiCorr reads too with `lilicorr_conv`."""
+
+LILICORR_OPTIONS = ("lilicorr_conv", "lilicorr_hidden_size", "lilicorr_candidate_topk", "lilicorr_num_layers",
+                    "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim", "lilicorr_vector_eps",
+                    "lilicorr_logit_scale", "lilicorr_w_ce", "lilicorr_w_margin", "lilicorr_margin", "lilicorr_w_pen")
+"""DrafterConfig fields only LiLiCorr reads."""
+
 DIVERGENCES = ("l1", "kl")
 """`drafter.dspark_divergence`: the distance to the target's distribution that `drafter.kd_weight` weighs."""
 
@@ -227,23 +235,34 @@ class DrafterConfig:
             raise ConfigError(f"drafter.sliding_layers must be in [0, {self.num_layers}), got {self.sliding_layers}")
 
     def _check_variant_options(self) -> None:
-        """DSpark's options set (off their defaults) with another variant, or DFlash2's with DSpark: an error naming
-        the variant that would ignore them."""
+        """Another variant's options set (off their defaults): an error naming the variant that reads them, since the
+        chosen one would train without a word of them."""
         defaults = DrafterConfig.__dataclass_fields__
-        if self.variant == "dspark":
-            owner, changed = "dflash2", [k for k in DFLASH2_OPTIONS if getattr(self, k) != defaults[k].default]
-        else:
-            owner, changed = "dspark", [k for k in DSPARK_OPTIONS if getattr(self, k) != defaults[k].default]
-        if changed:
-            raise ConfigError(f"drafter.{', drafter.'.join(changed)} {'is a' if len(changed) == 1 else 'are'} "
-                              f"{owner} option{'s' if len(changed) > 1 else ''}, which drafter.variant={self.variant} "
-                              f"ignores: remove {'it' if len(changed) == 1 else 'them'}"
-                              f"{f' or set drafter.variant={owner}' if self.variant != 'dspark' else ''}")
+        changed: dict[str, list[str]] = {}
+        for key in (*DFLASH2_OPTIONS, *DSPARK_OPTIONS, *LILICORR_OPTIONS):
+            owner = self._option_owner(key)
+            if owner is not None and getattr(self, key) != defaults[key].default:
+                changed.setdefault(owner, []).append(key)
+        for owner, keys in changed.items():
+            also = " or set drafter.lilicorr_conv=true" if self.variant == "lilicorr" and owner == "dflash2" and \
+                all(k in BLOCK_CONV_OPTIONS for k in keys) else ""
+            raise ConfigError(f"drafter.{', drafter.'.join(keys)} {'is a' if len(keys) == 1 else 'are'} "
+                              f"{owner} option{'s' if len(keys) > 1 else ''}, which drafter.variant={self.variant} "
+                              f"ignores: remove {'it' if len(keys) == 1 else 'them'}{also} or set "
+                              f"drafter.variant={owner}")
         if self.markov_rank < 1:
             raise ConfigError(f"drafter.markov_rank must be >= 1, got {self.markov_rank}")
         if self.dspark_divergence not in DIVERGENCES:
             raise ConfigError(f"drafter.dspark_divergence must be one of {', '.join(DIVERGENCES)}, got "
                               f"{self.dspark_divergence!r}")
+
+    def _option_owner(self, key: str) -> Optional[str]:
+        """None when this drafter reads option `key`, else the variant that does."""
+        if key in BLOCK_CONV_OPTIONS:
+            reads = self.variant == "dflash2" or (self.variant == "lilicorr" and self.lilicorr_conv)
+            return None if reads else "dflash2"
+        owner = "dflash2" if key in DFLASH2_OPTIONS else "dspark" if key in DSPARK_OPTIONS else "lilicorr"
+        return None if self.variant == owner else owner
 
     @property
     def needs_last_hidden(self) -> bool:
