@@ -115,3 +115,10 @@ def test_relative_links_reach_a_file_and_heading(page):
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
     if page.name == "README.md":
         assert len(links) > 10  # the README is mostly links into docs/ and bench/RESULTS.md
+
+
+def test_readme_links_every_docs_page():
+    """A page in docs/ that the README does not link is one a newcomer never finds."""
+    linked = {(ROOT / target.partition("#")[0]).resolve() for target in _links(ROOT / "README.md")}
+    orphans = [page.name for page in PAGES[1:] if page.resolve() not in linked]
+    assert not orphans, f"README.md links no docs/ page named {orphans}: add it to the Documentation table"
