@@ -1,5 +1,5 @@
 """bench/serving/serving_engines.py on the CPU (the servers need a GPU): the acceptance length it reads from a fake vLLM's
-/metrics counters and a fake SGLang's replies, and the serving commands it starts (the README's)."""
+/metrics counters and a fake SGLang's replies, and the serving commands it starts (docs/serving.md's)."""
 
 from __future__ import annotations
 

@@ -278,11 +278,11 @@ def test_rows_of_another_layout_name_the_columns_found_and_expected(tmp_path, ca
 
 
 def test_the_readme_data_format_example_loads_whole(tmp_path):
-    """README "Data format": its JSONL example is three usable conversations, as the text says."""
+    """docs/data.md "Data format": its JSONL example is three usable conversations, as the text says."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Data format", 1)[1]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    section = page.split("## Data format", 1)[1]
     example = section.split("```json\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "example.jsonl"
     path.write_text(example)

@@ -1,4 +1,4 @@
-"""The served engines for bench/serving/serving_tau.py: the server commands (the README's "Serving" ones), starting and
+"""The served engines for bench/serving/serving_tau.py: the server commands (docs/serving.md's), starting and
 stopping a server, greedy requests, and each engine's mean acceptance length from its own counters.
 
 Acceptance length here is ours (eval/evaluate.py's TAU_NOTE): tokens committed per target verification step, the
@@ -29,7 +29,7 @@ from typing import Optional
 
 def server_command(engine: str, fmt: str, *, python: str, target: str, export: str, block_size: int, port: int,
                    dtype: str, max_model_len: int) -> list[str]:
-    """The README's serving command for this engine and format, on `port`."""
+    """The serving command of docs/serving.md for this engine and format, on `port`."""
     if engine == "vllm":
         # `vllm serve`; the speculators format also through --speculative-config: `vllm serve EXPORT` (0.33) takes
         # only a hub id as the verifier, and a local practice target has none

@@ -7,8 +7,8 @@
 The recipe (a run's config.yaml, or configs/practice.yaml with `target.path=`) gives the target, the chat template
 and thinking mode, as `dflash-train eval` reads them. The prompts are rendered and tokenized once, as `dflash-train
 eval` does, and sent to each server as token ids, greedy, with the same stop tokens and budget; each server is
-started with the README's serving command (bench/serving/serving_engines.py), one at a time, and its mean acceptance length
-read from its own counters. Then `dflash-train eval` measures ours on the same prompts. A served drafter that
+started with the serving command of docs/serving.md (bench/serving/serving_engines.py), one at a time, and its mean
+acceptance length read from its own counters. Then `dflash-train eval` measures ours on the same prompts. A served drafter that
 matches our forward (scripts/serving-check.sh) should give about our tau: in bf16, verifying a block rounds
 differently from one-token steps, so near-tied argmaxes can flip and the figures differ a little.
 

@@ -56,7 +56,7 @@ def build_backend(config: Config) -> Backend:
         log.warning(
             "regenerate.max_new_tokens=%d with the local backend: it is slow for replies this long (a plain KV "
             "cache, no continuous batching). Serve the target with vLLM or SGLang and set regenerate.backend=openai "
-            "regenerate.url=http://HOST:PORT/v1 (README \"Training a real drafter\", step 1)", regen.max_new_tokens)
+            "regenerate.url=http://HOST:PORT/v1 (docs/data.md, \"Regenerating the answers\")", regen.max_new_tokens)
     import torch
 
     from dflash_trainer.data.tokenizer import load_tokenizer

@@ -98,7 +98,7 @@ ROW_LAYOUT = ("missing_turns", "not_an_object")
 TURN_LAYOUT = ("bad_turn", "missing_role", "unknown_role", "missing_content", "non_text_content")
 EXPECTED_LAYOUT = ("a `messages` list of {role, content} turns (roles system, user, assistant), or ShareGPT's "
                    "`conversations` list of {from, value} turns (from: human, gpt or chatgpt, bing, bard, system); "
-                   "README \"Data format\"")
+                   "docs/data.md, \"Data format\"")
 
 
 def _keys(value: Any) -> tuple[str, ...]:
