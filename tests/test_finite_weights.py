@@ -67,3 +67,13 @@ def test_a_checkpoint_with_non_finite_weights_is_named_by_export_and_init_from(t
                         mask_token_id=first_spare_row(load_tokenizer(config.target, config.data.chat_template)))
     with pytest.raises(ConfigError, match=f"{weights} holds NaN or infinite weights .*start from another checkpoint"):
         build_drafter(config, spec, torch.device("cpu"))
+
+
+def test_a_resume_from_a_checkpoint_with_nan_weights_names_the_file(tmp_path):
+    """A checkpoint whose old-style marker is not checksummed, with damaged weights: the resume stops when it reads
+    them, naming the file, instead of training steps of NaN and blaming the data or the lr."""
+    from dflash_trainer.train.checkpoint import load_checkpoint
+
+    ckpt, _, _ = _checkpoint(tmp_path / "run", damage=lambda w: _spoil(w, float("nan")))
+    with pytest.raises(ConfigError, match=r"drafter\.safetensors.*(NaN|nan|not finite).*resume from an earlier checkpoint"):
+        load_checkpoint(ckpt, model_signature={}, data_fingerprint="")

@@ -347,7 +347,12 @@ def load_checkpoint(path: Path, *, model_signature: dict[str, Any], data_fingerp
         scheduler=payload["scheduler"],
         extra=payload["extra"],
     )
-    return LoadedCheckpoint(path=path, state=state, weights=load_file(str(path / "drafter.safetensors")),
+    weights = load_file(str(path / "drafter.safetensors"))
+    # a checkpoint whose marker predates its checksum is not verified on read: damaged weights are named here, not
+    # after steps of NaN losses
+    check_finite(weights, path / "drafter.safetensors",
+                 fix="resume from an earlier checkpoint (train.resume=RUN_DIR/checkpoints/step_N) or delete this one")
+    return LoadedCheckpoint(path=path, state=state, weights=weights,
                             optimizer_state=_load_tensors(path / "optimizer.pt"), rng=_load_tensors(path / "rng.pt"),
                             python_random=payload["python_random"])
 
