@@ -643,6 +643,9 @@ def test_peer_warm_start_loads_every_draft_tensor_or_refuses(tmp_path):
     from dflash_trainer.drafter.model import DFlashDrafter
 
     dspark = DFlashDrafter(dataclasses.replace(source.spec, variant="dspark", markov_rank=4))
+    # the peer's module names its head flat (`markov_w1`, `markov_w2`), as ModelOpt 0.47 does; ours nests it
+    dspark.markov_w1, dspark.markov_w2 = dspark.markov_head.markov_w1, dspark.markov_head.markov_w2
+    del dspark.markov_head
     head = dspark.markov_w2.weight.clone()
     assert load_draft_weights(SimpleNamespace(dflash_module=dspark), weights) == len(load_file(str(weights)))
     assert torch.equal(dspark.fc.weight, source.fc.weight) and torch.equal(dspark.markov_w2.weight, head)

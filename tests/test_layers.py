@@ -14,11 +14,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dflash_trainer"
 
 LAYERS = {
-    "base": 0,  # errors, faults, config, rundir (the run dir on disk), readback (reading our own files back), resume (a resumed run's config), hub (an unreachable hub), the *.config sections
+    "base": 0,  # errors, faults, config, rundir (the run dir on disk), readback (reading our own files back), resume (a resumed run's config), hub (an unreachable hub), memory (free memory of a device), the *.config sections
     "data": 1, "transport": 2, "target": 3, "drafter": 4, "eval": 5, "train": 6, "regen": 7, "report": 7,
     "synth": 8, "runtime": 8, "commands": 9, "cli": 10, "__main__": 11,
 }
-BASE = {"errors", "faults", "config", "rundir", "readback", "resume", "hub", "__init__"}
+BASE = {"errors", "faults", "config", "rundir", "readback", "resume", "hub", "memory", "__init__"}
 
 
 def _unit(module: str) -> str:
@@ -42,13 +42,23 @@ def _imports() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = defaultdict(set)
     for path in PACKAGE.rglob("*.py"):
         module = _module_name(path)
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                       for n in ast.walk(block)}  # `if TYPE_CHECKING:` imports never run
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dflash_trainer"):
                 subs = {f"{node.module}.{a.name}" for a in node.names} & modules
                 edges[module].update(subs or {node.module})
             elif isinstance(node, ast.Import):
                 edges[module].update(a.name for a in node.names if a.name.startswith("dflash_trainer"))
     return edges
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _first_circle(graph: dict[str, set[str]]) -> list[str] | None:
