@@ -60,5 +60,6 @@ def set_cpu_threads(requested: Optional[int]) -> ThreadChoice:
                                 processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                 omp_env=os.environ.get("OMP_NUM_THREADS"))
     torch.set_num_threads(choice.threads)
-    log.info("CPU threads: %d per process (%s; run.cpu_threads sets it)", choice.threads, choice.reason)
+    how = "" if choice.reason == "run.cpu_threads" else "; run.cpu_threads sets it"
+    log.info("CPU threads: %d per process (%s%s)", choice.threads, choice.reason, how)
     return choice
