@@ -63,20 +63,27 @@ def test_compiled_flex_matches_sdpa_forward_and_backward():
     torch.testing.assert_close(outs["flex"][2], outs["sdpa"][2], atol=1e-4, rtol=1e-3)
 
 
-def test_colocated_training_and_eval_run_on_cuda(tmp_path):
+def train_on_cuda(tmp_path, *overrides: str) -> dict:
+    """A colocated 6-step bf16 demo run on CUDA with compiled flex attention and `overrides`: checks it ended ok with
+    six finite losses, and returns its summary."""
     from dflash_trainer.cli import main
 
     run = tmp_path / "run"
     rc = main(["train", "--config", "demo", f"run.dir={run}", "run.device=cuda", "target.dtype=bfloat16",
                "train.dtype=bfloat16", "drafter.attention=flex", "train.max_steps=6", "train.num_epochs=1",
-               "data.max_conversations=120", "logging.progress=false", f"data.cache_dir={tmp_path / 'cache'}"])
+               "data.max_conversations=120", "logging.progress=false", f"data.cache_dir={tmp_path / 'cache'}",
+               *overrides])
     assert rc == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 6
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 6 and all(isinstance(x, float) and x > 0 for x in losses)  # finite (NaN is logged null)
-    ev = summary["eval"]
+    return summary
+
+
+def test_colocated_training_and_eval_run_on_cuda(tmp_path):
+    ev = train_on_cuda(tmp_path)["eval"]
     # the batched evaluation, prompt lookup and the held-out validation (compiled training forward) all ran
     assert ev["greedy_match_rate"] is not None and ev["prompt_lookup_tau"] >= 1.0
     assert ev["val"]["anchors"] > 0 and ev["val"]["walk_steps"] > 0 and 1.0 <= ev["val"]["walk_tau"] <= 8.0
