@@ -4,7 +4,9 @@ Each arm named `<label>-<minutes>-<rest>` (e.g. `d2-5-s0`) gets `train.max_steps
 step_s is the measured step of its drafter variant (`drafter.variant=...` on its line, else dflash) at the priced
 shape, read from `bench/speed/run.py` JSONs (`--set drafter.variant=...` in their command names the variant; with
 `--set train.optimizer=muon` it is priced apart, as `<variant>+muon`), over
-`train.grad_accum` when the arm sets it (each of its steps trains that many priced batches):
+`train.grad_accum` when the arm sets it (each of its steps trains that many priced batches). An arm that sets
+`pipeline.token_budget=N` takes the price measured at N tokens a step when there is one (Muon's Newton-Schulz costs
+the same per optimizer step whatever its tokens, so a bigger step is priced, not scaled), else the variant's price:
 
     python bench/quality/price_arms.py --arms bench/quality/arms/dflash2-8b.txt --prices /tmp/suite-results --out /tmp/arms.txt
 
@@ -25,12 +27,16 @@ def variant_of(text: str) -> str:
 
 
 def step_prices(folder: Path) -> dict[str, float]:
-    """Seconds per step for each variant priced by a `run.py` JSON in folder (the newest wins)."""
-    prices = {}
+    """Seconds per step for each variant priced by a `run.py` JSON in folder (the newest wins), under the variant's
+    name and under `<variant>@<token budget>`; a variant's plain name keeps its smallest priced budget's price."""
+    prices, budgets = {}, {}
     for path in sorted(glob.glob(str(folder / "*-run-*.json"))):
         result = json.loads(Path(path).read_text())
         if result.get("status") == "ok" and result.get("step_ms"):
-            prices[variant_of(result["command"])] = result["step_ms"] / 1e3
+            variant, budget = variant_of(result["command"]), result.get("token_budget")
+            prices[f"{variant}@{budget}"] = result["step_ms"] / 1e3
+            if budget is None or budget <= budgets.get(variant, budget):
+                prices[variant], budgets[variant] = result["step_ms"] / 1e3, budget
     return prices
 
 
@@ -40,6 +46,9 @@ def priced_line(line: str, prices: dict[str, float]) -> str:
     name, *overrides = line.split()
     minutes = int(name.split("-")[1])
     variant = variant_of(line)
+    budget = re.search(r"pipeline\.token_budget=(\d+)", line)
+    if budget and f"{variant}@{budget.group(1)}" in prices:
+        variant = f"{variant}@{budget.group(1)}"
     if variant not in prices:
         print(f"{name}: no price for variant {variant}: keeps its written step count")
         return line
