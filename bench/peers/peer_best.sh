@@ -20,6 +20,8 @@
 #     dflash.dflash_use_torch_compile=true;b8-a80-765-dspark --batch 8 --seq-len 765 $DSPARK dflash.dflash_num_anchors=80 \
 #     dflash.dflash_use_torch_compile=true" FALLBACK="b8-a80-765-dspark-eager --batch 8 --seq-len 765 $DSPARK \
 #     dflash.dflash_num_anchors=80" PHASE=start bash bench/peers/peer_best.sh
+# Ran 2026-12-06 on one H100 with only the 80-anchor line in PRICES, BUDGETS=5 PRICE_BY_S=260 (one call, 477 s;
+# bench/RESULTS.md section 6). Next: the 15-minute cells, PRICED="<that call's price JSON> <its run JSON>" BUDGETS=15.
 # Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
 # .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
 T0=$SECONDS
