@@ -162,11 +162,16 @@ def test_position_masks_count_positions_and_skip_invalid_slots():
     # one row: slots at positions 0, 1, 2 (slot 2 rejected, masked), then 2, 3 (the next block)
     key_positions = torch.tensor([[0, 1, 2, 2, 3]])
     key_valid = torch.tensor([[True, True, False, True, True]])
-    full, sliding = position_masks(key_valid, key_positions, torch.tensor([[2, 3]]), window=2, dtype=torch.float32)
-    assert full.shape == sliding.shape == (1, 1, 2, 5)
+    masks = position_masks(key_valid, key_positions, torch.tensor([[2, 3]]), window=2, chunk=2, dtype=torch.float32)
+    full, sliding, chunked = masks["full_attention"], masks["sliding_attention"], masks["chunked_attention"]
+    assert full.shape == sliding.shape == chunked.shape == (1, 1, 2, 5)
     assert (full[0, 0] == 0).tolist() == [[True, True, False, True, False], [True, True, False, True, True]]
     assert (sliding[0, 0] == 0).tolist() == [[False, True, False, True, False], [False, False, False, True, True]]
+    # chunks of 2 positions: {0, 1}, {2, 3}
+    assert (chunked[0, 0] == 0).tolist() == [[False, False, False, True, False], [False, False, False, True, True]]
     assert full.min() == torch.finfo(torch.float32).min
+    assert set(position_masks(key_valid, key_positions, torch.tensor([[2, 3]]), window=None, dtype=torch.float32)) == {
+        "full_attention"}
 
 
 def test_sliding_window_of_reads_layer_types_then_the_window():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -167,12 +169,21 @@ def mlp_width(target_config: Any) -> int:
                       "num_experts_per_tok: set drafter.intermediate_size (the drafter's MLP width)")
 
 
+def global_fields(config: Any) -> Any:
+    """A config whose layers differ (Gemma 4: full-attention layers with their own head size and kv heads) refuses
+    a global read of a per-layer field; its serialized fields are the base values (the sliding layers'), which
+    the drafter, its own Qwen3-style model, takes. Other configs are returned as they are."""
+    if not getattr(config, "per_layer_attributes", None):
+        return config
+    return SimpleNamespace(**config.to_dict())
+
+
 def drafter_spec(
     target_config: Any, drafter: DrafterConfig, *, mask_token_id: Optional[int] = None
 ) -> DrafterSpec:
     """The drafter's architecture for `target_config` (an HF config). `mask_token_id` overrides
     `drafter.mask_token_id` (the caller passes the first spare row past the tokenizer when that is None)."""
-    target_config = text_config(target_config)  # an image-text-to-text target: its language model's
+    target_config = global_fields(text_config(target_config))  # an image-text-to-text target: its language model's
     mask = drafter.mask_token_id if drafter.mask_token_id is not None else mask_token_id
     if mask is None:
         raise ConfigError("set drafter.mask_token_id (a spare row of the target embedding)")

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.eval.linear_states import keep_committed_states, linear_layers, record_linear_states, select_rows
 from dflash_trainer.eval.speculative import DecodeResult, _forward, decoding_kernels
 from dflash_trainer.target.load import text_config
 
@@ -151,8 +152,15 @@ def accept_sampled(logits: torch.Tensor, drafts: BlockDrafts, temperature: float
     return accepted, torch.multinomial(dist, 1, generator=generator)[:, 0]
 
 
-MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """The layer types `position_masks` serves; other kinds (linear attention, convolutions) keep HF's own masks."""
+
+
+def _position_layer_types(config) -> Optional[set]:
+    """The layer kinds of a config whose kinds are all `MASKED_LAYER_TYPES`; None when it has others (or none)."""
+    layer_types = getattr(text_config(config), "layer_types", None)
+    kinds = set(layer_types) if layer_types is not None else None
+    return kinds if kinds is not None and kinds <= set(MASKED_LAYER_TYPES) else None
 
 
 def sliding_window_of(config) -> Optional[int]:
@@ -161,43 +169,61 @@ def sliding_window_of(config) -> Optional[int]:
     its language model's."""
     config = text_config(config)
     window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        kinds = set(layer_types)
-        return window if "sliding_attention" in kinds and kinds <= set(MASKED_LAYER_TYPES) else None
+    if getattr(config, "layer_types", None) is not None:
+        kinds = _position_layer_types(config)
+        return window if kinds is not None and "sliding_attention" in kinds else None
     return window if getattr(config, "use_sliding_window", True) else None
 
 
+def attention_chunk_of(config) -> Optional[int]:
+    """The chunk of a target with chunked-attention layers (Llama 4: a query sees the keys of its own chunk of
+    `attention_chunk_size` positions), else None (also beside kinds other than `MASKED_LAYER_TYPES`)."""
+    kinds = _position_layer_types(config)
+    return getattr(text_config(config), "attention_chunk_size", None) if kinds and "chunked_attention" in kinds else None
+
+
 def position_masks(key_valid: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor, *,
-                   window: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Additive attention masks (R, 1, n, S) by position, (full, sliding): a query sees every valid key at or
-    before its position; in a sliding layer only those less than `window` positions back (as HF's window).
-    key_valid (R, S) bool, key_positions (R, S), query_positions (R, n)."""
-    back = query_positions[:, :, None].int() - key_positions[:, None, :].int()  # (R, n, S)
+                   window: Optional[int], chunk: Optional[int] = None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Additive attention masks (R, 1, n, S) by position, per layer type: a query sees every valid key at or before
+    its position (`full_attention`); in a sliding layer only those less than `window` positions back (as HF's
+    window), in a chunked one only those of its own chunk of `chunk` positions (as HF's chunks, which start at each
+    row's first token: position 0 here). key_valid (R, S) bool, key_positions (R, S), query_positions (R, n)."""
+    queries, keys = query_positions[:, :, None].int(), key_positions[:, None, :].int()  # (R, n, 1), (R, 1, S)
+    back = queries - keys  # (R, n, S)
     seen = key_valid[:, None, :] & (back >= 0)  # (R, n, S)
     blocked = torch.finfo(dtype).min
 
     def additive(allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, blocked)[:, None]
 
-    return additive(seen), additive(seen & (back < window))
+    masks = {"full_attention": additive(seen)}
+    if window:
+        masks["sliding_attention"] = additive(seen & (back < window))
+    if chunk:
+        masks["chunked_attention"] = additive(seen & (queries // chunk == keys // chunk))
+    return masks
 
 
 class _TargetCache:
     """The target's KV cache of a batch, and each slot's position and whether it is valid.
 
     Slots that hold no committed token (prompt padding, rejected drafts) stay, masked out. HF's masks and its
-    sliding-window caches count slots, so with drafts (`speculative`) a sliding window would count rejected
-    drafts too and drop committed tokens: a target with sliding-window layers then keeps every slot (a plain
-    cache) and, after the prefill, gets masks built here from the positions (`position_masks`: (R, n, S) for a
-    block of n, where the prefill's would be (R, P, P)). Plain decoding leaves no hole between committed slots,
-    so it keeps HF's masks and windowed caches."""
+    sliding-window caches count slots, so with drafts a sliding window (or Llama 4's attention chunks) would count
+    rejected drafts too and drop committed tokens: a target with sliding-window or chunked layers then keeps every
+    slot (a plain cache) and, after the prefill, gets masks built here from the positions (`position_masks`: (R, n,
+    S) for a block of n, where the prefill's would be (R, P, P)). Plain decoding leaves no hole between committed slots,
+    so it keeps HF's masks and windowed caches. A hybrid target's recurrent layers have no slots to mask: with
+    drafts they record their state after each fed token and keep each row's committed one (`linear_states.py`).
+    `block_width`: the tokens fed per step with drafts (None: plain decoding)."""
 
-    def __init__(self, target, *, speculative: bool) -> None:
-        self.target = target
+    def __init__(self, target, *, block_width: Optional[int]) -> None:
+        speculative = block_width is not None
+        self.target, self.block_width = target, block_width
         self.window = sliding_window_of(target.config) if speculative else None
+        self.chunk = attention_chunk_of(target.config) if speculative else None
+        self.by_position = bool(self.window or self.chunk)
         self.by_layer_type = getattr(text_config(target.config), "layer_types", None) is not None
-        self.cache = DynamicCache() if self.window else DynamicCache(config=target.config)
+        self.cache = DynamicCache() if self.by_position else DynamicCache(config=target.config)
         self.valid: Optional[torch.Tensor] = None  # (R, S) bool
         self.positions: Optional[torch.Tensor] = None  # (R, S) int64, kept for the position masks only
 
@@ -207,15 +233,17 @@ class _TargetCache:
         False). Returns the HF output (logits (R, n or 1, V), hidden states if asked)."""
         mask = new_valid if self.valid is None else torch.cat([self.valid, torch.ones_like(new_valid)], 1)
         attention_mask = mask.long()
-        if self.window:
+        if self.by_position:
             self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
-        if self.window and self.valid is not None:  # the prefill has no holes yet: HF's masks are right, and small
-            full, sliding = position_masks(mask, self.positions, positions, window=self.window,
-                                           dtype=self.target.dtype)
-            attention_mask = {"full_attention": full, "sliding_attention": sliding} if self.by_layer_type else sliding
+        if self.by_position and self.valid is not None:  # the prefill has no holes yet: HF's masks are right, and small
+            masks = position_masks(mask, self.positions, positions, window=self.window, chunk=self.chunk,
+                                   dtype=self.target.dtype)
+            attention_mask = masks if self.by_layer_type else masks["sliding_attention"]
         kwargs = {"logits_to_keep": 1} if last_only else {}
         out = _forward(self.target, ids, self.cache, attention_mask=attention_mask, position_ids=positions,
                        output_hidden_states=hidden, **kwargs)
+        if self.valid is None and self.block_width is not None:  # the prefill: recurrent layers start recording
+            record_linear_states(self.cache, self.block_width)
         self.valid = new_valid if self.valid is None else torch.cat([self.valid, new_valid], 1)
         return out
 
@@ -223,9 +251,11 @@ class _TargetCache:
         """Mark which of the last n slots hold committed tokens: valid_tail (R, n) bool."""
         n = valid_tail.shape[1]
         self.valid = torch.cat([self.valid[:, :-n], valid_tail], 1)
+        if linear_layers(self.cache):  # committed slots are a prefix of the block
+            keep_committed_states(self.cache, valid_tail.sum(1), fed=n)
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.cache.batch_select_indices(rows)
+        select_rows(self.cache, rows)
         self.valid = self.valid[rows]
         if self.positions is not None:
             self.positions = self.positions[rows]
@@ -269,7 +299,7 @@ class _BatchDecode:
         self.device = next(target.parameters()).device
         self.proposer, self.settings, self.on_step = proposer, settings, on_step
         self.hidden = proposer is not None and proposer.needs_taps
-        self.cache = _TargetCache(target, speculative=proposer is not None)
+        self.cache = _TargetCache(target, block_width=settings.width if proposer is not None else None)
         self.outputs: list[list[int]] = [[] for _ in prompts]
         self.lengths: list[list[int]] = [[] for _ in prompts]
         self.reasons = ["max_new_tokens"] * len(prompts)

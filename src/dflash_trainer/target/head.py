@@ -15,7 +15,14 @@ from transformers import AutoModelForCausalLM
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig
-from dflash_trainer.target.load import DTYPES, find_decoder, load_target, module_name, target_model_config
+from dflash_trainer.target.load import (
+    DTYPES,
+    find_decoder,
+    find_final_norm,
+    load_target,
+    module_name,
+    target_model_config,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,7 +78,7 @@ def head_from_model(model: nn.Module) -> TargetHead:
     return TargetHead(
         embed_weight=_scaled(embed.weight.detach(), scale),
         lm_head_weight=model.get_output_embeddings().weight.detach(),
-        final_norm=find_decoder(model).norm,
+        final_norm=find_final_norm(find_decoder(model)),
     )
 
 
@@ -162,7 +169,7 @@ def _read_head(stored: dict[str, StoredTensor], skeleton: nn.Module, device, dty
     """The head read tensor by tensor from a checkpoint (`skeleton`: the target on the meta device, which also gives
     the embedding's scale and the final norm's class); None when the checkpoint lacks one of them or the
     embedding's scale is unknown without its weights."""
-    embed_module, norm = skeleton.get_input_embeddings(), find_decoder(skeleton).norm
+    embed_module, norm = skeleton.get_input_embeddings(), find_final_norm(find_decoder(skeleton))
     embed_key = module_name(skeleton, embed_module) + ".weight"
     head_key = module_name(skeleton, skeleton.get_output_embeddings()) + ".weight"
     norm_prefix = module_name(skeleton, norm) + "."

@@ -143,6 +143,22 @@ def find_decoder(model: nn.Module) -> nn.Module:
     )
 
 
+FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm")
+"""What decoder stacks call their final norm: Llama/Qwen/Gemma/DeepSeek `norm`, Nemotron-H's `norm_f`."""
+
+
+def find_final_norm(decoder: nn.Module) -> nn.Module:
+    """The final norm of a decoder stack (`find_decoder`), applied to the last layer's output before the LM head."""
+    for name in FINAL_NORM_NAMES:
+        module = getattr(decoder, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    raise ConfigError(
+        f"cannot find the final norm of target decoder {type(decoder).__name__}: expected one of "
+        f"{list(FINAL_NORM_NAMES)}; this architecture is not supported as a target yet"
+    )
+
+
 def module_name(root: nn.Module, module: nn.Module) -> str:
     """`module`'s qualified name within `root` (`model.language_model`), its tensors' state-dict prefix."""
     return next(name for name, candidate in root.named_modules() if candidate is module)

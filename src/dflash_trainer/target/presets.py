@@ -25,6 +25,10 @@ _TINY_SHAPE = dict(
     tie_word_embeddings=False,
 )
 
+_TINY_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4)
+_TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
 PRESETS: dict[str, dict] = {
     "tiny": dict(model_type="qwen3", **_TINY_SHAPE, intermediate_size=128, rope_theta=10000.0),
     "tiny-moe": dict(
@@ -38,6 +42,51 @@ PRESETS: dict[str, dict] = {
         # 4 experts of width 32 (gpt-oss's `intermediate_size` is the expert width), 2 active, yarn RoPE.
         model_type="gpt_oss", **_TINY_SHAPE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
         sliding_window=4,
+    ),
+    # ---- the families the engines verify drafters for, in small (issue 63's matrix; docs/targets.md) --------------
+    "tiny-qwen3-next": dict(  # hybrid: Gated DeltaNet linear-attention layers between full-attention ones, MoE
+        model_type="qwen3_next", **_TINY_SHAPE, intermediate_size=128, rope_theta=10000.0, **_TINY_LINEAR,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2, **_TINY_EXPERTS,
+        shared_expert_intermediate_size=32,
+    ),
+    "tiny-qwen3.5": dict(  # Qwen3.5's language model: the same hybrid layout, dense
+        model_type="qwen3_5_text", **_TINY_SHAPE, intermediate_size=128, rope_theta=10000.0, **_TINY_LINEAR,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+    ),
+    "tiny-qwen3.5-moe": dict(
+        model_type="qwen3_5_moe_text", **_TINY_SHAPE, intermediate_size=128, rope_theta=10000.0, **_TINY_LINEAR,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2, **_TINY_EXPERTS,
+        shared_expert_intermediate_size=32,
+    ),
+    "tiny-deepseek-v3": dict(  # MLA (q and kv low-rank, decoupled RoPE dims; kv heads = heads), MoE after a dense layer
+        model_type="deepseek_v3", **{**_TINY_SHAPE, "num_key_value_heads": 4, "head_dim": 8}, intermediate_size=128,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_shared_experts=1, n_group=1,
+        topk_group=1,
+    ),
+    "tiny-gemma4": dict(  # Gemma 4's language model: sliding / full layers, per-layer input embeddings, scaled embeddings
+        model_type="gemma4_text", **_TINY_SHAPE, intermediate_size=128, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 3, vocab_size_per_layer_input=_TINY_SHAPE["vocab_size"],
+        hidden_size_per_layer_input=16, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+    ),
+    "tiny-llama4": dict(  # Llama 4's language model: MoE with a shared expert, chunked / NoPE layers
+        model_type="llama4_text", **_TINY_SHAPE, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
+        num_experts_per_tok=1, attention_chunk_size=8, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    ),
+    "tiny-glm4-moe": dict(
+        model_type="glm4_moe", **_TINY_SHAPE, intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
+    ),
+    "tiny-minimax-m2": dict(
+        model_type="minimax_m2", **_TINY_SHAPE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        bos_token_id=None, eos_token_id=None,
+    ),
+    "tiny-nemotron-h": dict(  # hybrid Mamba-2: mamba / MoE / attention / MLP blocks, each its own layer
+        model_type="nemotron_h", **_TINY_SHAPE, intermediate_size=128,
+        layers_block_type=["mamba", "moe", "attention", "mlp", "mamba", "attention"], ssm_state_size=8,
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=1, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
     ),
     "qwen3-1.7b": dict(
         model_type="qwen3",
