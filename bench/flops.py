@@ -23,6 +23,7 @@ Drafter step, with N_v valid blocks of B slots, Q = N_v*B block queries, T real 
               + 3*2*Q*H*I [SwiGLU]                         x3: forward + input grad + weight grad
   attention   4 * hd * heads * P                           x3; P = visible (query, key) pairs
   lm head     2 * N_v*(B-1) * H * V                        x2: forward + input grad (the head is frozen)
+DFlash2's convolutions and selector: dflash2_step_flops; LiLiCorr's lattice head: lilicorr_step_flops (by part).
 P is counted exactly from the mask rule (drafter/attention_mask.py): a query of valid block j at slot k
 sees the anchor_pos_j context tokens strictly before its anchor plus the B tokens of its own block, so
 full-attention layers have P = sum_j B * (anchor_pos_j + B); a sliding layer (window W) sees context

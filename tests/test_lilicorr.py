@@ -253,6 +253,26 @@ def test_the_lattice_kernel_is_one_graph_with_the_eager_values_and_gradients(pen
     assert eager_params[2].abs().sum() > 0  # the attention's bias learns
 
 
+@pytest.mark.parametrize("preset, setting, width, recorded", [
+    ("qwen3-8b", None, 1024, 1024),  # the default: ModelOpt's recipe, a quarter of the 8B drafter, token_proj on
+    ("qwen3-8b", 0, 4096, 0),
+    ("tiny", None, 64, 0),  # no wider than the drafter: its width, recorded as 0 (no token_proj), as the engines read
+    ("tiny", 64, 64, 0),
+    ("tiny", 32, 32, 32),
+])
+def test_the_lattice_head_is_1024_wide_by_default_and_never_wider_than_the_drafter(preset, setting, width, recorded):
+    from dflash_trainer.drafter.lilicorr import lattice_key_names
+    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.target.presets import preset_config
+
+    sizes = {} if setting is None else {"lilicorr_hidden_size": setting}
+    spec = drafter_spec(preset_config(preset), DrafterConfig(variant="lilicorr", mask_token_id=1, **sizes))
+    assert spec.lattice.width(spec.hidden_size) == width
+    assert spec.lattice.export_fields()["lilicorr_hidden_size"] == recorded
+    names = lattice_key_names(spec.lattice, model_hidden=spec.hidden_size, block_size=spec.block_size)
+    assert ("lilicorr.token_proj.weight" in names) == (width != spec.hidden_size)
+
+
 def small_vocab_batch(drafter, vocab: int, seed: int = 1, num_blocks: int = 12):
     """A packed batch whose tokens are below `vocab`, with an LM head of `vocab` rows: with K >= vocab every true
     token is among the candidates, so every slot of a fully supervised block is supervised."""
