@@ -190,7 +190,8 @@ def lilicorr_step_flops(spec: Any, blocks: int) -> dict[str, float]:
                      + 2*blocks*Hm*h [context_proj of the anchor]
       layers         per layer 2*C*(3h*h + h*h + 2*h*m) [q/k/v, o, MLP of width m = h * mlp_ratio]
                      + 4*h*C*S*K [attention over each block's S*K nodes]
-      factors        2*C*3h*h [factor_input_proj] + 2*C*2*h*f [out/in heads] + 2*R*(S-1)/S*K*K*f [pair cosines]
+      factors        2*C*3h*h [factor_input_proj] + 2*C*2*h*f [out/in heads] + 2*blocks*h*f [anchor_out_head]
+                     + 2*blocks*(S-1)*K*K*f [pair cosines]
       candidates     2*R*(K+1)*Hm [the candidates' and label's logits through the LM head]
       teacher        2*R*K*Hm [the target's logits of the candidates] (x1)
     """
@@ -207,7 +208,8 @@ def lilicorr_step_flops(spec: Any, blocks: int) -> dict[str, float]:
         "token_proj": float(2 * c * hm * h * 2 if h != hm else 0),
         "inputs": float((2 * rows * hm * h + 2 * c * (5 * h + h * h) + 2 * blocks * hm * h) * 3),
         "layers": float(layers * 3),
-        "factors": float((2 * c * 3 * h * h + 2 * c * 2 * h * f + 2 * blocks * (s - 1) * k * k * f) * 3),
+        "factors": float((2 * c * 3 * h * h + 2 * c * 2 * h * f + 2 * blocks * h * f + 2 * blocks * (s - 1) * k * k * f)
+                         * 3),
         "candidates": float(2 * rows * (k + 1) * hm * 2),
         "teacher": float(2 * rows * k * hm),
     }
