@@ -23,6 +23,7 @@ Drafter step, with N_v valid blocks of B slots, Q = N_v*B block queries, T real 
               + 3*2*Q*H*I [SwiGLU]                         x3: forward + input grad + weight grad
   attention   4 * hd * heads * P                           x3; P = visible (query, key) pairs
   lm head     2 * N_v*(B-1) * H * V                        x2: forward + input grad (the head is frozen)
+DFlash2's convolutions and selector: dflash2_step_flops; LiLiCorr's lattice head: lilicorr_step_flops (by part).
 P is counted exactly from the mask rule (drafter/attention_mask.py): a query of valid block j at slot k
 sees the anchor_pos_j context tokens strictly before its anchor plus the B tokens of its own block, so
 full-attention layers have P = sum_j B * (anchor_pos_j + B); a sliding layer (window W) sees context
@@ -160,19 +161,58 @@ def drafter_step_flops(spec: Any, *, anchor_pos: torch.Tensor, context_tokens: i
     attention = sum(4 * s.head_dim * s.heads * visible_pairs(anchor_pos, b, spec.layer_window(i)) * 3
                     for i in range(spec.num_layers))
     head = 2 * n_valid * (b - 1) * h * spec.vocab_size * 2
-    return float(fc + spec.num_layers * layer + attention + head + dflash2_step_flops(spec, queries, n_valid * (b - 1)))
+    return float(fc + spec.num_layers * layer + attention + head + dflash2_step_flops(spec, queries, n_valid * (b - 1))
+                 + sum(lilicorr_step_flops(spec, n_valid).values()))
 
 
 def dflash2_step_flops(spec: Any, queries: int, rows: int) -> float:
     """DFlash2's matmuls beyond DFlash's, forward + backward (0 for DFlash): each layer's two convolutions' kernel
-    projections (H -> 2 x taps x groups) over the block's `queries`, and the selector over the `rows` predicted
-    slots (its hidden projection, the K candidates' logits, their codebook scores)."""
-    if getattr(spec, "variant", "dflash") != "dflash2":
+    projections (H -> 2 x taps x groups) over the block's `queries` (LiLiCorr's too when its convolutions are on),
+    and the selector over the `rows` predicted slots (its hidden projection, the K candidates' logits, their codebook
+    scores; 0 without a selector)."""
+    if not getattr(spec, "block_conv", False):
         return 0.0
     h, k = spec.hidden_size, spec.selector_top_k
     convs = spec.num_layers * 2 * 2 * queries * h * (2 * spec.conv_kernel_size * h // spec.conv_group_size)
     selector = 2 * rows * h * spec.selector_rank + 2 * rows * k * h + 2 * rows * k * spec.selector_rank
     return float((convs + selector) * 3)
+
+
+def lilicorr_step_flops(spec: Any, blocks: int) -> dict[str, float]:
+    """LiLiCorr's lattice head over `blocks` valid blocks, forward + backward, by part (empty for the others). Each
+    block's S = B-1 slots keep K candidates: C = blocks * S * K lattice nodes, each a head-wide state (width h, the
+    drafter's Hm when lilicorr_hidden_size is 0) through every head layer. x3 (forward, input and weight gradients)
+    except token_proj (x2: the target's embeddings need no gradient); the teacher's logits for the penalty x1
+    (no gradient); the activation-checkpoint recompute of the head's chunks is not counted (hardware does +1 forward
+    of the head).
+      token_proj     2*C*Hm*h                        only when h != Hm
+      inputs         2*R*Hm*h [pass_hidden_proj of the R = blocks*S slots] + 2*C*(5*h + h*h) [feature_mlp]
+                     + 2*blocks*Hm*h [context_proj of the anchor]
+      layers         per layer 2*C*(3h*h + h*h + 2*h*m) [q/k/v, o, MLP of width m = h * mlp_ratio]
+                     + 4*h*C*S*K [attention over each block's S*K nodes]
+      factors        2*C*3h*h [factor_input_proj] + 2*C*2*h*f [out/in heads] + 2*blocks*h*f [anchor_out_head]
+                     + 2*blocks*(S-1)*K*K*f [pair cosines]
+      candidates     2*R*(K+1)*Hm [the candidates' and label's logits through the LM head]
+      teacher        2*R*K*Hm [the target's logits of the candidates] (x1)
+    """
+    lattice = getattr(spec, "lattice", None)
+    if lattice is None:
+        return {}
+    hm, s, k = spec.hidden_size, spec.block_size - 1, lattice.candidate_topk
+    h, f = lattice.width(hm), lattice.factor_dim
+    m = int(h * lattice.mlp_ratio)
+    rows = blocks * s
+    c = rows * k
+    layers = lattice.num_layers * (2 * c * (4 * h * h + 2 * h * m) + 4 * h * c * s * k)
+    return {
+        "token_proj": float(2 * c * hm * h * 2 if h != hm else 0),
+        "inputs": float((2 * rows * hm * h + 2 * c * (5 * h + h * h) + 2 * blocks * hm * h) * 3),
+        "layers": float(layers * 3),
+        "factors": float((2 * c * 3 * h * h + 2 * c * 2 * h * f + 2 * blocks * h * f + 2 * blocks * (s - 1) * k * k * f)
+                         * 3),
+        "candidates": float(2 * rows * (k + 1) * hm * 2),
+        "teacher": float(2 * rows * k * hm),
+    }
 
 
 def mfu(flops: float, seconds: float, peak_tflops: float = PEAK_TFLOPS) -> float:

@@ -17,7 +17,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the `bench` package
 
-from bench.flops import drafter_step_flops, target_forward_flops, visible_pairs  # noqa: E402
+from bench.flops import drafter_step_flops, lilicorr_step_flops, target_forward_flops, visible_pairs  # noqa: E402
 from bench.quality.quality import pack, read_arms, run_overrides, split_conversations, unpack  # noqa: E402
 
 from dflash_trainer.config import load_config  # noqa: E402
@@ -138,6 +138,35 @@ def test_flops_scale_as_documented():
     # moving anchors later adds only attention pairs: B * delta per block, 4*hd*heads per pair, x3, per layer
     later = drafter_step_flops(spec, anchor_pos=anchors + 1, context_tokens=50)
     assert later - base == 2 * 4 * (4 * 16 * 4) * 3 * 2
+
+
+@pytest.mark.parametrize("width", [32, 0])
+def test_lilicorr_head_flops_are_what_its_forward_runs(width):
+    """The lattice head's forward + backward count (x3, token_proj x2) against torch's count of one forward; the
+    LM-head parts (candidates, teacher) are outside the head."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.drafter.lilicorr import LatticeHead
+    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.target.presets import preset_config
+
+    spec = drafter_spec(preset_config("tiny"), DrafterConfig(
+        variant="lilicorr", block_size=5, gamma=2.0, mask_token_id=1, lilicorr_hidden_size=width, lilicorr_candidate_topk=4,
+        lilicorr_num_heads=2, lilicorr_factor_dim=16))
+    head = LatticeHead(spec.lattice, model_hidden=spec.hidden_size, block_size=5, rms_norm_eps=1e-6)
+    blocks, slots, k, hm = 3, 4, 4, spec.hidden_size
+    # the math attention runs as matmuls torch counts (its fused CPU kernel has no count)
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        head(torch.randn(blocks, slots, k, hm), torch.randn(blocks, slots, k), torch.randn(blocks, slots, hm),
+             torch.randn(blocks, hm), torch.ones(blocks, dtype=torch.bool))
+    parts = lilicorr_step_flops(spec, blocks)
+    assert (parts["token_proj"] > 0) == (width == 32)
+    forward = parts["token_proj"] / 2 + (parts["inputs"] + parts["layers"] + parts["factors"]) / 3
+    assert forward == counter.get_total_flops()
+    assert parts["teacher"] == 2 * blocks * slots * k * hm
+    assert lilicorr_step_flops(drafter_spec(preset_config("tiny"), DrafterConfig(mask_token_id=1)), blocks) == {}
 
 
 def test_moe_flops_count_active_experts():

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from dflash_trainer.drafter.anchors import plan_blocks
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.export import export_drafter, init_from_export, load_drafter, read_export
-from dflash_trainer.drafter.lilicorr import LatticeLoss, LatticeSpec, candidates, lattice_loss, lattice_term, walk_lattice
+from dflash_trainer.drafter.lilicorr import (LatticeLoss, LatticeSpec, candidates, chunk_terms, lattice_loss, lattice_term,
+                                             walk_lattice)
 from dflash_trainer.drafter.loss import drafter_loss
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.batched import decode_batch
@@ -214,6 +215,62 @@ def test_lattice_terms_match_a_slow_reference_and_train_the_backbone():
         lattice_term(LatticeLoss(**{**{f: getattr(loss, f) for f in LatticeLoss.__dataclass_fields__},
                                     "teacher_logits": None}), ids=ids, log_probs=log_probs, hidden=hidden,
                      labels=labels, label_valid=label_valid, anchors=anchors, anchor_pos=anchor_pos)
+
+
+@pytest.mark.parametrize("pen", [True, False])
+def test_the_lattice_kernel_is_one_graph_with_the_eager_values_and_gradients(pen):
+    """What CUDA runs compiled (`drafter.loss_kernel: compiled`): traced whole (fullgraph: a graph break fails), the
+    same terms, factors and gradients as eager."""
+    drafter, _ = lilicorr(block_size=5)
+    perturb(drafter)
+    head = drafter.lilicorr
+    gen = torch.Generator().manual_seed(7)
+    n, slots, k, hm, vocab = 5, 4, head.top_k, drafter.spec.hidden_size, 30
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[: slots * k].view(slots, k) for _ in range(n)])
+    labels = ids.gather(-1, torch.randint(0, k, (n, slots, 1), generator=gen))[..., 0]
+    labels[1, 2] = vocab + 1  # a miss mid-block
+    label_valid = torch.ones(n, slots, dtype=torch.bool)
+    label_valid[3, 0] = False
+    inputs = dict(tokens=torch.randn(n, slots, k, hm, generator=gen), log_probs=torch.randn(n, slots, k, generator=gen),
+                  hidden=torch.randn(n, slots, hm, generator=gen), anchor=torch.randn(n, hm, generator=gen))
+    target = torch.randn(n, slots, k, generator=gen) if pen else None
+    weights = (0.3, 0.2, 0.5 if pen else 0.0, 2.0)
+    compiled = torch.compile(chunk_terms, backend="aot_eager", fullgraph=True, dynamic=False)
+    results = []
+    for fn in (chunk_terms, compiled):
+        leaves = {key: t.clone().requires_grad_(key != "tokens") for key, t in inputs.items()}
+        head.zero_grad()
+        out = fn(head, leaves["tokens"], leaves["log_probs"], leaves["hidden"], leaves["anchor"],
+                 torch.tensor([True, False, True, True, True]), ids, labels, label_valid, target, weights)
+        out[0].backward()
+        results.append((out, [leaves[key].grad for key in ("log_probs", "hidden", "anchor")],
+                        [p.grad.clone() for p in (head.in_head.weight, head.layers[0].attn.in_proj_weight,
+                                                  head.relative_slot_bias)]))
+    (eager, eager_in, eager_params), (traced, traced_in, traced_params) = results
+    assert float(eager[1]) == 14.0  # supervised slots: 5 blocks x 4, less block 3 (a label invalid), less 2 of block 1
+    for want, got in zip([*eager, *eager_in, *eager_params], [*traced, *traced_in, *traced_params]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert eager_params[2].abs().sum() > 0  # the attention's bias learns
+
+
+@pytest.mark.parametrize("preset, setting, width, recorded", [
+    ("qwen3-8b", None, 1024, 1024),  # the default: ModelOpt's recipe, a quarter of the 8B drafter, token_proj on
+    ("qwen3-8b", 0, 4096, 0),
+    ("tiny", None, 64, 0),  # no wider than the drafter: its width, recorded as 0 (no token_proj), as the engines read
+    ("tiny", 64, 64, 0),
+    ("tiny", 32, 32, 32),
+])
+def test_the_lattice_head_is_1024_wide_by_default_and_never_wider_than_the_drafter(preset, setting, width, recorded):
+    from dflash_trainer.drafter.lilicorr import lattice_key_names
+    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.target.presets import preset_config
+
+    sizes = {} if setting is None else {"lilicorr_hidden_size": setting}
+    spec = drafter_spec(preset_config(preset), DrafterConfig(variant="lilicorr", mask_token_id=1, **sizes))
+    assert spec.lattice.width(spec.hidden_size) == width
+    assert spec.lattice.export_fields()["lilicorr_hidden_size"] == recorded
+    names = lattice_key_names(spec.lattice, model_hidden=spec.hidden_size, block_size=spec.block_size)
+    assert ("lilicorr.token_proj.weight" in names) == (width != spec.hidden_size)
 
 
 def small_vocab_batch(drafter, vocab: int, seed: int = 1, num_blocks: int = 12):

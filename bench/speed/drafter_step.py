@@ -4,6 +4,13 @@
     python bench/speed/drafter_step.py --variant "eager ce" --profile   # compare variants, print kernel profiles
     python bench/speed/drafter_step.py --smoke                          # tiny shapes on the CPU: code paths only
 
+Issue 62's prices (1 x 3,072 tokens, 512 blocks; LiLiCorr's head at ModelOpt's 1024 and at the drafter's width):
+    python bench/speed/drafter_step.py --seqs 1 --blocks-per-seq 512 --warmup 3 --steps 8 \
+      --variant "adam: drafter.variant=dflash2 drafter.dpace=true" \
+      --variant "lcv: drafter.variant=lilicorr drafter.lilicorr_conv=true drafter.dpace=true" \
+      --variant "lcv512: drafter.variant=lilicorr drafter.lilicorr_conv=true drafter.dpace=true drafter.lilicorr_hidden_size=512" \
+      --variant "lcv wide: drafter.variant=lilicorr drafter.lilicorr_conv=true drafter.dpace=true drafter.lilicorr_hidden_size=0"
+
 One step = the trainer's `StepLoop.step` on one packed batch: block sampling, mask building, the compiled
 drafter forward (flex attention), the chunked frozen-head loss, backward, gradient scaling and clipping,
 fused AdamW (`bench/common.py: drafter_loop`). The batch is the `mfu` workload (`bench/common.py`; 4 x 3072
@@ -36,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from bench.common import (add_shape_args, apply_smoke, bench_config, bench_device, device_name, drafter_loop, git_commit,
                           log, mfu_workload, peak_gb, reset_memory, synchronize, write_result)
 import torch
-from bench.flops import PEAK_TFLOPS, drafter_step_flops, mfu
+from bench.flops import PEAK_TFLOPS, drafter_step_flops, lilicorr_step_flops, mfu
 from bench.kernel_profile import print_profile, profile_dict, profile_steps
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -128,9 +135,11 @@ def run_variant(spec_text: str, args, device: torch.device) -> dict:
                        num_blocks=config.batch.num_blocks, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
                        seed=config.run.seed, epoch=batch.epoch, job_id=batch.job_id)
     flops = drafter_step_flops(spec, anchor_pos=plan.anchor_pos[plan.block_valid], context_tokens=batch.num_tokens)
+    lattice = lilicorr_step_flops(spec, int(plan.block_valid.sum()))  # host sync: after the timed loop
     result = {
         "variant": name, "overrides": overrides, "compiled": config.train.compile and device.type == "cuda",
         "step_ms": step_s * 1e3, "gpu_step_ms": gpu_s * 1e3, "step_tflop": flops / 1e12,
+        "lattice_tflop": {part: f / 1e12 for part, f in lattice.items()} or None,
         "tflops": flops / step_s / 1e12, "mfu": mfu(flops, step_s), "peak_gpu_mem_gb": peak_gb(device),
         "warmup_s": warmup_s, "loss": record.loss, "profile": None if profile is None else profile_dict(profile),
     }

@@ -89,8 +89,12 @@ class DrafterConfig:
     variation: DSpark's own loss, 0.1 CE + 0.9 L1 at kd_weight 0.9) or kl (DFlash's KD)."""
     lilicorr_conv: bool = False
     """LiLiCorr: wrap every sublayer in DFlash2's block convolutions (drafter.conv_kernel_size, conv_group_size)."""
-    lilicorr_hidden_size: int = 0
-    """LiLiCorr: width of the lattice head (0: the drafter's hidden size)."""
+    lilicorr_hidden_size: int = 1024
+    """LiLiCorr: width of the lattice head, at most the drafter's hidden size (0, or a width at least the drafter's:
+    the drafter's). 1024 is ModelOpt's published recipe for Qwen3-8B's 4,096-wide drafter
+    (modelopt_recipes/general/speculative_decoding/lilicorr.yaml). The head's matmuls grow with its width squared
+    over S*K = 120 candidates a block (16 slots, top-8): at 4,096 it costs 1.7x the rest of the 8B step, at 1024 an
+    eighth (bench/flops.py, lilicorr_step_flops)."""
     lilicorr_candidate_topk: int = 8
     """LiLiCorr: candidates per slot (a power of two <= 16, the engines' limit)."""
     lilicorr_num_layers: int = 2
@@ -137,7 +141,8 @@ class DrafterConfig:
     """Rows per chunk of the vocab projection + CE (bounds fp32 logits memory)."""
     loss_kernel: str = "compiled"
     """compiled | eager: the CE-and-gradient pass over each logits chunk, torch.compile'd on CUDA (one fused
-    pass) or eager (an fp32 copy and separate passes). A speed knob only: the values are the same."""
+    pass) or eager (an fp32 copy and separate passes); LiLiCorr's lattice head and its terms likewise. A speed knob
+    only: the values are the same."""
     mask_tiles: str = "intervals"
     """intervals | pairs: full-attention BlockMasks find their tiles from each query block's key intervals, or
     from `create_block_mask` evaluating every (query, key) pair. A speed knob only: the mask is the same."""

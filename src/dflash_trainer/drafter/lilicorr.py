@@ -181,6 +181,10 @@ class LatticeHead(nn.Module):
     def top_k(self) -> int:
         return self.lattice.candidate_topk
 
+    @property
+    def width(self) -> int:
+        return self.pass_hidden_proj.out_features
+
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, seed: Optional[int] = None) -> None:
         """ModelOpt's start: linear weights normal(0, std) and biases zero, the attention's packed projection Xavier
@@ -315,6 +319,9 @@ class LatticeLoss:
     teacher_logits: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
     """(positions (n, S) packed indices, candidate ids (n, S, K)) -> the target's logits (n, S, K) there, detached;
     needed when w_pen > 0."""
+    compiled: bool = False
+    """On CUDA, run the head and its terms torch.compile'd (`drafter.loss_kernel`): one graph fuses the norms, the
+    residual adds, the feature stack and the terms between the matmuls. The values are the same."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -333,42 +340,35 @@ def lattice_term(loss: LatticeLoss, *, ids: torch.Tensor, log_probs: torch.Tenso
     label_valid (n, S) the true tokens, anchors (n,) the blocks' anchor indices, anchor_pos (n,) their positions in
     their sequences (0: no context before the block, the anchor context is zero). The head runs `chunk_blocks` blocks
     at a time (None: all), each chunk's activations recomputed in the backward (its lattice is S*K candidates a
-    block, each a head-wide state through every head layer)."""
+    block, each a head-wide state through every head layer). The greedy walk (sequential over the slots) runs once
+    over all blocks, on the chunks' detached factors."""
     n = ids.shape[0]
     size = n if chunk_blocks is None else max(1, chunk_blocks)
-    totals, counts, hits = [], [], []
+    kernel = _compiled_terms() if loss.compiled and ids.device.type == "cuda" else chunk_terms
+    run = functools.partial(_lattice_chunk, loss, kernel)
+    totals, counts, starts, pairs = [], [], [], []
     for lo in range(0, n, size):
         args = tuple(t[lo:lo + size] for t in (ids, log_probs, hidden, labels, label_valid, anchors, anchor_pos))
-        run = functools.partial(_lattice_chunk, loss)
-        total, count, hit = checkpoint(run, *args, use_reentrant=False) if torch.is_grad_enabled() else run(*args)
+        total, count, start, pair = checkpoint(run, *args, use_reentrant=False) if torch.is_grad_enabled() \
+            else run(*args)
         totals.append(total)
         counts.append(count)
-        hits.append(hit)
+        starts.append(start.detach())
+        pairs.append(pair.detach())
     mean = torch.stack(totals).sum() / torch.stack(counts).sum().clamp_min(1.0)
-    return LatticeTerm(mean=mean, hit=torch.cat(hits))
+    with torch.no_grad():
+        hit = walk_lattice(torch.cat(starts), torch.cat(pairs), ids, 0.0, None, 0).tokens == labels  # (n, S)
+    return LatticeTerm(mean=mean, hit=hit)
 
 
-def _lattice_chunk(loss: LatticeLoss, ids: torch.Tensor, log_probs: torch.Tensor, hidden: torch.Tensor,
-                   labels: torch.Tensor, label_valid: torch.Tensor, anchors: torch.Tensor,
-                   anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`lattice_term` on one chunk of blocks: (the weighted terms summed over its supervised slots (), their count (),
-    the greedy walk's hits (n, S) bool)."""
+def _lattice_chunk(loss: LatticeLoss, kernel: Callable, ids: torch.Tensor, log_probs: torch.Tensor,
+                   hidden: torch.Tensor, labels: torch.Tensor, label_valid: torch.Tensor, anchors: torch.Tensor,
+                   anchor_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`lattice_term` on one chunk of blocks: what `chunk_terms` returns. Gathers the inputs the kernel reads (the
+    anchor context, the candidates' embeddings, the target's logits) and runs it."""
     anchor_valid = anchor_pos > 0  # (n,)
     anchor = loss.anchor_context((anchors - 1).clamp(min=0)) * anchor_valid[:, None]  # (n, H) the row before the block
-    start, pair = loss.head(F.embedding(ids, loss.embed_weight).detach(), log_probs, hidden, anchor, anchor_valid)
-    match = ids == labels[..., None]  # (n, S, K)
-    present = match.any(-1)
-    truth = match.long().argmax(-1)  # (n, S) 0 where absent (those slots are not supervised)
-    k = ids.shape[-1]
-    nodes = [start] + [pair[:, s - 1].gather(1, truth[:, s - 1, None, None].expand(-1, 1, k))[:, 0]
-                       for s in range(1, ids.shape[1])]
-    scores = torch.stack(nodes, 1)  # (n, S, K) teacher-forced
-    supervised = (present.long().cumprod(-1).bool() & label_valid.all(-1, keepdim=True)).float()  # (n, S)
-    per_slot = loss.w_ce * F.cross_entropy(scores.flatten(0, 1), truth.flatten(), reduction="none").view_as(truth)
-    if loss.w_margin > 0 and k > 1:
-        true_score = scores.gather(-1, truth[..., None])[..., 0]
-        best_other = scores.scatter(-1, truth[..., None], float("-inf")).max(-1).values
-        per_slot = per_slot + loss.w_margin * torch.relu(loss.margin - (true_score - best_other))
+    target = None
     if loss.w_pen > 0:
         if loss.teacher_logits is None:
             raise ConfigError("drafter.lilicorr_w_pen > 0 needs the target's logits (its last hidden state); set "
@@ -376,11 +376,51 @@ def _lattice_chunk(loss: LatticeLoss, ids: torch.Tensor, log_probs: torch.Tensor
         # slot s (block position s + 1) is predicted by the target at anchor + s
         where = anchors[:, None] + torch.arange(ids.shape[1], device=ids.device)  # (n, S)
         target = loss.teacher_logits(where, ids)  # (n, S, K)
+    tokens = F.embedding(ids, loss.embed_weight).detach()  # (n, S, K, H)
+    return kernel(loss.head, tokens, log_probs, hidden, anchor, anchor_valid, ids, labels, label_valid, target,
+                  (loss.w_ce, loss.w_margin, loss.w_pen, loss.margin))
+
+
+def chunk_terms(head: LatticeHead, tokens: torch.Tensor, log_probs: torch.Tensor, hidden: torch.Tensor,
+                anchor: torch.Tensor, anchor_valid: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor,
+                label_valid: torch.Tensor, target: Optional[torch.Tensor],
+                weights: tuple[float, float, float, float]) -> tuple[torch.Tensor, ...]:
+    """The head and its terms on n blocks, tensors in and out (one graph under torch.compile): tokens (n, S, K, H)
+    the candidates' embeddings, log_probs (n, S, K), hidden (n, S, H), anchor (n, H), anchor_valid (n,), ids,
+    labels, label_valid as `lattice_term`'s, target (n, S, K) the target's logits of the candidates (None when w_pen
+    is 0), weights (w_ce, w_margin, w_pen, margin). Returns (the weighted terms summed over the supervised slots (),
+    their count (), start (n, K), pair (n, S-1, K, K))."""
+    w_ce, w_margin, w_pen, margin = weights
+    start, pair = head(tokens, log_probs, hidden, anchor, anchor_valid)
+    match = ids == labels[..., None]  # (n, S, K)
+    present = match.any(-1)
+    truth = match.long().argmax(-1)  # (n, S) 0 where absent (those slots are not supervised)
+    k = ids.shape[-1]
+    # teacher-forced: slot s scored by the row of pair[s - 1] of slot s - 1's true candidate
+    after = pair.gather(2, truth[:, :-1, None, None].expand(-1, -1, 1, k))[:, :, 0]  # (n, S-1, K)
+    scores = torch.cat([start[:, None], after], 1)  # (n, S, K)
+    supervised = (present.long().cumprod(-1).bool() & label_valid.all(-1, keepdim=True)).float()  # (n, S)
+    per_slot = w_ce * F.cross_entropy(scores.flatten(0, 1), truth.flatten(), reduction="none").view_as(truth)
+    if w_margin > 0 and k > 1:
+        true_score = scores.gather(-1, truth[..., None])[..., 0]
+        best_other = scores.scatter(-1, truth[..., None], float("-inf")).max(-1).values
+        per_slot = per_slot + w_margin * torch.relu(margin - (true_score - best_other))
+    if target is not None:
         rejection = (target.gather(-1, truth[..., None]) - target).clamp_min(0.0)
-        per_slot = per_slot + loss.w_pen * (torch.softmax(scores, -1) * rejection).sum(-1)
-    with torch.no_grad():
-        hit = walk_lattice(start, pair, ids, 0.0, None, 0).tokens == labels
-    return (per_slot * supervised).sum(), supervised.sum(), hit
+        per_slot = per_slot + w_pen * (torch.softmax(scores, -1) * rejection).sum(-1)
+    return (per_slot * supervised).sum(), supervised.sum(), start, pair
+
+
+_compiled_chunk_terms = None
+
+
+def _compiled_terms() -> Callable:
+    """`chunk_terms` compiled for fixed shapes (a run's chunks have one size, its last another)."""
+    global _compiled_chunk_terms
+    if _compiled_chunk_terms is None:
+        _compiled_chunk_terms = torch.compile(chunk_terms, dynamic=False)
+    return _compiled_chunk_terms
+
 
 def lattice_loss(dcfg, model: nn.Module, *, taps: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor,
                  last_hidden: Optional[torch.Tensor], final_norm: Optional[Callable]) -> Optional[LatticeLoss]:
@@ -401,7 +441,8 @@ def lattice_loss(dcfg, model: nn.Module, *, taps: torch.Tensor, embed: torch.Ten
                 return torch.einsum("nsh,nskh->nsk", rows.to(lm_head.dtype), lm_head[ids]).float()
     return LatticeLoss(head=head, w_ce=weights[0], w_margin=weights[1], w_pen=weights[2], margin=weights[3],
                        embed_weight=embed,
-                       anchor_context=lambda rows: model.anchor_context(taps[rows]), teacher_logits=teacher)
+                       anchor_context=lambda rows: model.anchor_context(taps[rows]), teacher_logits=teacher,
+                       compiled=dcfg is not None and dcfg.loss_kernel == "compiled")
 
 
 class AnchorTracker:

@@ -293,15 +293,18 @@ def _lattice_term(rows: torch.Tensor, labels: torch.Tensor, ce: torch.Tensor, to
                   head: torch.Tensor, loss: LatticeLoss, chunk_rows: int):
     """LiLiCorr's lattice terms on rows (R, H) (the block slots 1..B-1 of `plan`) with true tokens labels (R,), their
     CE (R,) (differentiable) and the top ids of their logits (R, >= K). The candidates' log-probabilities come without
-    another vocabulary pass: log p(c) = logit(c) - logsumexp = logit(c) - logit(label) - CE."""
+    another vocabulary pass: log p(c) = logit(c) - logsumexp = logit(c) - logit(label) - CE. The head runs in chunks
+    of about chunk_rows x H / h candidates (h its width): a chunk holds about as many head-wide states as a logits
+    chunk holds drafter-wide rows."""
     n, b = plan.labels.shape
-    ids = top[:, :loss.head.top_k]  # (R, K)
+    k = loss.head.top_k
+    ids = top[:, :k]  # (R, K)
     picked = candidate_logits(rows, head, torch.cat([ids, labels[:, None]], dim=1), chunk_rows)  # (R, K+1)
     log_probs = picked[:, :-1] - (picked[:, -1:] + ce[:, None])  # (R, K)
     return lattice_term(loss, ids=ids.view(n, b - 1, -1), log_probs=log_probs.view(n, b - 1, -1),
                         hidden=rows.view(n, b - 1, -1), labels=labels.view(n, b - 1),
                         label_valid=plan.label_valid[:, 1:], anchors=plan.anchors, anchor_pos=plan.anchor_pos,
-                        chunk_blocks=chunk_rows // ((b - 1) * loss.head.top_k))  # ~chunk_rows candidates a chunk
+                        chunk_blocks=chunk_rows * rows.shape[-1] // ((b - 1) * k * loss.head.width))
 
 
 def candidate_logits(rows: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor, chunk_rows: int) -> torch.Tensor:

@@ -224,17 +224,21 @@ def drafter_spec(
             for i in range(drafter.num_layers)
         ),
         sliding_window=drafter.sliding_window if drafter.sliding_layers else None,
-        **variant_fields(drafter),
+        **variant_fields(drafter, target_config.hidden_size),
     )
 
 
-def variant_fields(drafter: DrafterConfig) -> dict[str, Any]:
+def variant_fields(drafter: DrafterConfig, hidden_size: int) -> dict[str, Any]:
     """The DrafterSpec fields of `drafter.variant` (DFlash2's sizes, DSpark's rank, LiLiCorr's lattice; none but the
-    name for DFlash)."""
+    name for DFlash), for a drafter `hidden_size` wide. A lattice head set as wide as the drafter or wider is
+    recorded as 0: the drafter's width, no token_proj (`drafter.lilicorr_hidden_size`)."""
     if drafter.variant == "dspark":
         return {"variant": "dspark", "markov_rank": drafter.markov_rank}
     if drafter.variant == "lilicorr":
-        lattice = LatticeSpec(**{k: getattr(drafter, f"lilicorr_{k}") for k in LatticeSpec.__dataclass_fields__})
+        sizes = {k: getattr(drafter, f"lilicorr_{k}") for k in LatticeSpec.__dataclass_fields__}
+        if sizes["hidden_size"] >= hidden_size:
+            sizes["hidden_size"] = 0
+        lattice = LatticeSpec(**sizes)
         conv = {k: getattr(drafter, k) if drafter.lilicorr_conv else 0 for k in ("conv_kernel_size", "conv_group_size")}
         return {"variant": "lilicorr", "lattice": lattice, **conv}
     if drafter.variant != "dflash2":
