@@ -1,6 +1,6 @@
 """Lossless speculative decoding on the target families whose layers are not plain attention: hybrid targets'
 recurrent layers (Gated DeltaNet, Mamba-2) take every fed token, so each row's rejected drafts must leave their
-states; Llama 4's chunked attention. Drafts come from an oracle that knows the target's own greedy continuation and
+states; Llama 4's chunked attention; Gemma 4's sliding layers and DeepSeek-V3's MLA. Drafts come from an oracle that knows the target's own greedy continuation and
 gets a different number of tokens right each step, so blocks are accepted in part, in full and not at all."""
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class OracleProposer:
         return BlockDrafts(tokens=tokens, lengths=max_lengths.clone())
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-nemotron-h", "tiny-llama4"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-nemotron-h", "tiny-llama4", "tiny-gemma4",
+                                    "tiny-deepseek-v3"])
 def test_speculative_decoding_is_lossless_on_hybrid_and_chunked_targets(preset):
     target = load_target(TargetConfig(random_init=preset, dtype="float32", compile=False), torch.device("cpu"), seed=0)
     generator = torch.Generator().manual_seed(3)

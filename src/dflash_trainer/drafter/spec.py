@@ -12,7 +12,7 @@ from transformers import Qwen3Config
 from dflash_trainer.drafter.config import DrafterConfig, check_tap_order
 from dflash_trainer.drafter.lilicorr import LatticeSpec
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.checks import choose_tap_layer_ids
+from dflash_trainer.target.checks import check_one_residual_stream, choose_tap_layer_ids
 from dflash_trainer.target.load import text_config
 
 
@@ -184,6 +184,7 @@ def drafter_spec(
     """The drafter's architecture for `target_config` (an HF config). `mask_token_id` overrides
     `drafter.mask_token_id` (the caller passes the first spare row past the tokenizer when that is None)."""
     target_config = global_fields(text_config(target_config))  # an image-text-to-text target: its language model's
+    check_one_residual_stream(target_config)
     mask = drafter.mask_token_id if drafter.mask_token_id is not None else mask_token_id
     if mask is None:
         raise ConfigError("set drafter.mask_token_id (a spare row of the target embedding)")

@@ -67,6 +67,20 @@ def check_tap_layer_ids(tap_layer_ids: Sequence[int], num_target_layers: int) ->
         )
 
 
+def check_one_residual_stream(target_config: object) -> None:
+    """Refuse a target whose decoder layers pass several residual streams (DeepSeek-V4's hyper-connections,
+    `hc_mult` > 1): its hidden state is (streams, H) per token, where a DFlash drafter taps one of H, and no engine
+    verifies a drafter for it."""
+    streams = getattr(target_config, "hc_mult", None) or 1
+    if streams > 1:
+        raise ConfigError(
+            f"target {type(target_config).__name__} passes {streams} residual streams between its layers "
+            f"(hyper-connections, hc_mult={streams}): its hidden state per token is {streams} x hidden_size, where a "
+            "DFlash drafter taps one hidden state, and no engine verifies a DFlash drafter for it (vLLM 0.33, "
+            "SGLang 0.5.23): this family is not supported as a target yet; train for a target with one stream"
+        )
+
+
 def check_hidden_size(drafter_hidden_size: int, target_hidden_size: int) -> None:
     if drafter_hidden_size != target_hidden_size:
         raise ConfigError(
