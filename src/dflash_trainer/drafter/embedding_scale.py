@@ -18,10 +18,16 @@ import logging
 from typing import Any, Optional
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    MODEL_MAPPING,
+)
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.head import embedding_scale
+from dflash_trainer.target.load import auto_model_class
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +38,21 @@ VLLM_READS_SCALE = frozenset({"dflash2"})
 """Variants whose vLLM 0.33 class (dflash format) reads `dflash_config.input_embedding_scale`."""
 
 
+def _skeleton_class(config: Any):
+    """The class whose embedding module is read: the target's own, or for a language model's config with no class
+    of its own beside its base model (Qwen3-VL's text config) that base model (it holds the embedding)."""
+    kind = type(config)
+    own = kind in MODEL_FOR_CAUSAL_LM_MAPPING or kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    return AutoModel if not own and kind in MODEL_MAPPING else auto_model_class(config)
+
+
 def block_embedding_scale(target_config: Any, dtype: torch.dtype) -> Optional[float]:
     """The scalar the target's input-embedding module multiplies its table by, rounded to `dtype` as the module
     rounds it (1.0 for a plain embedding); None when its class says nothing (a custom module: unknown without
     weights). Read from the target's modules built on the meta device (no memory, no weights)."""
     try:
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(target_config)
+            skeleton = _skeleton_class(target_config).from_config(target_config)
     except (ValueError, ImportError, OSError) as e:  # a class transformers cannot build without remote code
         log.warning("cannot tell the target's embedding scale (%s: %s): the export records none", type(e).__name__, e)
         return None

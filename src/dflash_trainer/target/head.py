@@ -11,12 +11,12 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.target.load import (
     DTYPES,
+    auto_model_class,
     find_decoder,
     find_final_norm,
     load_target,
@@ -145,7 +145,8 @@ def _stored_tensors(path: Path, skeleton: nn.Module) -> dict[str, StoredTensor]:
 def _meta_skeleton(cfg: TargetConfig) -> nn.Module:
     """The target's modules on the meta device (no memory, no weights): their classes, constants and names."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(target_model_config(cfg), trust_remote_code=cfg.trust_remote_code)
+        config = target_model_config(cfg)
+        return auto_model_class(config).from_config(config, trust_remote_code=cfg.trust_remote_code)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

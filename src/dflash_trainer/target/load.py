@@ -1,4 +1,5 @@
-"""Load a frozen target: any AutoModelForCausalLM from a path or hub id, or random weights from a config."""
+"""Load a frozen target: any causal LM (or image-text-to-text model) from a path or hub id, or random weights from a
+config."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig, loading_error, model_source
@@ -24,6 +31,14 @@ from dflash_trainer.target.quantize import (
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def auto_model_class(model_config: PretrainedConfig):
+    """The transformers auto class that builds the target: the causal LM one, or for an image-text-to-text
+    architecture with no causal-LM class (Qwen3-VL) the image-text-to-text one (its language model is tapped)."""
+    if type(model_config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(model_config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def target_model_config(cfg: TargetConfig) -> PretrainedConfig:
@@ -82,12 +97,12 @@ def load_target(cfg: TargetConfig, device: torch.device | str, seed: int = 0) ->
     elif cfg.random_init is not None:
         with torch.device(device):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(
+            model = auto_model_class(model_config).from_config(
                 model_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
             )
     else:
         quantization = pretrained_quantization(cfg, model_config, device)
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_model_class(model_config).from_pretrained(
             model_source(cfg.path, "target.path", "config.json", weights=True),
             dtype=dtype,
             attn_implementation=cfg.attn_implementation,
@@ -109,7 +124,7 @@ def _random_fp8_target(cfg: TargetConfig, model_config: PretrainedConfig, device
     """Random weights with FP8 decoder layers, built on the meta device and made real one layer at a time."""
     require_fp8_device(device)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = auto_model_class(model_config).from_config(
             model_config, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
         )
     torch.manual_seed(seed)
