@@ -11,6 +11,8 @@ the same per optimizer step whatever its tokens, so a bigger step is priced, not
     python bench/quality/price_arms.py --arms bench/quality/arms/dflash2-8b.txt --prices /tmp/suite-results --out /tmp/arms.txt
 
 A variant with no price keeps the arm's written step count (and says so): equal target tokens instead of equal time.
+`--price-as LABEL=KEY` prices the arms labelled LABEL as variant KEY (a model scaled down to the practice target, priced
+at its 8B size).
 """
 import argparse
 import glob
@@ -20,9 +22,12 @@ from pathlib import Path
 
 
 def variant_of(text: str) -> str:
-    """The drafter variant, `+muon` added under `train.optimizer=muon` (its optimizer step costs more)."""
+    """The drafter variant, `/h<N>` added for a LiLiCorr head of width N and `+muon` under `train.optimizer=muon`
+    (each changes the step's price)."""
     found = re.search(r"drafter\.variant=(\S+)", text)
     variant = found.group(1) if found else "dflash"
+    width = re.search(r"drafter\.lilicorr_hidden_size=(\d+)", text)
+    variant += f"/h{width.group(1)}" if width else ""
     return f"{variant}+muon" if re.search(r"train\.optimizer=muon\b", text) else variant
 
 
@@ -40,12 +45,12 @@ def step_prices(folder: Path) -> dict[str, float]:
     return prices
 
 
-def priced_line(line: str, prices: dict[str, float]) -> str:
+def priced_line(line: str, prices: dict[str, float], price_as: dict[str, str]) -> str:
     if line.startswith("#") or not line.strip():
         return line
     name, *overrides = line.split()
-    minutes = int(name.split("-")[1])
-    variant = variant_of(line)
+    label, minutes = name.split("-")[0], int(name.split("-")[1])
+    variant = price_as.get(label) or variant_of(line)
     budget = re.search(r"pipeline\.token_budget=(\d+)", line)
     if budget and f"{variant}@{budget.group(1)}" in prices:
         variant = f"{variant}@{budget.group(1)}"
@@ -63,10 +68,14 @@ def main() -> None:
     p.add_argument("--arms", type=Path, required=True)
     p.add_argument("--prices", type=Path, required=True, help="folder of bench/speed/run.py JSONs")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--price-as", action="append", default=[], metavar="LABEL=KEY",
+                   help="price the arms labelled LABEL at another priced variant KEY (e.g. lcv=lilicorr/h1024: a head "
+                        "a quarter of the 8B drafter's width, trained on the practice target at a quarter of its own)")
     args = p.parse_args()
     prices = step_prices(args.prices)
     print(f"step seconds: {prices}")
-    lines = [priced_line(line, prices) for line in args.arms.read_text().splitlines(keepends=True)]
+    price_as = dict(item.split("=", 1) for item in args.price_as)
+    lines = [priced_line(line, prices, price_as) for line in args.arms.read_text().splitlines(keepends=True)]
     args.out.write_text("".join(lines))
     print("".join(line for line in lines if not line.startswith("#")), end="")
 
