@@ -228,7 +228,9 @@ def _runs_on_cpu(config: Config) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # our INFO lines; other libraries' warnings only (torch logs its FakeTensor cache statistics at INFO on exit)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("dflash_trainer").setLevel(logging.INFO)
     overrides = list(args.overrides)
     if getattr(args, "resume", False):
         overrides.append("train.resume=latest")
