@@ -34,7 +34,7 @@ FAMILIES = {  # preset: (the model class it is served as, the checked engines wi
     "tiny-glm4-moe": ("Glm4MoeForCausalLM", [VLLM, SGLANG]),
     "tiny-minimax-m2": ("MiniMaxM2ForCausalLM", [SGLANG]),
     "tiny-nemotron-h": ("NemotronHForCausalLM", []),
-    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", []),  # image-text, trained on text for now
+    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", []),  # image-text; with images: test_vlm_target.py
 }
 SPECULATORS_REFUSED = {"tiny-gemma4": "scales its embeddings by 8"}
 """Families whose drafter the speculators format cannot carry as trained (vLLM builds it without the embedding scale)."""

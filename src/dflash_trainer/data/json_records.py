@@ -33,9 +33,11 @@ HOSTILE = ("record_too_large", "too_deeply_nested")
 class Drop(Exception):
     """A row left out, with the reason its load report counts."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, detail: str = ""):
         super().__init__(reason)
         self.reason = reason
+        self.detail = detail
+        """What in the row broke the rule (warned about for the first row of some reasons)."""
 
 
 def _drop_cut_tail(error: UnicodeDecodeError):

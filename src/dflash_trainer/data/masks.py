@@ -74,7 +74,7 @@ class ReplySpan:
 
 def render(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], *, thinking: bool,
            add_generation_prompt: bool = False) -> str:
-    rows = [{"role": m.role, "content": m.content} for m in messages]
+    rows = [{"role": m.role, "content": m.chat_content()} for m in messages]  # image parts as the template takes them
     try:
         text = tokenizer.apply_chat_template(rows, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              enable_thinking=thinking)
@@ -185,6 +185,9 @@ def escaped_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message
     pattern = _control_pattern(control_tokens(tokenizer))
     if not any(m.role != "assistant" and pattern.search(m.content) for m in messages):
         return []
+    if any(m.images for m in messages):  # the markers would move the image parts' character offsets
+        raise Unmaskable("special_text_not_escapable", "a conversation with images has special-token text in a user "
+                         "or system turn; set data.escape_special_tokens=false, or remove that text from the data")
     seen = set(text).union(*(m.content for m in messages))
     markers = next(((a, b) for a, b in zip(map(chr, range(0xE000, 0xF8FF, 2)), map(chr, range(0xE001, 0xF8FF, 2)))
                     if a not in seen and b not in seen), None)

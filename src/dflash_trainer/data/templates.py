@@ -1,10 +1,10 @@
-"""Builtin chat templates (Qwen3-style, Llama-3-style, ChatML) and their end-of-turn markers."""
+"""Builtin chat templates (Qwen3-style, Qwen3-VL-style with image parts, Llama-3-style, ChatML)."""
 
 from __future__ import annotations
 
 from importlib import resources
 
-TEMPLATE_NAMES = ("qwen3", "llama3", "chatml")
+TEMPLATE_NAMES = ("qwen3", "qwen3-vl", "llama3", "chatml")
 
 
 def builtin_template(name: str) -> str:

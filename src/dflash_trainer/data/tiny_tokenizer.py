@@ -28,6 +28,16 @@ SPECIAL_TOKENS = [
     "<|eot_id|>",
 ]
 
+TINY_VISION_TOKENS = {
+    "<|image_pad|>": TINY_VOCAB_SIZE + 6,
+    "<|video_pad|>": TINY_VOCAB_SIZE + 7,
+    "<|vision_start|>": TINY_VOCAB_SIZE + 8,
+    "<|vision_end|>": TINY_VOCAB_SIZE + 9,
+}
+"""The image-text tokenizer's (`tiny:qwen3-vl`) vision tokens, at the ids the `tiny-qwen3-vl` target's config names,
+past the vocabulary as in Qwen3-VL; six reserved tokens fill the ids before them."""
+_TINY_RESERVED = [f"<|reserved_{i}|>" for i in range(6)]
+
 _CORPUS_BYTES = 1_500_000
 
 
@@ -58,8 +68,13 @@ def _trained_tokenizer_json() -> str:
 
 
 def build_tiny_tokenizer(template: str = "qwen3") -> PreTrainedTokenizerFast:
-    """The tiny tokenizer with one of the builtin chat templates (qwen3 | llama3 | chatml)."""
+    """The tiny tokenizer with one of the builtin chat templates (qwen3 | qwen3-vl | llama3 | chatml); `qwen3-vl`
+    also has the vision tokens (`TINY_VISION_TOKENS`)."""
     tok = Tokenizer.from_str(_trained_tokenizer_json())
+    if template == "qwen3-vl":
+        tok.add_special_tokens(_TINY_RESERVED + list(TINY_VISION_TOKENS))
+        wrong = {t: tok.token_to_id(t) for t, i in TINY_VISION_TOKENS.items() if tok.token_to_id(t) != i}
+        assert not wrong, f"vision tokens at {wrong}, not at {TINY_VISION_TOKENS}"
     eos = "<|eot_id|>" if template == "llama3" else "<|im_end|>"
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -69,3 +84,12 @@ def build_tiny_tokenizer(template: str = "qwen3") -> PreTrainedTokenizerFast:
     )
     fast.chat_template = builtin_template(template)
     return fast
+
+
+def build_tiny_image_processor():
+    """A Qwen2-VL-kind image processor for the `tiny-qwen3-vl` target (patch 16, merge 2, as Qwen3-VL's), bounded to
+    128 x 128 pixels so an image is at most 64 tokens. The Pillow backend: it needs no torchvision."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})

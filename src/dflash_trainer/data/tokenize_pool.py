@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.data.masks import Unmaskable, tokenize_conversation
 from dflash_trainer.data.types import Conversation, TokenizedSequence
+from dflash_trainer.data.vision import ImageTokens, add_image_tokens
 from dflash_trainer.errors import DataError
 
 CHUNK_SIZE = 128
@@ -51,6 +52,13 @@ class TokenizeSettings:
     min_supervised: int
     escape_special_tokens: bool = False
     """Special-token text of user and system turns kept plain text (`data.escape_special_tokens`)."""
+    images: Optional[ImageTokens] = None
+    """The image-text target's image processing (`vision.py`); None: a conversation with images is dropped
+    (`IMAGES_ON_TEXT_TARGET`)."""
+
+
+IMAGES_ON_TEXT_TARGET = "images_need_image_text_target"
+"""Drop reason of a conversation with images when the target has no image processor."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +73,10 @@ class TokenizedRow:
     dropped_reason: Optional[str]
     """The `Unmaskable` reason when dropped."""
     truncated_tokens: int = 0
+    pixel_values: Optional[np.ndarray] = None
+    """(P, D) float32 image patches, or None (a text sequence)."""
+    image_grid_thw: Optional[np.ndarray] = None
+    """(num_images, 3) int64, or None."""
 
 
 Result = Union[TokenizedSequence, str]
@@ -76,11 +88,18 @@ _explained: set[str] = set()
 
 
 def tokenize_one(conversation: Conversation, tokenizer: PreTrainedTokenizerFast, settings: TokenizeSettings) -> Result:
+    if conversation.has_images and settings.images is None:
+        return IMAGES_ON_TEXT_TARGET
     try:
-        return tokenize_conversation(conversation, tokenizer, thinking=settings.thinking,
-                                     end_of_turn=settings.end_of_turn, max_length=settings.max_length,
-                                     min_supervised=settings.min_supervised,
-                                     escape_special_tokens=settings.escape_special_tokens)
+        sequence = tokenize_conversation(conversation, tokenizer, thinking=settings.thinking,
+                                         end_of_turn=settings.end_of_turn, max_length=settings.max_length,
+                                         min_supervised=settings.min_supervised,
+                                         escape_special_tokens=settings.escape_special_tokens)
+        if conversation.has_images:
+            assert settings.images is not None
+            sequence = add_image_tokens(sequence, conversation, settings.images, max_length=settings.max_length,
+                                        min_supervised=settings.min_supervised)
+        return sequence
     except Unmaskable as e:
         if e.detail and e.reason not in _explained:  # the first of each reason (per process), with what broke it
             _explained.add(e.reason)
@@ -122,16 +141,21 @@ def _tokenize_chunk(chunk: list[Conversation]) -> list[TokenizedRow]:
         if isinstance(result, str):
             rows.append(TokenizedRow(input_ids=None, loss_mask=None, dropped_reason=result))
         else:
+            numpy = lambda t: None if t is None else t.numpy()  # noqa: E731
             rows.append(TokenizedRow(input_ids=result.input_ids.numpy(), loss_mask=result.loss_mask.numpy(),
-                                     dropped_reason=None, truncated_tokens=result.truncated_tokens))
+                                     dropped_reason=None, truncated_tokens=result.truncated_tokens,
+                                     pixel_values=numpy(result.pixel_values),
+                                     image_grid_thw=numpy(result.image_grid_thw)))
     return rows
 
 
 def _from_row(row: TokenizedRow) -> Result:
     if row.dropped_reason is not None:
         return row.dropped_reason
+    tensor = lambda a: None if a is None else torch.from_numpy(a)  # noqa: E731
     return TokenizedSequence(input_ids=torch.from_numpy(row.input_ids), loss_mask=torch.from_numpy(row.loss_mask),
-                             truncated_tokens=row.truncated_tokens)
+                             truncated_tokens=row.truncated_tokens, pixel_values=tensor(row.pixel_values),
+                             image_grid_thw=tensor(row.image_grid_thw))
 
 
 def tokenize_in_workers(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast,

@@ -31,6 +31,7 @@ from dflash_trainer.data.masks import end_of_turn_marker
 from dflash_trainer.data.sources import source_fingerprint
 from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers, tokenize_one
 from dflash_trainer.data.types import Conversation, TokenizedSequence
+from dflash_trainer.data.vision import ImageTokens
 from dflash_trainer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class TokenizedDataset:
     """(n,) int64 on CPU: index into `sources` of each sequence's source."""
     sources: tuple[str, ...]
     """Source names."""
+    images: Optional["DatasetImages"] = None
+    """The sequences' images (an image-text target's data with image parts), or None."""
 
     def __len__(self) -> int:
         return int(self.offsets.numel()) - 1
@@ -65,13 +68,16 @@ class TokenizedDataset:
         if not 0 <= i < len(self):
             raise IndexError(f"sequence id {i} out of range [0, {len(self)})")
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return TokenizedSequence(input_ids=self.input_ids[a:b].long(), loss_mask=self.loss_mask[a:b].clone())
+        pixel_values, grid = self.images.of(i) if self.images is not None else (None, None)
+        return TokenizedSequence(input_ids=self.input_ids[a:b].long(), loss_mask=self.loss_mask[a:b].clone(),
+                                 pixel_values=pixel_values, image_grid_thw=grid)
 
     def content_sha256(self) -> str:
-        """Digest of the training content (ids, loss masks, sequence boundaries): equal data, equal digest,
-        whatever code produced it. A checkpoint resumes only on data with its digest."""
+        """Digest of the training content (ids, loss masks, sequence boundaries, and images where there are some):
+        equal data, equal digest, whatever code produced it. A checkpoint resumes only on data with its digest."""
         h = hashlib.sha256()
-        for t in (self.offsets, self.input_ids, self.loss_mask.to(torch.uint8)):
+        extra = self.images.tensors().values() if self.images is not None else ()
+        for t in (self.offsets, self.input_ids, self.loss_mask.to(torch.uint8), *extra):
             h.update(t.contiguous().numpy().tobytes())
         return h.hexdigest()
 
@@ -94,6 +100,7 @@ class TokenizedDataset:
         lengths = torch.tensor([0] + [s.num_tokens for _, s in items], dtype=torch.long)
         empty = torch.zeros(0, dtype=torch.long)
         return TokenizedDataset(
+            images=DatasetImages.from_sequences([s for _, s in items]),
             input_ids=torch.cat([s.input_ids for _, s in items] or [empty]).to(torch.int32),
             loss_mask=torch.cat([s.loss_mask for _, s in items] or [empty.bool()]),
             offsets=torch.cumsum(lengths, 0),
@@ -101,6 +108,43 @@ class TokenizedDataset:
             source_id=torch.tensor([sources.index(c.source) for c, _ in items], dtype=torch.long),
             sources=sources,
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DatasetImages:
+    """Every sequence's images, concatenated: sequence `i` has images `[image_offsets[i], image_offsets[i+1])`,
+    whose patches are consecutive rows of `pixel_values`."""
+
+    pixel_values: torch.Tensor
+    """(P, D) float32 on CPU: all images' patches, in sequence order (the image processor's output as it is)."""
+    image_grid_thw: torch.Tensor
+    """(num_images, 3) int64 on CPU: each image's patch grid; its patches number t*h*w."""
+    image_offsets: torch.Tensor
+    """(n + 1,) int64 on CPU: first image of each sequence, then the number of images."""
+
+    def of(self, i: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Sequence `i`'s `(pixel_values, image_grid_thw)`, or `(None, None)` when it has no image."""
+        a, b = int(self.image_offsets[i]), int(self.image_offsets[i + 1])
+        if a == b:
+            return None, None
+        patches = self.image_grid_thw.prod(-1)  # (num_images,)
+        start, end = int(patches[:a].sum()), int(patches[:b].sum())
+        return self.pixel_values[start:end], self.image_grid_thw[a:b]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
+                "image_offsets": self.image_offsets}
+
+    @staticmethod
+    def from_sequences(sequences: Sequence[TokenizedSequence]) -> Optional["DatasetImages"]:
+        """The images of `sequences`, or None when none has any (a text dataset stores nothing more)."""
+        with_images = [s for s in sequences if s.image_grid_thw is not None]
+        if not with_images:
+            return None
+        counts = [0 if s.image_grid_thw is None else len(s.image_grid_thw) for s in sequences]
+        return DatasetImages(pixel_values=torch.cat([s.pixel_values for s in with_images]),
+                             image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]),
+                             image_offsets=torch.cumsum(torch.tensor([0] + counts, dtype=torch.long), 0))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,13 +171,14 @@ from its first chunk: its start-up is spent by then) is stopped, and the rest do
 def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
                  max_length: int, min_supervised: int, num_workers: int = 1,
                  parallel_min_s: float = PARALLEL_MIN_SECONDS, probe: Optional[int] = None,
-                 escape_special_tokens: bool = False) -> TokenizeOutcome:
+                 escape_special_tokens: bool = False, images: Optional[ImageTokens] = None) -> TokenizeOutcome:
     """Tokenize every conversation (the same result however it is spread): the first `probe` (default
     `PROBE_CONVERSATIONS`) in this process, timed; the rest here too, or in `num_workers` processes
-    (`tokenize_pool.py`) when that would take longer than `parallel_min_s` here (0: always)."""
+    (`tokenize_pool.py`) when that would take longer than `parallel_min_s` here (0: always). `images`: the
+    image-text target's image processing (`vision.py`); None drops conversations with images, counted."""
     settings = TokenizeSettings(thinking=thinking, end_of_turn=end_of_turn_marker(tokenizer, thinking=thinking),
                                 max_length=max_length, min_supervised=min_supervised,
-                                escape_special_tokens=escape_special_tokens)
+                                escape_special_tokens=escape_special_tokens, images=images)
     head = conversations[: PROBE_CONVERSATIONS if probe is None else probe] if num_workers > 1 else conversations
     start = time.perf_counter()
     results = [tokenize_one(c, tokenizer, settings) for c in head]
@@ -188,9 +233,11 @@ def cache_key(parts: dict[str, Any], code_sha256: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def key_parts(data_config, *, seed: int, block_size: int, tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
-    """Everything that changes the prepared data (see the module docstring)."""
-    return {
+def key_parts(data_config, *, seed: int, block_size: int, tokenizer: PreTrainedTokenizerFast,
+              images: Optional[ImageTokens] = None) -> dict[str, Any]:
+    """Everything that changes the prepared data (see the module docstring); the image processing only where the
+    target has one (a text target's key is as it was)."""
+    return {**({"images": images.fingerprint()} if images is not None else {}),
         "sources": source_fingerprint(data_config),
         "max_conversations": data_config.max_conversations,
         "num_eval_conversations": data_config.num_eval_conversations,
@@ -264,9 +311,10 @@ def save_cache(path: Path, dataset: TokenizedDataset, meta: dict[str, Any]) -> N
     meta = {**meta, "sources": list(dataset.sources), "content_sha256": dataset.content_sha256(),
             "rows_sha256": _rows_sha256(dataset)}
     try:
+        images = dataset.images.tensors() if dataset.images is not None else {}
         save_file({"input_ids": dataset.input_ids, "loss_mask": dataset.loss_mask.to(torch.uint8),
                    "offsets": dataset.offsets, "source_index": dataset.source_index,
-                   "source_id": dataset.source_id}, str(tmp / "data.safetensors"))
+                   "source_id": dataset.source_id, **images}, str(tmp / "data.safetensors"))
         (tmp / "meta.json").write_text(json.dumps({**meta, "meta_sha256": _meta_sha256(meta)}))
         if path.exists():
             shutil.rmtree(path)
@@ -319,9 +367,11 @@ def load_cache(path: Path) -> Optional[tuple[TokenizedDataset, dict[str, Any]]]:
     try:
         t = load_file(str(path / "data.safetensors"))
         meta = json.loads((path / "meta.json").read_bytes().decode("utf-8"))
+        images = DatasetImages(**{k: t[k] for k in ("pixel_values", "image_grid_thw", "image_offsets")}) \
+            if "image_offsets" in t else None
         dataset = TokenizedDataset(input_ids=t["input_ids"], loss_mask=t["loss_mask"].bool(), offsets=t["offsets"],
                                    source_index=t["source_index"], source_id=t["source_id"],
-                                   sources=tuple(meta["sources"]))
+                                   sources=tuple(meta["sources"]), images=images)
     except Exception as e:  # a corrupt cache entry is rebuilt, never trusted
         log.warning("tokenized cache %s is unreadable (%s: %s): rebuilding it from the sources (if this repeats, "
                     "delete %s or set data.cache_dir to a writable folder)", path, type(e).__name__, e, path)

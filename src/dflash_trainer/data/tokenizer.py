@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerFast
 
 from dflash_trainer.data.templates import TEMPLATE_NAMES, builtin_template
-from dflash_trainer.data.tiny_tokenizer import build_tiny_tokenizer
+from dflash_trainer.data.tiny_tokenizer import build_tiny_image_processor, build_tiny_tokenizer
+from dflash_trainer.data.vision import ImageTokens
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig, loading_error, model_source
 
@@ -55,3 +57,30 @@ def ordinary_token(tokenizer: PreTrainedTokenizerFast, token_id: int) -> str | N
     if token_id >= len(tokenizer) or token_id in tokenizer.added_tokens_decoder or token_id in tokenizer.all_special_ids:
         return None
     return tokenizer.convert_ids_to_tokens(token_id)
+
+
+IMAGE_PAD = "<|image_pad|>"
+"""Qwen-VL's image pad token, where a tokenizer names none (`tokenizer.image_token`)."""
+
+
+def load_image_tokens(target: TargetConfig, tokenizer: PreTrainedTokenizerFast) -> Optional[ImageTokens]:
+    """The image processing of an image-text target (its image processor, from `target.tokenizer` or `target.path`;
+    `tiny:qwen3-vl` builds the test one), or None for a text target: one without an image processor, or whose
+    tokenizer has no image token."""
+    name = target.tokenizer or target.path
+    if name is None:
+        return None
+    if name.startswith("tiny"):
+        if name != "tiny:qwen3-vl":
+            return None
+        processor = build_tiny_image_processor()
+    else:
+        try:
+            processor = AutoImageProcessor.from_pretrained(name, trust_remote_code=target.trust_remote_code)
+        except (OSError, ValueError, ImportError):  # no preprocessor_config.json: a text model
+            return None
+    token = getattr(tokenizer, "image_token", None) or IMAGE_PAD
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id or token not in tokenizer.get_vocab():
+        return None
+    return ImageTokens(image_processor=processor, image_token_id=token_id)

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImageRef:
+    """An image part of a turn (`data/images.py` resolved and decoded it once when the row was read)."""
+
+    url: str
+    """An absolute file path or a `data:image/...;base64,` URL."""
+    at: int
+    """Where the image stands in its turn: the character offset in `Message.content` (the text parts joined)."""
+    sha256: str = ""
+    """Digest of the image file's bytes ("" for a data URL, which the data file's own digest covers): a tokenized
+    cache whose images changed on disk is rebuilt."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -13,6 +26,32 @@ class Message:
     role: str
     """system | user | assistant (normalised from the source's speaker names)."""
     content: str
+    """The turn's text (its text parts joined)."""
+    images: tuple[ImageRef, ...] = ()
+    """Image parts of a user turn, in order (empty for text turns)."""
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as a chat template takes it: the text, or (with images) OpenAI-style parts in order, each
+        image an `{"type": "image", "image": url}` part."""
+        if not self.images:
+            return self.content
+        parts: list[dict[str, Any]] = []
+        start = 0
+        for image in self.images:
+            if image.at > start:
+                parts.append({"type": "text", "text": self.content[start : image.at]})
+            parts.append({"type": "image", "image": image.url})
+            start = image.at
+        if start < len(self.content):
+            parts.append({"type": "text", "text": self.content[start:]})
+        return parts
+
+    def openai_content(self) -> str | list[dict[str, Any]]:
+        """The content as a data row gives it: the text, or OpenAI-style text and `image_url` parts."""
+        if not self.images:
+            return self.content
+        return [{"type": "image_url", "image_url": {"url": p["image"]}} if p["type"] == "image" else p
+                for p in self.chat_content()]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,14 +65,19 @@ class Conversation:
     """Which of several replies regenerated for the same prompts this is (0: the first, or a source row)."""
 
     def to_json(self) -> dict[str, Any]:
-        """The row form of `plan/eval.jsonl` and the tokenized cache's held-out list."""
-        return {"messages": [{"role": m.role, "content": m.content} for m in self.messages], "source": self.source,
-                "source_index": self.source_index}
+        """The row form of `plan/eval.jsonl` and the tokenized cache's held-out list (image parts as OpenAI-style
+        `image_url` parts)."""
+        return {"messages": [{"role": m.role, "content": m.openai_content()} for m in self.messages],
+                "source": self.source, "source_index": self.source_index}
 
     @staticmethod
     def from_json(row: dict[str, Any]) -> "Conversation":
         return Conversation(messages=tuple(Message(role=m["role"], content=m["content"]) for m in row["messages"]),
                             source=row.get("source", ""), source_index=int(row.get("source_index", -1)))
+
+    @property
+    def has_images(self) -> bool:
+        return any(m.images for m in self.messages)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +88,12 @@ class TokenizedSequence:
     """(n,) bool on CPU: True on assistant reply tokens (and their end-of-turn token)."""
     truncated_tokens: int = 0
     """Tokens of the rendered conversation cut off past data.max_length (0: it fit)."""
+    pixel_values: Optional[torch.Tensor] = None
+    """(P, C * temporal_patch * patch * patch) float32 on CPU: the patches of the sequence's images as the target's
+    image processor makes them, image after image; None for a text sequence."""
+    image_grid_thw: Optional[torch.Tensor] = None
+    """(num_images, 3) int64 on CPU: each image's patch grid (time, height, width); its patches count t*h*w and its
+    image tokens in `input_ids` t*h*w / merge_size**2."""
 
     @property
     def num_tokens(self) -> int:

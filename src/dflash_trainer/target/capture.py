@@ -39,7 +39,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.target.checks import check_tap_layer_ids
 from dflash_trainer.target.context_parallel import ShardAttention, across_shards
-from dflash_trainer.target.load import find_decoder, text_config
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.load import find_decoder, image_text_model, text_config
 from dflash_trainer.transport.wire import WireBatch
 
 
@@ -69,6 +70,11 @@ class ForwardInputs:
     whole sequence."""
     shard: Optional[ShardAttention] = None
     """Set for a context-parallel shard (`shard_inputs`): its attention sees the whole sequence across the group."""
+    pixel_values: Optional[torch.Tensor] = None
+    """(P, D) float32 on the target device: the image patches of the batch's sequences, row after row (the order
+    of their image tokens in `input_ids`); None when no sequence has an image."""
+    image_grid_thw: Optional[torch.Tensor] = None
+    """(num_images, 3) int64 on the target device: each image's patch grid, in the same order."""
 
 
 def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch, *,
@@ -113,12 +119,15 @@ def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch, *,
     out.input_ids.copy_(to_device(packed_ids), non_blocking=True)
     out.loss_mask.copy_(to_device(packed_mask), non_blocking=True)
     out.cu_seqlens.copy_(to_device(cu_seqlens), non_blocking=True)
+    with_images = [s for s in sequences if s.image_grid_thw is not None]
     return ForwardInputs(
         input_ids=to_device(padded_ids),
         real_index=to_device(real_index),
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         padded_tokens=num_seqs * seq_len,
+        pixel_values=to_device(torch.cat([s.pixel_values for s in with_images])) if with_images else None,
+        image_grid_thw=to_device(torch.cat([s.image_grid_thw for s in with_images])) if with_images else None,
     )
 
 
@@ -153,6 +162,8 @@ class TapCapture:
         """Whether SDPA may pick cuDNN's attention in the forward (`target.cudnn_attention`)."""
         self.decoder = find_decoder(model)
         self.layers = self.decoder.layers
+        self.image_text = image_text_model(model)
+        """The image-text model around the decoder (vision tower, M-RoPE positions), or None for a text target."""
         num_layers = len(self.layers)
         check_tap_layer_ids(tap_layer_ids, num_layers)
         self.tap_layer_ids = tuple(tap_layer_ids)
@@ -187,8 +198,11 @@ class TapCapture:
         kernels = nullcontext() if self.cudnn_attention else sdpa_kernel(list(SDPA_WITHOUT_CUDNN))
         try:
             with torch.no_grad(), kernels, across_shards(self.decoder, inputs.shard) as shard_kwargs:
-                self.decoder(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
-                             **shard_kwargs)
+                if inputs.pixel_values is not None:
+                    self._forward_with_images(inputs)
+                else:
+                    self.decoder(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
+                                 **shard_kwargs)
         except _StopForward:
             pass
         else:
@@ -196,6 +210,22 @@ class TapCapture:
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _forward_with_images(self, inputs: ForwardInputs) -> None:
+        """The image-text model's own forward: the vision tower's embeddings replace the image pad tokens (and its
+        deepstack features join the first decoder layers), at the M-RoPE positions the model computes for each row
+        (`get_rope_index`: a row's text after an image continues from the image's largest position). Passing them
+        keeps the model's cached `rope_deltas`, which its decoding reads, untouched."""
+        model = self.image_text
+        if model is None or inputs.shard is not None:
+            raise ConfigError("a batch with images needs an image-text target (a vision tower) and no context "
+                              "parallel (pipeline.context_parallel=1)")
+        ids = inputs.input_ids  # (B, S), right-padded: padding gets text positions after each row's last token
+        token_types = (ids == model.config.image_token_id).int()  # (B, S): 1 at image tokens, as the processor's
+        positions, _ = model.get_rope_index(input_ids=ids, mm_token_type_ids=token_types,
+                                            image_grid_thw=inputs.image_grid_thw)  # (3, B, S)
+        model(input_ids=ids, position_ids=positions, pixel_values=inputs.pixel_values,
+              image_grid_thw=inputs.image_grid_thw, use_cache=False)
 
     def _hook(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
         h = self.hidden

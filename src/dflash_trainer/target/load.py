@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -156,6 +157,15 @@ def find_decoder(model: nn.Module) -> nn.Module:
         "`model.model.language_model.layers` as in image-text-to-text ones; "
         "this architecture is not supported as a target yet"
     )
+
+
+def image_text_model(model: nn.Module) -> Optional[nn.Module]:
+    """The image-text model around the decoder (Qwen3-VL's `model.model`: vision tower, `get_rope_index`), or None
+    for a text target."""
+    inner = getattr(model, "model", None)
+    if all(hasattr(inner, name) for name in ("visual", "language_model", "get_rope_index")):
+        return inner
+    return None
 
 
 FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
-from dflash_trainer.data.tiny_tokenizer import TINY_VOCAB_SIZE
+from dflash_trainer.data.tiny_tokenizer import TINY_VISION_TOKENS, TINY_VOCAB_SIZE
 
 TINY_SPARE_ROWS = 64
 """Embedding rows past the tiny tokenizer's vocabulary, as Qwen3 has; the mask token is the first."""
@@ -89,9 +89,9 @@ PRESETS: dict[str, dict] = {
         pad_token_id=None,
     ),
     "tiny-qwen3-vl": dict(  # image-text-to-text: a Qwen3 language model with M-RoPE, a 1-layer vision tower
-        model_type="qwen3_vl", tie_word_embeddings=False, image_token_id=TINY_VOCAB_SIZE + 6,
-        video_token_id=TINY_VOCAB_SIZE + 7, vision_start_token_id=TINY_VOCAB_SIZE + 8,
-        vision_end_token_id=TINY_VOCAB_SIZE + 9,
+        model_type="qwen3_vl", tie_word_embeddings=False, image_token_id=TINY_VISION_TOKENS["<|image_pad|>"],
+        video_token_id=TINY_VISION_TOKENS["<|video_pad|>"], vision_start_token_id=TINY_VISION_TOKENS["<|vision_start|>"],
+        vision_end_token_id=TINY_VISION_TOKENS["<|vision_end|>"],
         text_config=dict(
             **{k: v for k, v in _TINY_SHAPE.items() if k != "tie_word_embeddings"}, intermediate_size=128,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},

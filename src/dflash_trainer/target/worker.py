@@ -10,6 +10,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 
 from dflash_trainer.data.types import Job, TokenizedSequence
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.faults import inject_nan, maybe_fault
 from dflash_trainer.target.capture import ForwardInputs, TapCapture, prepare_inputs, shard_inputs
 from dflash_trainer.target.context_parallel import ShardGroup
@@ -144,6 +145,9 @@ def forward_shard_job(capture: TapCapture, dataset: Dataset, job: Job, buffers: 
         raise ValueError(f"job {job.job_id} has {len(job.sequence_ids)} sequences: a context-parallel batch holds one "
                          "(BatchShape.max_seqs); the epoch plan was made for another pipeline.context_parallel")
     sequence = dataset[job.sequence_ids[0]]
+    if sequence.pixel_values is not None:
+        raise ConfigError(f"job {job.job_id}: a sequence with images cannot be split over a context-parallel group "
+                          "yet; set pipeline.context_parallel=1 for image-text data")
     _check_tokens(job, sequence.num_tokens)
     maybe_fault("target_forward")  # test-only hook, inert unless DFLASH_TEST_FAULT is set
     # the whole sequence's packed fields, as one rank writes them (its padded ids for a forward go unused)

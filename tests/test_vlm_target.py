@@ -1,0 +1,208 @@
+"""Image-text targets trained with their images (issue 63): conversations with OpenAI-style image parts are read
+(bad images counted and logged), tokenized with the image tokens Qwen3-VL's processor makes, and forwarded through
+the image-text model so the taps at every position are what HF's forward of the conversation with its image gives;
+image positions are context, never supervised; a tiny Qwen3-VL trains end to end on the CPU."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dflash_trainer.data.config import DataSourceConfig
+from dflash_trainer.data.masks import end_of_turn_marker
+from dflash_trainer.data.sources import load_source
+from dflash_trainer.data.tiny_tokenizer import TINY_VISION_TOKENS, build_tiny_image_processor, build_tiny_tokenizer
+from dflash_trainer.data.tokenize_pool import IMAGES_ON_TEXT_TARGET, TokenizeSettings, tokenize_one
+from dflash_trainer.data.tokenized import TokenizedDataset, tokenize_all
+from dflash_trainer.data.vision import ImageTokens
+from dflash_trainer.drafter.anchors import sample_anchors
+from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target.load import load_target
+from tests.pipeline_helpers import summary, train_in_process
+from tests.test_target_capture import capture
+
+IMAGE_PAD = TINY_VISION_TOKENS["<|image_pad|>"]
+REPLY = "The picture shows coloured noise: random pixels with no shape in them, " * 3
+
+
+def png(path, height, width, seed):
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def data_url(height, width, seed):
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(
+        buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_row(urls, question="What is in this picture?", reply=REPLY):
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": question}]
+    return {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": reply}]}
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def vl_tokenizer():
+    return build_tiny_tokenizer("qwen3-vl")
+
+
+@pytest.fixture(scope="module")
+def image_tokens():
+    return ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+
+
+@pytest.fixture(scope="module")
+def vl_target():
+    return load_target(TargetConfig(random_init="tiny-qwen3-vl", dtype="float32", compile=False, attn_implementation="eager"),
+                       "cpu", seed=0)
+
+
+def tokenize(conversations, tokenizer, images, max_length=512):
+    settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tokenizer, thinking=False),
+                                max_length=max_length, min_supervised=4, images=images)
+    return [tokenize_one(c, tokenizer, settings) for c in conversations]
+
+
+def test_image_rows_are_read_and_bad_images_counted_and_logged(tmp_path, caplog):
+    (tmp_path / "img").mkdir()
+    png(tmp_path / "img" / "a.png", 40, 70, 0)
+    (tmp_path / "img" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    rows = [image_row(["img/a.png"]), image_row([data_url(30, 30, 1)], question="And this?"),
+            image_row(["img/missing.png"]), image_row(["img/broken.png"]), image_row(["data:image/png;base64,@@@"]),
+            {"messages": [{"role": "user", "content": "text only"}, {"role": "assistant", "content": "fine"}]}]
+    path = write_rows(tmp_path / "data.jsonl", rows)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_source(DataSourceConfig(path=str(path)), images=True)
+    assert loaded.report.kept == 3 and loaded.report.dropped == {"unreadable_image": 3}
+    assert "dropped 3 rows whose image cannot be read" in caplog.text and "missing.png" in caplog.text
+    first, second, text = loaded.conversations
+    (image,) = first.messages[0].images
+    assert image.url == str(tmp_path / "img" / "a.png") and image.at == 0 and len(image.sha256) == 64
+    assert first.messages[0].content == "What is in this picture?"
+    assert second.messages[0].images[0].url.startswith("data:image/png;base64,") and not text.has_images
+    # readers that take no images (regenerate, eval) drop image rows as before, counted
+    plain = load_source(DataSourceConfig(path=str(path)))
+    assert plain.report.kept == 1 and plain.report.dropped == {"non_text_content": 5}
+
+
+def test_image_tokens_are_the_processors_and_never_supervised(tmp_path, vl_tokenizer, image_tokens):
+    rows = [image_row([str(png(tmp_path / "a.png", 40, 70, 0)), str(png(tmp_path / "b.png", 64, 64, 1))])]
+    (conversation,) = load_source(DataSourceConfig(path=str(write_rows(tmp_path / "d.jsonl", rows))),
+                                  images=True).conversations
+    (seq,) = tokenize([conversation], vl_tokenizer, image_tokens)
+    # the processor's way, by hand: the template's text, each image's one pad repeated t*h*w / merge**2 times
+    out = build_tiny_image_processor()(images=[Image.open(tmp_path / n).convert("RGB") for n in ("a.png", "b.png")],
+                                       return_tensors="pt")
+    counts = (out["image_grid_thw"].prod(-1) // 4).tolist()
+    text = vl_tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "What is in this picture?"}]},
+         {"role": "assistant", "content": REPLY}], tokenize=False, enable_thinking=False)
+    for n in counts:
+        text = text.replace("<|image_pad|>", "<|placeholder|>" * n, 1)
+    expected = vl_tokenizer(text.replace("<|placeholder|>", "<|image_pad|>"), add_special_tokens=False)["input_ids"]
+    assert seq.input_ids.tolist() == expected
+    assert torch.equal(seq.pixel_values, out["pixel_values"]) and torch.equal(seq.image_grid_thw, out["image_grid_thw"])
+    image = seq.input_ids == IMAGE_PAD
+    assert int(image.sum()) == sum(counts) > 2 and not (seq.loss_mask & image).any()
+    assert int(seq.loss_mask.sum()) > 20  # the reply is supervised
+    # anchors are drawn only where the mask and the next token's mask are both on: never at an image position
+    cu_seqlens = torch.tensor([0, seq.num_tokens], dtype=torch.int32)
+    anchors, valid = sample_anchors(loss_mask=seq.loss_mask, cu_seqlens=cu_seqlens, num_blocks=seq.num_tokens,
+                                    generator=torch.Generator().manual_seed(0))
+    anchors = anchors[valid]
+    assert len(anchors) > 20 and not image[anchors].any() and not image[anchors + 1].any()
+
+    # truncation never cuts an image: the sequence ends before the first image that does not fit
+    first_pad = int(torch.nonzero(image)[0])
+    (cut,) = tokenize([conversation], vl_tokenizer, image_tokens, max_length=first_pad + counts[0] + 2)
+    assert isinstance(cut, str) or (int((cut.input_ids == IMAGE_PAD).sum()) == counts[0]
+                                    and cut.image_grid_thw.tolist() == out["image_grid_thw"][:1].tolist())
+
+
+def test_a_text_target_drops_image_conversations_with_a_count(tmp_path, vl_tokenizer):
+    rows = [image_row([str(png(tmp_path / "a.png", 40, 40, 0))])]
+    conversations = load_source(DataSourceConfig(path=str(write_rows(tmp_path / "d.jsonl", rows))),
+                                images=True).conversations
+    outcome = tokenize_all(list(conversations), vl_tokenizer, thinking=False, max_length=512, min_supervised=4)
+    assert len(outcome.dataset) == 0 and outcome.dropped == {IMAGES_ON_TEXT_TARGET: 1}
+
+
+def test_taps_of_image_conversations_equal_hf_forward_with_their_images(tmp_path, vl_tokenizer, image_tokens,
+                                                                         vl_target):
+    """Packed as rows of one padded batch (two image conversations, a text one between), each conversation's taps
+    equal HF's `output_hidden_states` of the image-text model run on it alone with its images (M-RoPE positions,
+    vision embeddings in place of the pads, deepstack features)."""
+    rows = [image_row([str(png(tmp_path / "a.png", 40, 70, 0))]),
+            {"messages": [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": REPLY}]},
+            image_row([str(png(tmp_path / "b.png", 64, 96, 1)), data_url(50, 40, 2)], question="Compare them.")]
+    conversations = load_source(DataSourceConfig(path=str(write_rows(tmp_path / "d.jsonl", rows))),
+                                images=True).conversations
+    sequences = tokenize(conversations, vl_tokenizer, image_tokens)
+    dataset = TokenizedDataset.from_sequences(zip(conversations, sequences))
+    sequences = [dataset[i] for i in range(3)]  # through the dataset's flat image storage
+    assert sequences[0].image_grid_thw is not None and sequences[1].image_grid_thw is None
+    assert len(sequences[2].image_grid_thw) == 2
+    taps = [0, 2, 4]
+    hidden = vl_target.config.text_config.hidden_size
+    budget = sum(s.num_tokens for s in sequences)
+    vl_target.model.rope_deltas = None
+    inputs, out = capture(vl_target, sequences, taps, token_budget=budget)
+    assert vl_target.model.rope_deltas is None  # the model's decoding state is left as it was
+    assert inputs.pixel_values.shape[0] == int(torch.cat([s.image_grid_thw for s in sequences[::2]]).prod(-1).sum())
+    start = 0
+    for seq in sequences:
+        with torch.no_grad():
+            states = vl_target(input_ids=seq.input_ids[None], pixel_values=seq.pixel_values,
+                               image_grid_thw=seq.image_grid_thw,
+                               mm_token_type_ids=(seq.input_ids[None] == IMAGE_PAD).int(),
+                               output_hidden_states=True).hidden_states
+        for k, layer in enumerate(taps):
+            got = out.taps[start : start + seq.num_tokens, k * hidden : (k + 1) * hidden]
+            torch.testing.assert_close(got, states[layer + 1][0], atol=1e-4, rtol=1e-4)
+        start += seq.num_tokens
+    # the image changes the taps (the vision tower ran): not the text-only forward of the same ids
+    with torch.no_grad():
+        text_only = vl_target.model.language_model(input_ids=sequences[0].input_ids[None],
+                                                   output_hidden_states=True).hidden_states
+    assert not torch.allclose(out.taps[: sequences[0].num_tokens, :hidden], text_only[1][0], atol=1e-3)
+
+
+def test_tiny_qwen3_vl_trains_on_image_conversations(tmp_path, monkeypatch):
+    from dflash_trainer.target.capture import TapCapture
+
+    image_rows = []  # the image-text forward ran, with the images of each batch
+    forward = TapCapture._forward_with_images
+    monkeypatch.setattr(TapCapture, "_forward_with_images",
+                        lambda self, inputs: (image_rows.append(len(inputs.image_grid_thw)), forward(self, inputs)))
+    (tmp_path / "images").mkdir()
+    rows = []
+    for i in range(10):
+        size = (32 + 16 * (i % 3), 48 + 16 * (i % 2))
+        url = f"images/{i}.png" if i % 2 else data_url(*size, seed=100 + i)
+        if i % 2:
+            png(tmp_path / url, *size, seed=i)
+        rows.append(image_row([url], question=f"Picture {i}: what is in it?"))
+    rows.append(image_row(["images/nowhere.png"]))
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    run = tmp_path / "run"
+    assert train_in_process(run, "target.random_init=tiny-qwen3-vl", "target.tokenizer=tiny:qwen3-vl",
+                            f"data.path={data}", "data.num_eval_conversations=0", "train.max_steps=3",
+                            "train.num_epochs=100", f"data.cache_dir={tmp_path / 'cache'}") == 0
+    result = summary(run)
+    assert result["status"] == "ok" and result["steps"] == 3 and sum(image_rows) >= 3
+    plan = json.loads((run / "plan" / "summary.json").read_text())  # image rows all train; the bad one counted
+    assert plan["conversations_kept"] == 10 and plan["dropped"].get("unreadable_image") == 1
