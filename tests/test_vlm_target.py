@@ -144,8 +144,9 @@ def test_a_text_target_drops_image_conversations_with_a_count(tmp_path, vl_token
 def test_taps_of_image_conversations_equal_hf_forward_with_their_images(tmp_path, vl_tokenizer, image_tokens,
                                                                          vl_target):
     """Packed as rows of one padded batch (two image conversations, a text one between), each conversation's taps
-    equal HF's `output_hidden_states` of the image-text model run on it alone with its images (M-RoPE positions,
-    vision embeddings in place of the pads, deepstack features)."""
+    equal what each decoder layer hands the next in the image-text model run on it alone with its images (M-RoPE
+    positions, vision embeddings in place of the pads): HF's `output_hidden_states`, except after a layer where the
+    model adds its deepstack features, where the tap includes them, as vLLM's capture does."""
     rows = [image_row([str(png(tmp_path / "a.png", 40, 70, 0))]),
             {"messages": [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": REPLY}]},
             image_row([str(png(tmp_path / "b.png", 64, 96, 1)), data_url(50, 40, 2)], question="Compare them.")]
@@ -163,16 +164,29 @@ def test_taps_of_image_conversations_equal_hf_forward_with_their_images(tmp_path
     inputs, out = capture(vl_target, sequences, taps, token_budget=budget)
     assert vl_target.model.rope_deltas is None  # the model's decoding state is left as it was
     assert inputs.pixel_values.shape[0] == int(torch.cat([s.image_grid_thw for s in sequences[::2]]).prod(-1).sum())
+    layers = vl_target.model.language_model.layers
+    deepstack = len(vl_target.config.vision_config.deepstack_visual_indexes)
+    assert deepstack >= 1 and taps[0] < deepstack  # a tap after a deepstack addition is what is tested
     start = 0
     for seq in sequences:
+        inputs_of: dict[int, torch.Tensor] = {}  # layer -> its input hidden states, (1, S, H)
+        handles = [layer.register_forward_pre_hook(
+            lambda m, args, kwargs, i=i: inputs_of.__setitem__(i, (args[0] if args else kwargs["hidden_states"])),
+            with_kwargs=True) for i, layer in enumerate(layers)]
         with torch.no_grad():
             states = vl_target(input_ids=seq.input_ids[None], pixel_values=seq.pixel_values,
                                image_grid_thw=seq.image_grid_thw,
                                mm_token_type_ids=(seq.input_ids[None] == IMAGE_PAD).int(),
                                output_hidden_states=True).hidden_states
+        for handle in handles:
+            handle.remove()
         for k, layer in enumerate(taps):
             got = out.taps[start : start + seq.num_tokens, k * hidden : (k + 1) * hidden]
-            torch.testing.assert_close(got, states[layer + 1][0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got, inputs_of[layer + 1][0], atol=1e-4, rtol=1e-4)
+            if layer >= deepstack or seq.image_grid_thw is None:  # no visual features added after it
+                torch.testing.assert_close(got, states[layer + 1][0], atol=1e-4, rtol=1e-4)
+            else:  # HF reports the layer's output before the addition
+                assert not torch.allclose(got, states[layer + 1][0], atol=1e-3)
         start += seq.num_tokens
     # the image changes the taps (the vision tower ran): not the text-only forward of the same ids
     with torch.no_grad():

@@ -164,6 +164,9 @@ class TapCapture:
         self.layers = self.decoder.layers
         self.image_text = image_text_model(model)
         """The image-text model around the decoder (vision tower, M-RoPE positions), or None for a text target."""
+        vision = getattr(getattr(model, "config", None), "vision_config", None)
+        self.deepstack_layers = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+        """Decoder layers 0..n-1 after which the model adds visual features at image positions (Qwen3-VL)."""
         num_layers = len(self.layers)
         check_tap_layer_ids(tap_layer_ids, num_layers)
         self.tap_layer_ids = tuple(tap_layer_ids)
@@ -190,7 +193,13 @@ class TapCapture:
             destinations.setdefault(layer_id, []).append(out.taps[:n, k * h : (k + 1) * h])  # (n, H) strided view
         if self.capture_last_hidden:
             destinations.setdefault(self.stop_layer, []).append(out.last_hidden[:n])  # (n, H)
+        # A tap on a layer after which the model adds visual features (Qwen3-VL's deepstack, image batches only) is
+        # read at the next layer's input, after the addition: what vLLM's capture hands the drafter
+        after_add = self.deepstack_layers if inputs.pixel_values is not None else 0
         handles = [
+            self.layers[layer_id + 1].register_forward_pre_hook(
+                self._pre_hook(dsts, inputs.real_index, layer_id == self.stop_layer), with_kwargs=True)
+            if layer_id < after_add else
             self.layers[layer_id].register_forward_hook(self._hook(dsts, inputs.real_index, layer_id == self.stop_layer))
             for layer_id, dsts in destinations.items()
         ]
@@ -228,17 +237,24 @@ class TapCapture:
               image_grid_thw=inputs.image_grid_thw, use_cache=False)
 
     def _hook(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
-        h = self.hidden
-
         def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output  # (B, S, H)
-            flat = hidden.reshape(-1, h)  # (B*S, H), a view
-            for dst in destinations:
-                torch.index_select(flat, 0, real_index, out=dst)  # (n, H) gathered in place
-            if stop:
-                raise _StopForward
+            self._gather(output[0] if isinstance(output, tuple) else output, destinations, real_index, stop)
 
         return hook
+
+    def _pre_hook(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._gather(args[0] if args else kwargs["hidden_states"], destinations, real_index, stop)
+
+        return hook
+
+    def _gather(self, hidden: torch.Tensor, destinations: list[torch.Tensor], real_index: torch.Tensor,
+                stop: bool) -> None:
+        flat = hidden.reshape(-1, self.hidden)  # (B*S, H), a view of (B, S, H)
+        for dst in destinations:
+            torch.index_select(flat, 0, real_index, out=dst)  # (n, H) gathered in place
+        if stop:
+            raise _StopForward
 
 
 def compile_decoder_layers(model: nn.Module, *, upto: Optional[int] = None, **compile_kwargs) -> None:
