@@ -54,6 +54,24 @@ def fail_rank(control: Optional[ControlPlane], rank: int, error: BaseException, 
     exit_now(EXIT_NAMED if named else EXIT_FAILED)
 
 
+def record_failure_before_join(error: BaseException, *, timeout_s: float = 10.0) -> None:
+    """Under torchrun, a rank that fails before its control plane exists (its config, its device): record the failure
+    in the job's store as `fail_rank` does, so that the ranks already waiting for this one to join the process group
+    stop with its cause (their `AbortWatchdog`) instead of waiting out pipeline.timeout_s. Never raises: the error
+    itself is what the caller reports."""
+    from dflash_trainer.runtime.env import control_store, dist_env
+
+    env = dist_env()
+    if not env.distributed:
+        return
+    try:
+        store = control_store(env, timeout_s)
+        if store is not None:  # None: the job's store is rank 0's and exists only once it joins
+            ControlPlane(store, rank=env.rank).abort(f"{type(error).__name__}: {error}")
+    except Exception:  # the store is unreachable: the others end at their own timeouts
+        pass
+
+
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ProcessGroupNCCL", "NCCL error")
 
 
