@@ -148,6 +148,21 @@ def record_dead_peer(control: ControlPlane, gone_peers: Callable[[], list[int]])
                           "torchrun's log names the signal)", rank=rank)
 
 
+def first_failure(control: ControlPlane, gone_peers: Callable[[], list[int]], *, within_s: float = 3.0,
+                  poll_s: float = 0.1) -> Optional[AbortInfo]:
+    """The job's first failure, for a rank that failed because of another one: recorded in the store, or a peer on
+    this host found dead (`record_dead_peer`); waits up to `within_s` for either. A broken connection can come
+    first: the failing rank records its cause just after, and the kernel closes a killed process's sockets before
+    the process is gone (then it still answers kill(0))."""
+    deadline = time.monotonic() + within_s
+    while True:
+        record_dead_peer(control, gone_peers)
+        info = control.aborted()
+        if info is not None or time.monotonic() >= deadline:
+            return info
+        time.sleep(poll_s)
+
+
 class StopSignals:
     """SIGTERM and SIGINT stop a run cleanly: the first asks every rank to stop after the current optimizer
     step (the step loop all-reduces the request), then the final checkpoint and `summary.json` (status

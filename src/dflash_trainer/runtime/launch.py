@@ -35,8 +35,8 @@ from dflash_trainer.runtime.failures import (
     StopSignals,
     exit_now,
     fail_rank,
+    first_failure,
     is_secondary,
-    record_dead_peer,
     stop_after_peer_failure,
 )
 from dflash_trainer.runtime.liveness import Liveness
@@ -92,9 +92,7 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
             raise
         if is_secondary(error, control, env.rank):
             # Failing *because* another rank did (Aborted, a broken connection): name that rank, not this one.
-            if liveness is not None:
-                record_dead_peer(control, liveness.gone_peers)
-            first = control.aborted()
+            first = first_failure(control, liveness.gone_peers if liveness is not None else lambda: [])
             write_failed_summary(holder.get("run_dir"), first.rank if first else -1,
                                   first.cause if first else f"a peer rank died ({cause})")
             stop_after_peer_failure(control, env.rank, error)
