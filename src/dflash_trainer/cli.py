@@ -248,8 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise NotBuiltYet(f"`dflash-train {args.command}` is not built yet in this version") from None
         return int(module.run(config, args) or 0)
     except (ConfigError, DataError, NotBuiltYet, StorageError) as e:
-        print(f"{_rank_label()}dflash-train {args.command}: error: {e}", file=sys.stderr, flush=True)
-        _tell_other_ranks(args, e)
+        if not _tell_other_ranks(args, e):
+            print(f"{_rank_label()}dflash-train {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except FloatingPointError as e:  # the NaN/inf step limit: a data or learning-rate problem, not a bug
         print(f"dflash-train {args.command}: stopped: {e}", file=sys.stderr)
@@ -272,13 +272,15 @@ def _rank_label() -> str:
     return f"[rank {os.environ.get('RANK', '0')}] " if _under_torchrun() else ""
 
 
-def _tell_other_ranks(args: argparse.Namespace, error: BaseException) -> None:
+def _tell_other_ranks(args: argparse.Namespace, error: BaseException) -> bool:
     """`train` under torchrun, failing before this rank joined the others (its config, its device): record the
-    failure where the ranks waiting for it look, so that they stop within seconds, naming it."""
-    if args.command == "train" and _under_torchrun():
-        from dflash_trainer.runtime.failures import record_failure_before_join
+    failure where the ranks waiting for it look, so that they stop within seconds, naming it. True when another rank
+    recorded this same mistake first (it prints it)."""
+    if args.command != "train" or not _under_torchrun():
+        return False
+    from dflash_trainer.runtime.failures import record_failure_before_join, said_by_another
 
-        record_failure_before_join(error)
+    return said_by_another(record_failure_before_join(error), int(os.environ.get("RANK", "0")), error)
 
 
 if __name__ == "__main__":

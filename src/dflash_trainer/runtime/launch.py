@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from dflash_trainer.config import Config
@@ -29,7 +30,14 @@ from dflash_trainer.resume import Change
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.drafter_role import run_drafter
 from dflash_trainer.runtime.elastic import record_incarnation, recorded_restarts, this_incarnation
-from dflash_trainer.runtime.env import CONTROL_PREFIX, choose_device, control_store, dist_env, join_process_group
+from dflash_trainer.runtime.env import (
+    CONTROL_PREFIX,
+    DistEnv,
+    choose_device,
+    control_store,
+    dist_env,
+    join_process_group,
+)
 from dflash_trainer.runtime.failures import (
     AbortWatchdog,
     StopSignals,
@@ -111,7 +119,8 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
     return stop.exit_code
 
 
-def _connect(env, device, timeout_s: float, holder: dict) -> tuple[ControlPlane, Optional[AbortWatchdog]]:
+def _connect(env: DistEnv, device: torch.device, timeout_s: float,
+             holder: dict) -> tuple[ControlPlane, Optional[AbortWatchdog]]:
     """This rank's control plane, and under torchrun its abort watchdog, started before the rank joins the process
     group wherever the job's store allows (`env.control_store`): a rank that fails before it joins, or while the
     others wait for it there, records its failure, and the waiting ranks stop with it rather than wait out
@@ -130,7 +139,7 @@ def _connect(env, device, timeout_s: float, holder: dict) -> tuple[ControlPlane,
     return control, watchdog
 
 
-def _watch(control: ControlPlane, env, holder: dict) -> AbortWatchdog:
+def _watch(control: ControlPlane, env: DistEnv, holder: dict) -> AbortWatchdog:
     # The summary names the failed rank even when this rank leaves through the watchdog (it found another rank's
     # failure, or a silent rank, in the store).
     return AbortWatchdog(control, rank=env.rank, on_abort=lambda info: write_failed_summary(
