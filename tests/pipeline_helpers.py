@@ -48,6 +48,8 @@ class Launch:
     """stdout and stderr of torchrun and every rank, interleaved."""
     elapsed_s: float
     run_dir: Path
+    node_ended_s: tuple[float, ...] = ()
+    """When each node's torchrun ended, in seconds after the launch (one entry per node)."""
 
 
 def free_port() -> int:
@@ -70,18 +72,26 @@ def torchrun(
     max_restarts: int = 0,
     fault_restart: Optional[int] = None,
     nnodes: int = 1,
+    node_dirs: Optional[list[Path]] = None,
+    node_args: Optional[list[list[str]]] = None,
 ) -> Launch:
     """Run `torchrun --nproc_per_node nproc [--max-restarts N] -m dflash_trainer train --config demo SMALL...
     extra...`; `fault_restart`: the `fault` applies only in that restart (0: the first incarnation). `nnodes` > 1
     starts that many torchrun agents on localhost, `--node_rank` 0..nnodes-1, meeting at a c10d rendezvous (what
-    several machines run); their outputs are joined, node by node, and the first non-zero exit status is kept."""
-    log_dir = Path(tempfile.mkdtemp(prefix="torchrun-logs-", dir=run_dir.parent))
+    several machines run); their outputs are joined, node by node, and the first non-zero exit status is kept.
+    `node_dirs`: each node's working directory (default: this one), so that a relative `run_dir` names a different
+    folder on each node, as on machines without shared storage (node 0's is the Launch's); `node_args`: each node's
+    own extra overrides (a command line that differs between nodes). Node 0 hosts the rendezvous store, as the
+    machine named in `--rdzv-endpoint` does."""
+    on_node0 = (node_dirs[0] if node_dirs else Path.cwd()) / run_dir  # a relative run_dir: each node's own
+    log_dir = Path(tempfile.mkdtemp(prefix="torchrun-logs-", dir=on_node0.parent))
     if nnodes == 1:
         rendezvous = [["--master_addr", "127.0.0.1", "--master_port", str(free_port())]]
     else:
         endpoint = f"127.0.0.1:{free_port()}"
         rendezvous = [["--nnodes", str(nnodes), "--node_rank", str(n), "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{run_dir.name}"] for n in range(nnodes)]
+                       "--rdzv-endpoint", endpoint, "--rdzv-id", f"test-{run_dir.name}",
+                       "--rdzv-conf", f"is_host={n == 0}"] for n in range(nnodes)]
     train = ["-m", "dflash_trainer", "train", "--config", "demo", *overrides(run_dir, *extra)]
     if resume:
         train.append("--resume")
@@ -102,28 +112,37 @@ def torchrun(
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *node,
                  "--log-dir", str(log_dir / f"node{n}"),
-                 *(["--max-restarts", str(max_restarts)] if max_restarts else []), *train],
+                 *(["--max-restarts", str(max_restarts)] if max_restarts else []), *train,
+                 *(node_args[n] if node_args else [])],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                cwd=node_dirs[n] if node_dirs else None,
             ))
-    timed_out = [n for n, proc in enumerate(procs) if not _ended_by(proc, start + timeout_s)]
+    ended = _ends(procs, start, start + timeout_s)
     texts = [path.read_bytes().decode(errors="replace") for path in logs]
     output = "\n".join(f"--- node {n} ---\n{text}" for n, text in enumerate(texts)) if nnodes > 1 else texts[0]
-    if timed_out:
-        raise AssertionError(f"torchrun (node {timed_out}) did not end within {timeout_s:.0f}s:\n{output[-6000:]}")
+    if None in ended:
+        timed_out = [n for n, at in enumerate(ended) if at is None]
+        raise AssertionError(f"torchrun (node {timed_out}) did not end within {timeout_s:.0f}s "
+                             f"(ended after {ended} s):\n{output[-6000:]}")
     codes = [proc.returncode for proc in procs]
     return Launch(returncode=next((c for c in codes if c != 0), 0), output=output,
-                  elapsed_s=time.monotonic() - start, run_dir=run_dir)
+                  elapsed_s=time.monotonic() - start, run_dir=on_node0, node_ended_s=tuple(ended))
 
 
-def _ended_by(proc: subprocess.Popen, deadline: float) -> bool:
-    """Whether one torchrun ended by the deadline; if not, it is killed with every rank."""
-    try:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        return True
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        proc.wait(timeout=30)
-        return False
+def _ends(procs: list[subprocess.Popen], start: float, deadline: float) -> list[Optional[float]]:
+    """When each torchrun ended (seconds after `start`), or None for one still running at the deadline, which is
+    then killed with every rank."""
+    ended: list[Optional[float]] = [None] * len(procs)
+    while None in ended and time.monotonic() < deadline:
+        for n, proc in enumerate(procs):
+            if ended[n] is None and proc.poll() is not None:
+                ended[n] = time.monotonic() - start
+        time.sleep(0.1)
+    for n, proc in enumerate(procs):
+        if ended[n] is None:
+            kill_tree(proc.pid)
+            proc.wait(timeout=30)
+    return ended
 
 
 def assert_ok(launch: Launch) -> dict:

@@ -61,6 +61,16 @@ def test_a_named_mistake_under_torchrun_reads_as_in_one_process(tmp_path):
                       "pipeline.deterministic=true", timeout_s=120)
     assert launch.returncode != 0
     lines = [line for line in launch.output.splitlines() if "dflash-train train: error: pipeline.deterministic" in line]
-    assert lines and all(line.startswith("[rank ") for line in lines), launch.output
+    assert len(lines) == 1 and lines[0].startswith("[rank "), launch.output  # said once, by the rank that won
     assert "failed (exitcode: 2)" in launch.output
     assert "dflash_trainer.errors.ConfigError" not in launch.output and "] failed: ConfigError" not in launch.output
+
+
+def test_a_mistake_every_rank_finds_before_it_joins_is_one_line(tmp_path):
+    """Every rank refuses the same config before it joins the process group: the user reads the mistake once, from
+    the rank that recorded it first, with the rank's label as once training started; every rank exits 2."""
+    launch = torchrun(tmp_path / "run", 2, "pipeline.timeout_s=0", timeout_s=90)
+    lines = [line for line in launch.output.splitlines() if "dflash-train train: error:" in line]
+    assert len(lines) == 1, launch.output
+    assert lines[0].startswith(("[rank 0] ", "[rank 1] ")) and "pipeline.timeout_s must be > 0" in lines[0]
+    assert launch.output.count("exitcode  : 2") + launch.output.count("exitcode: 2") >= 2, launch.output

@@ -4,6 +4,7 @@ rendezvous, gloo), each node a target and two drafters, against one node running
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 from pipeline_helpers import assert_ok, checkpoints, committed_jobs, ledger, metrics, planned_jobs, torchrun
 
@@ -69,3 +70,45 @@ def test_a_rank_killed_on_one_node_restarts_both_nodes_and_the_run_continues(tmp
     committed = committed_jobs(rows)
     assert not [j for j, n in Counter(committed).items() if n > 1] and sorted(committed) == sorted(plan)
     assert sorted(ledger(checkpoints(run_dir)[-1])) == sorted(plan) and s["jobs_duplicated"] == 0
+
+
+LIVENESS_S = 10.0
+"""pipeline.liveness_timeout_s of the tests below: every rank of every node must stop within it of the failure."""
+
+
+def assert_named_failure(launch, rank: int, message: str) -> None:
+    """The job failed with `message` as one line from `rank`, the rank exited 2 (as `dflash-train` in one process),
+    no other cause is named, and every node ended within the liveness timeout of the first."""
+    assert launch.returncode != 0, launch.output[-4000:]
+    lines = [line for line in launch.output.splitlines() if "dflash-train train: error:" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"[rank {rank}] dflash-train train: error: {message}"), \
+        launch.output[-6000:]
+    assert "exitcode  : 2" in launch.output and "stopped answering" not in launch.output, launch.output[-6000:]
+    assert "dflash_trainer.errors.ConfigError" not in launch.output, launch.output[-6000:]
+    assert max(launch.node_ended_s) - min(launch.node_ended_s) < LIVENESS_S, (launch.node_ended_s,
+                                                                               launch.output[-6000:])
+
+
+def test_a_node_whose_command_line_is_refused_ends_the_other_node_too(tmp_path):
+    """Node 1's ranks refuse their config before they join the process group (its command line differs: a bad
+    pipeline.timeout_s): one line from its rank with exit status 2, and node 0's rank, waiting for it to join, stops
+    with it within the liveness timeout instead of waiting out its own pipeline.timeout_s (60 s here)."""
+    launch = torchrun(tmp_path / "run", 1, f"pipeline.liveness_timeout_s={LIVENESS_S}", nnodes=2,
+                      node_args=[[], ["pipeline.timeout_s=0"]], timeout_s=150)
+    assert_named_failure(launch, 1, "pipeline.timeout_s must be > 0")
+    assert "[rank 0] stopping: rank 1 failed: ConfigError: pipeline.timeout_s must be > 0" in launch.output
+
+
+def test_a_node_that_does_not_see_the_run_dir_stops_every_node_named(tmp_path):
+    """run.dir is relative and each node runs in a folder of its own (a run dir on storage only node 0 has): node
+    1's rank does not find rank 0's token there and stops the run, named, after waiting pipeline.timeout_s (20 s
+    here) for it. Meanwhile node 0's rank waits in torch's set-up of a process group for node 1: its heartbeat goes
+    on (it is not named as silent), and it stops within the liveness timeout of node 1's error."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in nodes:
+        folder.mkdir()
+    launch = torchrun(Path("run"), 1, f"pipeline.liveness_timeout_s={LIVENESS_S}", "pipeline.timeout_s=20",
+                      nnodes=2, node_dirs=nodes, timeout_s=150)
+    assert_named_failure(launch, 1, "run.dir=run on ")
+    assert "is not the directory rank 0 claimed" in launch.output
+    assert "[rank 0] stopping: rank 1 failed: ConfigError: run.dir=run on " in launch.output

@@ -11,6 +11,7 @@ from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.config import EvalConfig
 from dflash_trainer.runtime.config import PipelineConfig
 from dflash_trainer.runtime.control import Aborted, ControlPlane, StallTimeout
+from dflash_trainer.runtime.failures import first_failure
 from dflash_trainer.runtime.roles import Role, plan_placement
 from dflash_trainer.runtime.setup import check_target_groups
 from dflash_trainer.target.config import TargetConfig
@@ -238,3 +239,23 @@ def test_the_printed_summary_reads_as_text_not_python_reprs(capsys):
            "walk tau 3.418" in out
     assert "0: 44, 1: 44" in out and "5.841" in out
     assert "{" not in out and "(0.78" not in out
+
+
+def test_first_failure_waits_for_the_cause_a_broken_connection_comes_before():
+    """A rank whose connection broke names the job's first failure, not 'unknown': a peer process found dead only
+    after a while (the kernel closes a killed process's sockets before the process is gone), or a cause recorded just
+    after the break; nothing at all within the bound is None, after the bound."""
+    calls = []
+    found = ControlPlane(dist.HashStore(), rank=0)
+    info = first_failure(found, lambda: calls.append(1) or ([1] if len(calls) >= 5 else []), within_s=5, poll_s=0.01)
+    assert info is not None and info.rank == 1 and "died without a word" in info.cause and len(calls) == 5
+
+    recorded = ControlPlane(dist.HashStore(), rank=0)
+    timer = threading.Timer(0.2, lambda: ControlPlane(recorded.store, rank=2).abort("InjectedFault: boom"))
+    timer.start()
+    info = first_failure(recorded, lambda: [], within_s=5, poll_s=0.01)
+    assert info is not None and (info.rank, info.cause) == (2, "InjectedFault: boom")
+
+    start = time.monotonic()
+    assert first_failure(ControlPlane(dist.HashStore(), rank=0), lambda: [], within_s=0.3, poll_s=0.05) is None
+    assert time.monotonic() - start >= 0.3

@@ -250,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise NotBuiltYet(f"`dflash-train {args.command}` is not built yet in this version") from None
         return int(module.run(config, args) or 0)
     except (ConfigError, DataError, NotBuiltYet, StorageError) as e:
-        print(f"dflash-train {args.command}: error: {e}", file=sys.stderr)
+        if not _tell_other_ranks(args, e):
+            print(f"{_rank_label()}dflash-train {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except FloatingPointError as e:  # the NaN/inf step limit: a data or learning-rate problem, not a bug
         print(f"dflash-train {args.command}: stopped: {e}", file=sys.stderr)
@@ -258,6 +259,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before a command installs its own handling (imports, loading, setup)
         print(f"dflash-train {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug: its traceback follows; under torchrun the other ranks stop too
+        _tell_other_ranks(args, e)
+        raise
+
+
+def _under_torchrun() -> bool:
+    world = os.environ.get("WORLD_SIZE", "1")
+    return world.isdigit() and int(world) > 1
+
+
+def _rank_label() -> str:
+    """`[rank R] ` under torchrun, as a rank's failure reads once training started (`runtime/failures.py`)."""
+    return f"[rank {os.environ.get('RANK', '0')}] " if _under_torchrun() else ""
+
+
+def _tell_other_ranks(args: argparse.Namespace, error: BaseException) -> bool:
+    """`train` under torchrun, failing before this rank joined the others (its config, its device): record the
+    failure where the ranks waiting for it look, so that they stop within seconds, naming it. True when another rank
+    recorded this same mistake first (it prints it)."""
+    if args.command != "train" or not _under_torchrun():
+        return False
+    from dflash_trainer.runtime.failures import record_failure_before_join, said_by_another
+
+    return said_by_another(record_failure_before_join(error), int(os.environ.get("RANK", "0")), error)
 
 
 if __name__ == "__main__":

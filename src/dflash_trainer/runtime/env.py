@@ -54,10 +54,35 @@ def choose_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(env: DistEnv, device: torch.device, timeout_s: float) -> tuple[dist.Store, Optional[dist.ProcessGroup]]:
-    """(store, default group): torchrun's TCPStore and a gloo/NCCL group, or a HashStore alone."""
+CONTROL_PREFIX = "dflash/control"
+"""The control plane's keys in the job's store (under the incarnation's prefix when torchrun may restart the job)."""
+
+
+def control_store(env: DistEnv, timeout_s: float) -> Optional[dist.Store]:
+    """The control plane's store (`control.py`), on a connection of its own. Torch's process-group set-up holds its
+    store connection while it waits for a peer (gloo's connections, NCCL's unique id): the liveness beats and the
+    abort flag must still get through then, or a rank waiting for a peer that failed waits out pipeline.timeout_s.
+
+    One process: a HashStore. Under torchrun with the agent's store (its default): a new client of that store, made
+    before this rank joins the process group, so that a rank failing before it joins is seen by the ranks waiting for
+    it there (`failures.record_failure_before_join`). None when the job's store is hosted by rank 0 as it joins
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a launcher without torchrun's agent): `join_process_group`'s store,
+    cloned, then."""
     if not env.distributed:
-        return make_local_store(), None
+        return make_local_store()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    incarnation = this_incarnation(timeout_s)
+    if incarnation is not None:  # torchrun may restart the job: this incarnation's keys (elastic.py)
+        return dist.PrefixStore(f"{incarnation.prefix}/{CONTROL_PREFIX}", incarnation.store.clone())
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(CONTROL_PREFIX, client)
+
+
+def join_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> dist.Store:
+    """Join the job's gloo/NCCL process group (the default group); returns its store. Waits up to `timeout_s` for
+    every rank to join."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     device_id = device if device.type == "cuda" else None
@@ -68,5 +93,4 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float) -> tu
         store = dist.PrefixStore(incarnation.prefix, incarnation.store)
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id, rank=env.rank,
                                 world_size=env.world_size, store=store)
-    store = dist.distributed_c10d._get_default_store()
-    return store, dist.group.WORLD
+    return dist.distributed_c10d._get_default_store()

@@ -36,7 +36,8 @@ def fail_rank(control: Optional[ControlPlane], rank: int, error: BaseException, 
         control.abort(cause)
     named = isinstance(error, NAMED_ERRORS)
     if named:  # a mistake the message names with its fix: one line, as one process prints it, and its exit status
-        print(f"[rank {rank}] dflash-train train: error: {error}", file=sys.stderr, flush=True)
+        if not said_by_another(control.aborted() if control is not None else None, rank, error):
+            print(f"[rank {rank}] dflash-train train: error: {error}", file=sys.stderr, flush=True)
     else:
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         print(f"[rank {rank}] failed: {cause}\n{tb}", file=sys.stderr, flush=True)
@@ -52,6 +53,33 @@ def fail_rank(control: Optional[ControlPlane], rank: int, error: BaseException, 
     except Exception:
         pass
     exit_now(EXIT_NAMED if named else EXIT_FAILED)
+
+
+def said_by_another(first: Optional[AbortInfo], rank: int, error: BaseException) -> bool:
+    """Whether the job's first failure is this same mistake found by another rank (every rank of a node reads the
+    same config): that rank prints it, and the user reads it once."""
+    return first is not None and first.rank != rank and first.cause == f"{type(error).__name__}: {error}"
+
+
+def record_failure_before_join(error: BaseException, *, timeout_s: float = 10.0) -> Optional[AbortInfo]:
+    """Under torchrun, a rank that fails before its control plane exists (its config, its device): record the failure
+    in the job's store as `fail_rank` does, so that the ranks already waiting for this one to join the process group
+    stop with its cause (their `AbortWatchdog`) instead of waiting out pipeline.timeout_s. Returns the job's first
+    failure (None when the store cannot be reached). Never raises: the error itself is what the caller reports."""
+    from dflash_trainer.runtime.env import control_store, dist_env
+
+    env = dist_env()
+    if not env.distributed:
+        return None
+    try:
+        store = control_store(env, timeout_s)
+        if store is None:  # the job's store is rank 0's and exists only once it joins
+            return None
+        control = ControlPlane(store, rank=env.rank)
+        control.abort(f"{type(error).__name__}: {error}")
+        return control.aborted()
+    except Exception:  # the store is unreachable: the others end at their own timeouts
+        return None
 
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ProcessGroupNCCL", "NCCL error")
@@ -128,6 +156,21 @@ def record_dead_peer(control: ControlPlane, gone_peers: Callable[[], list[int]])
         for rank in gone_peers()[:1]:
             control.abort(f"rank {rank} died without a word: its process is gone (killed: SIGKILL or the OOM killer; "
                           "torchrun's log names the signal)", rank=rank)
+
+
+def first_failure(control: ControlPlane, gone_peers: Callable[[], list[int]], *, within_s: float = 3.0,
+                  poll_s: float = 0.1) -> Optional[AbortInfo]:
+    """The job's first failure, for a rank that failed because of another one: recorded in the store, or a peer on
+    this host found dead (`record_dead_peer`); waits up to `within_s` for either. A broken connection can come
+    first: the failing rank records its cause just after, and the kernel closes a killed process's sockets before
+    the process is gone (then it still answers kill(0))."""
+    deadline = time.monotonic() + within_s
+    while True:
+        record_dead_peer(control, gone_peers)
+        info = control.aborted()
+        if info is not None or time.monotonic() >= deadline:
+            return info
+        time.sleep(poll_s)
 
 
 class StopSignals:

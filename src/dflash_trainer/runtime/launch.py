@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from dflash_trainer.config import Config
@@ -29,14 +30,21 @@ from dflash_trainer.resume import Change
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.drafter_role import run_drafter
 from dflash_trainer.runtime.elastic import record_incarnation, recorded_restarts, this_incarnation
-from dflash_trainer.runtime.env import choose_device, dist_env, init_distributed
+from dflash_trainer.runtime.env import (
+    CONTROL_PREFIX,
+    DistEnv,
+    choose_device,
+    control_store,
+    dist_env,
+    join_process_group,
+)
 from dflash_trainer.runtime.failures import (
     AbortWatchdog,
     StopSignals,
     exit_now,
     fail_rank,
+    first_failure,
     is_secondary,
-    record_dead_peer,
     stop_after_peer_failure,
 )
 from dflash_trainer.runtime.liveness import Liveness
@@ -59,21 +67,15 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
     """`resume_changes`: the `resume.Change`s this resume applied to the run's config (logged, and in the summary)."""
     env = dist_env()
     device = choose_device(config.run.device, env.local_rank)
-    store, _ = init_distributed(env, device, config.pipeline.timeout_s)
-    control = ControlPlane(store, rank=env.rank, stall_timeout_s=config.pipeline.timeout_s)
     holder: dict[str, Any] = {}
     # A file-size limit (ulimit -f) then fails the write with EFBIG, which the checkpoint names, instead of
     # killing the process without a word.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    watchdog = liveness = None
-    if env.distributed:
-        # The summary names the failed rank even when this rank leaves through the watchdog (it found another
-        # rank's failure, or a silent rank, in the store).
-        watchdog = AbortWatchdog(control, rank=env.rank, on_abort=lambda info: write_failed_summary(
-            holder.get("run_dir"), info.rank, info.cause, keep_existing=True)).start()
-        if config.pipeline.liveness_timeout_s > 0:
-            liveness = Liveness(control, rank=env.rank, world_size=env.world_size,
-                                timeout_s=config.pipeline.liveness_timeout_s).start()
+    control, watchdog = _connect(env, device, config.pipeline.timeout_s, holder)
+    liveness = None
+    if env.distributed and config.pipeline.liveness_timeout_s > 0:  # every rank has joined: each one beats
+        liveness = Liveness(control, rank=env.rank, world_size=env.world_size,
+                            timeout_s=config.pipeline.liveness_timeout_s).start()
     stop = StopSignals(control=control, on_failure=_peer_failed(holder, control), on_second=_stop_now(holder),
                        gone_peers=liveness.gone_peers if liveness is not None else lambda: []).install()
     holder["stop"] = stop
@@ -98,9 +100,7 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
             raise
         if is_secondary(error, control, env.rank):
             # Failing *because* another rank did (Aborted, a broken connection): name that rank, not this one.
-            if liveness is not None:
-                record_dead_peer(control, liveness.gone_peers)
-            first = control.aborted()
+            first = first_failure(control, liveness.gone_peers if liveness is not None else lambda: [])
             write_failed_summary(holder.get("run_dir"), first.rank if first else -1,
                                   first.cause if first else f"a peer rank died ({cause})")
             stop_after_peer_failure(control, env.rank, error)
@@ -117,6 +117,33 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
     if env.distributed:
         dist.destroy_process_group()
     return stop.exit_code
+
+
+def _connect(env: DistEnv, device: torch.device, timeout_s: float,
+             holder: dict) -> tuple[ControlPlane, Optional[AbortWatchdog]]:
+    """This rank's control plane, and under torchrun its abort watchdog, started before the rank joins the process
+    group wherever the job's store allows (`env.control_store`): a rank that fails before it joins, or while the
+    others wait for it there, records its failure, and the waiting ranks stop with it rather than wait out
+    pipeline.timeout_s."""
+    store = control_store(env, timeout_s)
+    control = watchdog = None
+    if store is not None:
+        control = ControlPlane(store, rank=env.rank, stall_timeout_s=timeout_s)
+        watchdog = _watch(control, env, holder) if env.distributed else None
+    if env.distributed:
+        joined = join_process_group(env, device, timeout_s)
+        if control is None:  # the job's store exists only now: the control plane on a connection of its own
+            control = ControlPlane(dist.PrefixStore(CONTROL_PREFIX, joined.clone()), rank=env.rank,
+                                   stall_timeout_s=timeout_s)
+            watchdog = _watch(control, env, holder)
+    return control, watchdog
+
+
+def _watch(control: ControlPlane, env: DistEnv, holder: dict) -> AbortWatchdog:
+    # The summary names the failed rank even when this rank leaves through the watchdog (it found another rank's
+    # failure, or a silent rank, in the store).
+    return AbortWatchdog(control, rank=env.rank, on_abort=lambda info: write_failed_summary(
+        holder.get("run_dir"), info.rank, info.cause, keep_existing=True)).start()
 
 
 def _say_finished(config: Config, run_dir: Path, claim) -> None:
