@@ -1,0 +1,137 @@
+"""Batched decoding of image prompts on an image-text target (issue 63): the prefill runs the image-text model with the
+images at their M-RoPE positions, each row's later text continues from its own `rope_delta`, and the drafter's context
+gets the taps training captures. Speculative decoding stays lossless against HF's own `generate` of each prompt alone
+with its images; plain batched decoding equals it too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trainer.data.tiny_tokenizer import build_tiny_image_processor, build_tiny_tokenizer
+from dflash_trainer.data.types import TokenizedSequence
+from dflash_trainer.data.vision import ImageTokens
+from dflash_trainer.eval.batched import ContextUpdate, decode_batch
+from dflash_trainer.eval.image_prompts import encode_image_prompt, message_rows
+from dflash_trainer.target.config import TargetConfig
+from dflash_trainer.target.load import load_target
+from tests.drafter_helpers import single_thread  # noqa: F401 (autouse fixture)
+from tests.test_family_decode import OracleProposer
+from tests.test_target_capture import capture
+from tests.test_vlm_target import IMAGE_PAD, data_url, png
+
+NEW = 20
+
+
+class TapRecordingOracle(OracleProposer):
+    """The oracle, also asking for taps and keeping each update it is told."""
+
+    needs_taps = True
+
+    def __init__(self, sequences, vocab):
+        super().__init__(sequences, vocab)
+        self.updates: list[ContextUpdate] = []
+
+    def observe(self, update: ContextUpdate) -> None:
+        self.updates.append(update)
+
+
+@pytest.fixture(scope="module")
+def vl_target():
+    return load_target(TargetConfig(random_init="tiny-qwen3-vl", dtype="float32", compile=False,
+                                    attn_implementation="eager"), "cpu", seed=0)
+
+
+@pytest.fixture(scope="module")
+def image_prompts(tmp_path_factory):
+    """Four prompts: one image, two images, text only, one image mid-turn; ids and images as eval encodes them."""
+    folder = tmp_path_factory.mktemp("images")
+    tokenizer = build_tiny_tokenizer("qwen3-vl")
+    images = ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+
+    def image(url):
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    turns = [
+        [image(str(png(folder / "a.png", 40, 70, 0))), {"type": "text", "text": "What is in this picture?"}],
+        [image("b.png"), image(data_url(50, 40, 2)), {"type": "text", "text": "Compare the two."}],
+        "Say something about noise.",
+        [{"type": "text", "text": "Look:"}, image(data_url(64, 64, 3)), {"type": "text", "text": "and describe it."}],
+    ]
+    png(folder / "b.png", 64, 96, 1)
+    encoded = [encode_image_prompt(tokenizer, message_rows([{"role": "user", "content": t}], folder), images,
+                                   thinking=False, max_prompt_tokens=4096) for t in turns]
+    return [ids for ids, _ in encoded], [i for _, i in encoded]
+
+
+def hf_generate(target, ids, images):
+    """HF's own greedy `generate` of one prompt with its images: exactly NEW tokens (no stop)."""
+    kwargs = {}
+    if images is not None:
+        kwargs = {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw,
+                  "mm_token_type_ids": (ids[None] == IMAGE_PAD).int()}
+    target.model.rope_deltas = None
+    out = target.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]), do_sample=False,
+                          max_new_tokens=NEW, min_new_tokens=NEW, eos_token_id=None, pad_token_id=0, **kwargs)
+    target.model.rope_deltas = None
+    return out[0, len(ids):].tolist()
+
+
+def test_image_prompts_decode_losslessly_with_their_images(vl_target, image_prompts):
+    prompts, images = image_prompts
+    assert [i is None for i in images] == [False, False, True, False] and len(images[1].image_grid_thw) == 2
+    alone = [hf_generate(vl_target, ids, imgs) for ids, imgs in zip(prompts, images)]
+    # the images matter: the same ids without them decode otherwise
+    assert hf_generate(vl_target, prompts[0], None) != alone[0]
+
+    plain = decode_batch(vl_target, prompts, images=images, max_new_tokens=NEW, stop_token_ids=[])
+    assert [r.output_ids for r in plain] == alone
+
+    sequences = [p.tolist() + a for p, a in zip(prompts, alone)]
+    taps = [0, 2, 4]
+    proposer = TapRecordingOracle(sequences, vocab=vl_target.config.text_config.vocab_size)
+    out = decode_batch(vl_target, prompts, images=images, proposer=proposer, block_size=5, tap_layer_ids=taps,
+                       max_new_tokens=NEW, stop_token_ids=[])
+    assert [r.output_ids for r in out] == alone
+    lengths = [n for r in out for n in r.acceptance_lengths]
+    assert max(lengths) == 5 and min(lengths) == 1 and len(set(lengths)) > 2  # whole, none and partial blocks
+
+    # the drafter's context: the prompt's taps are what training captures (the next layer's input after a deepstack
+    # addition), at slot positions 0..L-1 of each row
+    prefill = proposer.updates[0]
+    sequences = [TokenizedSequence(input_ids=ids, loss_mask=torch.zeros_like(ids, dtype=torch.bool),
+                                   pixel_values=None if i is None else i.pixel_values,
+                                   image_grid_thw=None if i is None else i.image_grid_thw)
+                 for ids, i in zip(prompts, images)]
+    _, captured = capture(vl_target, sequences, taps, token_budget=sum(len(p) for p in prompts))
+    start = 0
+    for row, ids in enumerate(prompts):
+        valid = prefill.valid[row]
+        assert prefill.tokens[row, valid].tolist() == ids.tolist()
+        assert prefill.positions[row, valid].tolist() == list(range(len(ids)))
+        torch.testing.assert_close(prefill.taps[row, valid], captured.taps[start : start + len(ids)], atol=1e-4,
+                                   rtol=1e-4)
+        start += len(ids)
+
+
+def test_a_long_image_prompt_is_cut_before_an_image_never_through_it(image_prompts, tmp_path):
+    tokenizer = build_tiny_tokenizer("qwen3-vl")
+    images = ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+    messages = message_rows([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(40, 40, 5)}},
+        {"type": "image_url", "image_url": {"url": data_url(64, 64, 6)}},
+        {"type": "text", "text": "Which is larger?"}]}], tmp_path)
+    whole, both = encode_image_prompt(tokenizer, messages, images, thinking=False, max_prompt_tokens=4096)
+    counts = (both.image_grid_thw.prod(-1) // 4).tolist()
+    pads = torch.nonzero(whole == IMAGE_PAD).flatten()
+    second = int(pads[counts[0]])  # the second image's first token
+    ids, kept = encode_image_prompt(tokenizer, messages, images, thinking=False,
+                                    max_prompt_tokens=len(whole) - second + 1)  # the cut reaches into image 1's end
+    assert len(kept.image_grid_thw) == 1 and kept.image_grid_thw.tolist() == both.image_grid_thw[1:].tolist()
+    assert int((ids == IMAGE_PAD).sum()) == counts[1] and ids.tolist() == whole[second - 1 :].tolist()
+    assert torch.equal(kept.pixel_values, both.pixel_values[int(both.image_grid_thw[0].prod()):])
+    ids, kept = encode_image_prompt(tokenizer, messages, images, thinking=False, max_prompt_tokens=len(whole) - second)
+    assert kept.image_grid_thw.tolist() == both.image_grid_thw[1:].tolist() and ids.tolist() == whole[second:].tolist()
+    ids, kept = encode_image_prompt(tokenizer, messages, images, thinking=False,
+                                    max_prompt_tokens=len(whole) - second - 1)  # through image 2: both left out
+    assert kept is None and int((ids == IMAGE_PAD).sum()) == 0 and len(ids) < len(whole) - second - 1
