@@ -135,3 +135,45 @@ def test_a_long_image_prompt_is_cut_before_an_image_never_through_it(image_promp
     ids, kept = encode_image_prompt(tokenizer, messages, images, thinking=False,
                                     max_prompt_tokens=len(whole) - second - 1)  # through image 2: both left out
     assert kept is None and int((ids == IMAGE_PAD).sum()) == 0 and len(ids) < len(whole) - second - 1
+
+
+def test_eval_of_a_run_trained_on_image_conversations_measures_tau_on_image_prompts(tmp_path, monkeypatch):
+    """The held-out split keeps image conversations; training's tau and validation and `dflash-train eval` decode their
+    prompts with the images, losslessly (greedy match rate 1.0 in fp32)."""
+    import json
+
+    from dflash_trainer import cli
+    from dflash_trainer.eval import batched
+    from tests.pipeline_helpers import summary, train_in_process
+    from tests.test_vlm_target import image_row, write_rows
+
+    with_images = []  # rows with images in each decoding prefill
+    prefill = batched.image_prefill
+    monkeypatch.setattr(batched, "image_prefill", lambda target, ids, valid, images: (
+        with_images.append(sum(i is not None for i in images)), prefill(target, ids, valid, images))[1])
+    (tmp_path / "images").mkdir()
+    rows = []
+    for i in range(12):
+        size = (32 + 16 * (i % 3), 48 + 16 * (i % 2))
+        url = f"images/{i}.png" if i % 2 else data_url(*size, seed=100 + i)
+        if i % 2:
+            png(tmp_path / url, *size, seed=i)
+        rows.append(image_row([url], question=f"Picture {i}: what is in it?"))
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    run = tmp_path / "run"
+    assert train_in_process(run, "target.random_init=tiny-qwen3-vl", "target.tokenizer=tiny:qwen3-vl",
+                            "target.dtype=float32", f"data.path={data}", "data.num_eval_conversations=3",
+                            "train.max_steps=2", "train.num_epochs=100", "eval.at_end=true", "eval.num_prompts=3",
+                            "eval.max_new_tokens=12", f"data.cache_dir={tmp_path / 'cache'}") == 0
+    held = [json.loads(line) for line in (run / "plan" / "eval.jsonl").read_text().splitlines()]
+    assert len(held) == 3 and all(isinstance(r["messages"][0]["content"], list) for r in held)
+    trained = summary(run)
+    assert trained["status"] == "ok" and trained["eval"]["val"]["replies"] == 3  # validation kept the image rows
+    assert with_images and all(n == 3 for n in with_images)  # training's tau: each pass decoded 3 image prompts
+    with_images.clear()
+
+    assert cli.main(["eval", "--config", str(run / "config.yaml"), "--drafter", str(run / "best"),
+                     "run.device=cpu"]) == 0
+    report = json.loads((run / "eval-best.json").read_text())
+    assert report["prompts"] == 3 and report["greedy_match_rate"] == 1.0 and report["tau"] >= 1.0
+    assert with_images == [3, 3, 3]  # the drafter's, prompt lookup's and plain decoding's passes, with the images
