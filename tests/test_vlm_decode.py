@@ -177,3 +177,63 @@ def test_eval_of_a_run_trained_on_image_conversations_measures_tau_on_image_prom
     report = json.loads((run / "eval-best.json").read_text())
     assert report["prompts"] == 3 and report["greedy_match_rate"] == 1.0 and report["tau"] >= 1.0
     assert with_images == [3, 3, 3]  # the drafter's, prompt lookup's and plain decoding's passes, with the images
+
+
+def test_regenerate_answers_image_prompts_with_their_images_and_keeps_them(tmp_path, vl_target):
+    """The local backend of an image-text target answers each user turn seeing its images (as HF's greedy `generate`
+    of the prompt with them); the written rows keep their image parts, which the data reader reads back."""
+    import json
+
+    from dflash_trainer import cli
+    from dflash_trainer.data.config import DataConfig
+    from dflash_trainer.data.sources import load_conversations
+    from dflash_trainer.target.stop_tokens import stop_token_ids
+    from tests.test_vlm_target import image_row, write_rows
+
+    (tmp_path / "data" / "img").mkdir(parents=True)  # relative image paths start at the data file's folder
+    png(tmp_path / "data" / "img" / "a.png", 40, 70, 0)
+    png(tmp_path / "data" / "img" / "b.png", 64, 48, 1)
+    inline = data_url(50, 40, 2)
+    two_turns = image_row(["img/b.png"], question="What is this?")
+    two_turns["messages"] += [{"role": "user", "content": "And its colours?"}]
+    rows = [image_row(["img/a.png"]), image_row([inline, "img/b.png"], question="Compare them."), two_turns,
+            {"messages": [{"role": "user", "content": "No picture here."}]}]
+    source = write_rows(tmp_path / "data" / "rows.jsonl", rows)
+    out = tmp_path / "regen"
+    tiny = ["target.random_init=tiny-qwen3-vl", "target.tokenizer=tiny:qwen3-vl", "target.dtype=float32",
+            "run.device=cpu", "regenerate.max_new_tokens=12", "logging.progress=false"]
+    assert cli.main(["regenerate", "--out", str(out), f"data.path={source}", *tiny]) == 0
+
+    written = [json.loads(line) for f in sorted(out.glob("shard_*.jsonl")) for line in f.read_text().splitlines()]
+    assert len(written) == 4
+    read = load_conversations(DataConfig(path=str(out)), seed=0, images=True)
+    assert read.report.dropped == {} and len(read.conversations) == 4
+    by_question = {c.messages[0].content: c for c in read.conversations}
+    a_png, b_png = str(tmp_path / "data" / "img" / "a.png"), str(tmp_path / "data" / "img" / "b.png")
+    assert [i.url for i in by_question["What is in this picture?"].messages[0].images] == [a_png]
+    assert [i.url for i in by_question["Compare them."].messages[0].images] == [inline, b_png]
+    assert [i.url for i in by_question["What is this?"].messages[0].images] == [b_png]
+
+    tokenizer = build_tiny_tokenizer("qwen3-vl")
+    images = ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+    stops = stop_token_ids(tokenizer, vl_target)
+    replies = 0
+    for conversation in read.conversations:
+        messages = conversation.messages
+        for k, message in enumerate(messages):
+            if message.role != "assistant":
+                continue
+            ids, prompt_images = encode_image_prompt(tokenizer, messages[:k], images, thinking=False,
+                                                     max_prompt_tokens=4096)
+            kwargs = {} if prompt_images is None else {
+                "pixel_values": prompt_images.pixel_values, "image_grid_thw": prompt_images.image_grid_thw,
+                "mm_token_type_ids": (ids[None] == IMAGE_PAD).int()}
+            vl_target.model.rope_deltas = None
+            tokens = vl_target.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]),
+                                        do_sample=False, max_new_tokens=12, eos_token_id=list(stops), pad_token_id=0,
+                                        **kwargs)[0, len(ids):].tolist()
+            vl_target.model.rope_deltas = None
+            end = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+            assert message.content == tokenizer.decode(tokens[:end], skip_special_tokens=False)
+            replies += 1
+    assert replies == 5
