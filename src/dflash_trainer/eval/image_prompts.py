@@ -109,6 +109,7 @@ def image_prefill(target, ids: torch.Tensor, valid: torch.Tensor,
     device = ids.device
     grid = torch.cat([i.image_grid_thw for i in with_images]).to(device)  # (I, 3)
     token_types = ((ids == model.config.image_token_id) & valid).int()  # (R, S): 1 at image tokens
+    # host sync: get_rope_index walks each row's token types on the host, once per prefill
     positions, deltas = model.get_rope_index(input_ids=ids, mm_token_type_ids=token_types, image_grid_thw=grid,
                                              attention_mask=valid.long())  # (3, R, S), (R, 1)
     return ImagePrefill(pixel_values=torch.cat([i.pixel_values for i in with_images]).to(device),
