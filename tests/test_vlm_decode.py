@@ -237,3 +237,33 @@ def test_regenerate_answers_image_prompts_with_their_images_and_keeps_them(tmp_p
             assert message.content == tokenizer.decode(tokens[:end], skip_special_tokens=False)
             replies += 1
     assert replies == 5
+
+
+def test_eval_prompts_keep_their_image_parts_and_a_text_target_refuses_them(tmp_path):
+    import json
+
+    from dflash_trainer.errors import DataError
+    from dflash_trainer.eval.evaluate import encode_prompts, load_prompt_messages
+    from tests.test_vlm_target import image_row
+
+    (tmp_path / "img").mkdir()
+    png(tmp_path / "img" / "a.png", 40, 40, 0)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(image_row(["img/a.png"])) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": "text"}]}) + "\n")
+    image_prompt, text_prompt = load_prompt_messages(path, 8)
+    assert image_prompt == [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": str(tmp_path / "img" / "a.png")}},
+        {"type": "text", "text": "What is in this picture?"}]}]
+    assert text_prompt == [{"role": "user", "content": "text"}]
+    tokenizer = build_tiny_tokenizer("qwen3-vl")
+    with pytest.raises(DataError, match="eval prompt 1 has images and the target has no image processor"):
+        encode_prompts(tokenizer, [image_prompt, text_prompt], thinking=False, max_prompt_tokens=512)
+    images = ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+    (ids, text_ids), (first, none) = encode_prompts(tokenizer, [image_prompt, text_prompt], thinking=False,
+                                                    max_prompt_tokens=512, images=images)
+    assert none is None and first.image_grid_thw.tolist() == [[1, 2, 2]]  # 40 x 40 pixels: a 2 x 2 patch grid
+    assert int((ids == IMAGE_PAD).sum()) == 1 and not (text_ids == IMAGE_PAD).any()
+    (tmp_path / "img" / "a.png").unlink()  # a prompt whose image is gone is named, with its line
+    with pytest.raises(DataError, match=r"prompts\.jsonl:1: .*unreadable_image"):
+        load_prompt_messages(path, 8)
