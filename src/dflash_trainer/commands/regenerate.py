@@ -59,16 +59,18 @@ def build_backend(config: Config) -> Backend:
             "regenerate.url=http://HOST:PORT/v1 (docs/data.md, \"Regenerating the answers\")", regen.max_new_tokens)
     import torch
 
-    from dflash_trainer.data.tokenizer import load_tokenizer
+    from dflash_trainer.data.tokenizer import load_image_tokens, load_tokenizer
     from dflash_trainer.regen.local import LocalBackend
     from dflash_trainer.target.load import load_target
 
     device = config.run.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = load_tokenizer(config.target, config.data.chat_template)
     return LocalBackend(
         model=load_target(config.target, device, seed=config.run.seed),
-        tokenizer=load_tokenizer(config.target, config.data.chat_template),
+        tokenizer=tokenizer,
+        images=load_image_tokens(config.target, tokenizer),
         max_new_tokens=regen.max_new_tokens,
         temperature=regen.temperature,
         thinking=regen.thinking,
@@ -77,6 +79,16 @@ def build_backend(config: Config) -> Backend:
         max_prompt_tokens=regen.max_prompt_tokens,
         top_p=regen.top_p,
     )
+
+
+def _answers_images(config: Config) -> bool:
+    """Whether the backend answers prompts with their images: the local backend of an image-text target (one with
+    an image processor). Otherwise rows with images are dropped when read, counted (`non_text_content`)."""
+    if config.regenerate.backend != "local":
+        return False
+    from dflash_trainer.data.tokenizer import load_image_tokens, load_tokenizer
+
+    return load_image_tokens(config.target, load_tokenizer(config.target, config.data.chat_template)) is not None
 
 
 def _source_info(config: Config, conversations: list, report: Any) -> dict[str, Any]:
@@ -99,7 +111,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     from dflash_trainer.data.rules import REGENERATE
     from dflash_trainer.data.sources import load_conversations
 
-    loaded = load_conversations(config.data, seed=config.run.seed, purpose=REGENERATE)
+    loaded = load_conversations(config.data, seed=config.run.seed, purpose=REGENERATE, images=_answers_images(config))
     conversations = [limit_turns(c, config.regenerate.max_turns) for c in loaded.conversations]
     report = loaded.report
     if config.data.max_conversations is not None:

@@ -93,13 +93,15 @@ def _build(config: Config, tokenizer: PreTrainedTokenizerFast,
     data = config.data
     loaded = load_conversations(data, seed=config.run.seed, images=True)
     unique = drop_duplicates(loaded.conversations)  # before holding out: a copy would leak into the eval slice
-    # real tau is measured on text prompts only so far: conversations with images are never held out
-    with_images = [c for c in unique if c.has_images]
-    split = hold_out([c for c in unique if not c.has_images], data.num_eval_conversations, seed=config.run.seed)
+    # an image-text target evaluates image prompts with their images; a text target's image conversations are never
+    # held out (tokenizing drops them, counted, below)
+    with_images = [] if images is not None else [c for c in unique if c.has_images]
+    split = hold_out([c for c in unique if images is not None or not c.has_images], data.num_eval_conversations,
+                     seed=config.run.seed)
     train, held = split.train + with_images, split.eval
-    if with_images and images is not None:
-        log.info("%d conversations with images train with them; none is held out for eval (tau on image prompts is "
-                 "not measured yet)", len(with_images))
+    if images is not None and any(c.has_images for c in unique):
+        log.info("%d conversations with images train with them; %d are held out for eval (tau on their prompts, "
+                 "with the images)", sum(c.has_images for c in train), sum(c.has_images for c in held))
     outcome = tokenize_all(train, tokenizer, thinking=data.thinking, max_length=data.max_length,
                            min_supervised=2 * config.drafter.block_size,
                            num_workers=data.num_workers or default_num_workers(),

@@ -54,6 +54,23 @@ class Message:
                 for p in self.chat_content()]
 
 
+def _message_from_json(row: dict[str, Any]) -> Message:
+    """A message as `Conversation.to_json` writes it: text content, or text and `image_url` parts."""
+    content = row["content"]
+    if isinstance(content, str):
+        return Message(role=row["role"], content=content)
+    text: list[str] = []
+    images = []
+    for part in content:
+        if part["type"] == "image_url":
+            images.append(ImageRef(url=part["image_url"]["url"], at=sum(map(len, text))))
+        elif part["type"] == "text":
+            text.append(part["text"])
+        else:
+            raise ValueError(f"a content part of type {part['type']!r}, neither text nor image_url")
+    return Message(role=row["role"], content="".join(text), images=tuple(images))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Conversation:
     messages: tuple[Message, ...]
@@ -72,7 +89,8 @@ class Conversation:
 
     @staticmethod
     def from_json(row: dict[str, Any]) -> "Conversation":
-        return Conversation(messages=tuple(Message(role=m["role"], content=m["content"]) for m in row["messages"]),
+        """The conversation `to_json` wrote (image parts back as `ImageRef`s, their urls as written)."""
+        return Conversation(messages=tuple(_message_from_json(m) for m in row["messages"]),
                             source=row.get("source", ""), source_index=int(row.get("source_index", -1)))
 
     @property

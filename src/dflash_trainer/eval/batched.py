@@ -25,6 +25,8 @@ import torch
 from transformers import DynamicCache
 
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.eval.image_prompts import (ImagePrefill, PromptImages, deepstack_tap_inputs, image_prefill,
+                                              mrope_position_ids, prefill_position_ids)
 from dflash_trainer.eval.linear_states import keep_committed_states, linear_layers, record_linear_states, select_rows
 from dflash_trainer.eval.speculative import DecodeResult, _forward, decoding_kernels
 from dflash_trainer.target.load import text_config
@@ -86,9 +88,12 @@ def _left_pad(prompts: Sequence[torch.Tensor], pad_id: int, device) -> tuple[tor
     return ids.to(device), valid.to(device), positions.to(device)
 
 
-def _taps(hidden_states: Sequence[torch.Tensor], tap_layer_ids: Sequence[int]) -> torch.Tensor:
-    """(R, n, K*H): tap l = output of decoder layer l = hidden_states[l + 1]."""
-    return torch.cat([hidden_states[l + 1] for l in tap_layer_ids], dim=-1)
+def _taps(hidden_states: Sequence[torch.Tensor], tap_layer_ids: Sequence[int],
+          read_after_add: Optional[dict[int, torch.Tensor]] = None) -> torch.Tensor:
+    """(R, n, K*H): tap l = output of decoder layer l = hidden_states[l + 1], or, where the forward added visual
+    features after layer l, the next layer's input (`read_after_add`, tap id -> (R, n, H))."""
+    read_after_add = read_after_add or {}
+    return torch.cat([read_after_add.get(l, hidden_states[l + 1]) for l in tap_layer_ids], dim=-1)
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -226,11 +231,15 @@ class _TargetCache:
         self.cache = DynamicCache() if self.by_position else DynamicCache(config=target.config)
         self.valid: Optional[torch.Tensor] = None  # (R, S) bool
         self.positions: Optional[torch.Tensor] = None  # (R, S) int64, kept for the position masks only
+        self.rope_deltas: Optional[torch.Tensor] = None
+        """(R,) int64 after a prefill with images: each row's M-RoPE offset of the text after its prompt
+        (`image_prompts.py`); None for a text batch, whose M-RoPE positions are its slot positions."""
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, new_valid: torch.Tensor, *, hidden: bool,
-                last_only: bool = False):
+                last_only: bool = False, images: Optional[ImagePrefill] = None):
         """Feed ids (R, n) at positions (R, n); new_valid (R, n) marks real tokens among them (padding is
-        False). Returns the HF output (logits (R, n or 1, V), hidden states if asked)."""
+        False); `images`: the prefill's images (`image_prompts.image_prefill`). Returns the HF output (logits
+        (R, n or 1, V), hidden states if asked)."""
         mask = new_valid if self.valid is None else torch.cat([self.valid, torch.ones_like(new_valid)], 1)
         attention_mask = mask.long()
         if self.by_position:
@@ -240,7 +249,14 @@ class _TargetCache:
                                    dtype=self.target.dtype)
             attention_mask = masks if self.by_layer_type else masks["sliding_attention"]
         kwargs = {"logits_to_keep": 1} if last_only else {}
-        out = _forward(self.target, ids, self.cache, attention_mask=attention_mask, position_ids=positions,
+        position_ids = positions
+        if images is not None:  # the image-text model's forward: vision tower, M-RoPE positions
+            self.rope_deltas = images.rope_deltas
+            position_ids = prefill_position_ids(positions, images)  # (4, R, n)
+            kwargs |= {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
+        elif self.rope_deltas is not None:
+            position_ids = mrope_position_ids(positions, self.rope_deltas)  # (4, R, n)
+        out = _forward(self.target, ids, self.cache, attention_mask=attention_mask, position_ids=position_ids,
                        output_hidden_states=hidden, **kwargs)
         if self.valid is None and self.block_width is not None:  # the prefill: recurrent layers start recording
             record_linear_states(self.cache, self.block_width)
@@ -259,6 +275,8 @@ class _TargetCache:
         self.valid = self.valid[rows]
         if self.positions is not None:
             self.positions = self.positions[rows]
+        if self.rope_deltas is not None:
+            self.rope_deltas = self.rope_deltas[rows]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,7 +313,8 @@ class _BatchDecode:
     is done stay in the batch (ignored) until a quarter of the batch is done, then leave it together."""
 
     def __init__(self, target, prompts: Sequence[torch.Tensor], proposer: Optional[BatchProposer],
-                 settings: DecodeSettings, pad_token_id: int, on_step: Callable[[int], None]) -> None:
+                 settings: DecodeSettings, pad_token_id: int, on_step: Callable[[int], None],
+                 images: Sequence[Optional[PromptImages]] = ()) -> None:
         self.device = next(target.parameters()).device
         self.proposer, self.settings, self.on_step = proposer, settings, on_step
         self.hidden = proposer is not None and proposer.needs_taps
@@ -307,9 +326,11 @@ class _BatchDecode:
         self.finished: list[int] = []  # batch rows whose prompt is done (dropped at the next compaction)
         self.slot = torch.arange(settings.width, device=self.device)
         ids, valid, positions = _left_pad(prompts, pad_token_id, self.device)
-        out = self.cache.forward(ids, positions, valid, hidden=self.hidden, last_only=True)
+        prefill = image_prefill(target, ids, valid, images)
+        with deepstack_tap_inputs(target, settings.tap_layer_ids, self.hidden and prefill is not None) as after_add:
+            out = self.cache.forward(ids, positions, valid, hidden=self.hidden, last_only=True, images=prefill)
         _check_finite(out.logits[:, -1])
-        self._observe(ids, positions, valid, out)
+        self._observe(ids, positions, valid, out, after_add)
         self.last = _pick(out.logits[:, -1], settings.temperature, settings.generator, settings.banned,
                           settings.top_p)  # (R,)
         self.starts = valid.sum(1)  # (R,) position of each row's last committed token (not yet fed)
@@ -323,9 +344,10 @@ class _BatchDecode:
     def running(self) -> bool:
         return len(self.finished) < len(self.active)
 
-    def _observe(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, out) -> None:
+    def _observe(self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, out,
+                 read_after_add: Optional[dict[int, torch.Tensor]] = None) -> None:
         if self.proposer is not None:
-            taps = _taps(out.hidden_states, self.settings.tap_layer_ids) if self.hidden else None
+            taps = _taps(out.hidden_states, self.settings.tap_layer_ids, read_after_add) if self.hidden else None
             self.proposer.observe(ContextUpdate(tokens=tokens, positions=positions, valid=valid, taps=taps))
 
     def compact(self) -> None:
@@ -410,9 +432,12 @@ def decode_batch(
     pad_token_id: int = 0,
     banned_token_ids: Sequence[int] = (),
     on_step: Callable[[int], None] = lambda committed: None,
+    images: Optional[Sequence[Optional[PromptImages]]] = None,
 ) -> list[DecodeResult]:
     """Decode every prompt ((L,) int64 each) to a stop token or `max_new_tokens`.
 
+    `images`: each prompt's images (None: a text prompt), for an image-text target (`image_prompts.py`); its
+    image tokens are in the prompt's ids.
     Without a proposer this is plain decoding (greedy, or sampled at `temperature`), one token per step and
     no acceptance lengths. With one, each step verifies a block of `block_size` tokens. `banned_token_ids`
     are never generated by plain decoding, and `top_p` < 1 samples it from a nucleus; speculative decoding
@@ -431,7 +456,10 @@ def decode_batch(
                               width=block_size if speculative else 1, temperature=temperature, top_p=top_p,
                               generator=generator,
                               banned=banned, tap_layer_ids=tuple(tap_layer_ids))
-    run = _BatchDecode(target, prompts, proposer if speculative else None, settings, pad_token_id, on_step)
+    if images is not None and len(images) != len(prompts):
+        raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts: give one per prompt (None: none)")
+    run = _BatchDecode(target, prompts, proposer if speculative else None, settings, pad_token_id, on_step,
+                       images or ())
     while run.running():
         run.compact()
         run.step()

@@ -15,11 +15,12 @@ from typing import Sequence
 from torch import nn
 
 from dflash_trainer.config import Config
+from dflash_trainer.data.tokenizer import load_image_tokens
 from dflash_trainer.drafter.fit import target_mismatches
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.eval.evaluate import EvalReport, encode_prompts, evaluate_tau
+from dflash_trainer.eval.evaluate import EvalReport, encode_prompts, evaluate_tau, has_image_parts
 from dflash_trainer.eval.proposers import DFlashBatchProposer
 from dflash_trainer.rundir import RunDir
 from dflash_trainer.target.checks import check_target
@@ -94,12 +95,15 @@ def evaluate_drafter(
     spec = drafter.spec
     device = next(drafter.parameters()).device
     embed, lm_head = head.embed_weight.to(device), head.lm_head_weight.to(device)
-    prompts = encode_prompts(tokenizer, prompts_messages, thinking=config.data.thinking,
-                             max_prompt_tokens=max_prompt_tokens)
+    images = None
+    if any(has_image_parts(m) for m in prompts_messages):  # an image-text target's prompts keep their images
+        images = load_image_tokens(config.target, tokenizer)
+    prompts, prompt_images = encode_prompts(tokenizer, prompts_messages, thinking=config.data.thinking,
+                                            max_prompt_tokens=max_prompt_tokens, images=images)
     return evaluate_tau(
         target, lambda: DFlashBatchProposer(drafter, embed, lm_head), prompts, block_size=spec.draft_length + 1,
         tap_layer_ids=spec.tap_layer_ids, max_new_tokens=ecfg.max_new_tokens,
         stop_token_ids=stop_token_ids(tokenizer, target), temperature=ecfg.temperature, seed=config.run.seed,
         with_baseline=True, with_prompt_lookup=ecfg.prompt_lookup, batch_size=ecfg.batch_size,
-        pad_token_id=tokenizer.pad_token_id or 0, progress=progress,
+        pad_token_id=tokenizer.pad_token_id or 0, progress=progress, images=prompt_images,
     )

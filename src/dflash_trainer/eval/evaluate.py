@@ -12,8 +12,10 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from dflash_trainer.data.vision import ImageTokens
 from dflash_trainer.errors import DataError
 from dflash_trainer.eval.batched import BatchProposer, decode_batch
+from dflash_trainer.eval.image_prompts import PromptImages, encode_image_prompt, message_rows
 from dflash_trainer.eval.proposers import PromptLookupProposer
 from dflash_trainer.eval.speculative import DecodeResult
 from dflash_trainer.eval.stats import plus_minus, tau_stderr
@@ -94,7 +96,9 @@ def _prompt_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def load_prompt_messages(path: str | Path, num_prompts: int) -> list[list[dict]]:
-    """Messages up to and including the last user turn of each JSONL row `{"messages": [...]}`."""
+    """Messages up to and including the last user turn of each JSONL row `{"messages": [...]}`. A user turn may give
+    OpenAI-style text and `image_url` parts (read as the data reader reads them: relative paths from the file's
+    folder, each image decoded once); their urls come back resolved (an absolute path, or the data URL)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"eval prompts file {path} not found; set eval.prompts to a JSONL of {{\"messages\": [...]}} rows")
@@ -107,7 +111,13 @@ def load_prompt_messages(path: str | Path, num_prompts: int) -> list[list[dict]]
             raise DataError(f"{path}:{line_no}: not a {{\"messages\": [...]}} row with a user turn ({e})") from None
         prompt = [{"role": m["role"], "content": m.get("content")} for m in messages[: last_user + 1]]
         bad = next((m for m in prompt if not isinstance(m["content"], str)), None)
-        if bad is not None:
+        if isinstance(bad, dict) and isinstance(bad["content"], list):  # image parts: read as training reads them
+            try:
+                prompt = [{"role": m.role, "content": m.openai_content()} for m in message_rows(prompt, path.parent)]
+            except DataError as e:
+                raise DataError(f"{path}:{line_no}: a {bad['role']} turn's content is list, not text or text and "
+                                f"image parts: {e}") from None
+        elif bad is not None:
             raise DataError(f"{path}:{line_no}: a {bad['role']} turn's content is "
                             f"{type(bad['content']).__name__}, not text; give each turn's content as a string")
         prompts.append(prompt)
@@ -118,13 +128,33 @@ def load_prompt_messages(path: str | Path, num_prompts: int) -> list[list[dict]]
     return prompts
 
 
-def encode_prompts(tokenizer, prompts: Sequence[list[dict]], *, thinking: bool, max_prompt_tokens: int) -> list[torch.Tensor]:
-    encoded = []
-    for messages in prompts:
+def has_image_parts(messages: Sequence[dict]) -> bool:
+    """Whether a prompt (as `load_prompt_messages` returns it) has image parts."""
+    return any(not isinstance(m["content"], str) for m in messages)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[list[dict]], *, thinking: bool, max_prompt_tokens: int,
+                   images: Optional[ImageTokens] = None) -> tuple[list[torch.Tensor], list[Optional[PromptImages]]]:
+    """(ids (L,) int64, images or None) of each prompt rendered with the generation prompt, its last
+    `max_prompt_tokens` tokens; a prompt with image parts gets its image tokens and images (`images`: the
+    image-text target's image processing; None refuses image prompts with a DataError)."""
+    encoded, encoded_images = [], []
+    for i, messages in enumerate(prompts):
+        if has_image_parts(messages):
+            if images is None:
+                raise DataError(f"eval prompt {i + 1} has images and the target has no image processor: evaluate "
+                                "image prompts with an image-text target (target.tokenizer names its processor), or "
+                                "give text prompts")
+            ids, prompt_images = encode_image_prompt(tokenizer, message_rows(messages, Path(".")), images,
+                                                     thinking=thinking, max_prompt_tokens=max_prompt_tokens)
+            encoded.append(ids)
+            encoded_images.append(prompt_images)
+            continue
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
         encoded.append(torch.tensor(ids, dtype=torch.int64))
-    return encoded
+        encoded_images.append(None)
+    return encoded, encoded_images
 
 
 def _histogram(results: Sequence[DecodeResult], block_size: int) -> list[int]:
@@ -157,17 +187,22 @@ def _weight_sample(target) -> list[float]:
     return torch.cat([t.float() for t in picks]).cpu().tolist()  # host sync: once per evaluation, <= 32 values
 
 
-def setting_digest(target, prompts: Sequence[torch.Tensor], **setting) -> str:
+def setting_digest(target, prompts: Sequence[torch.Tensor], images: Sequence[Optional[PromptImages]] = (),
+                   **setting) -> str:
     """sha256 over what an evaluation ran on: the prompts' token ids in order, the decoding `setting` (new
     tokens, temperature, block size, stop tokens) and the target (its class, its parameters' names and shapes,
     the kinds of its weights, so an FP8 target differs from the same one in bf16, and a sample of their values;
-    not the folder it was read from)."""
+    not the folder it was read from), and the prompts' images (their grids and patches)."""
     weights = sorted({f"{type(p).__name__}:{p.dtype}" for p in target.parameters()})
     shapes = [(name, tuple(p.shape)) for name, p in target.named_parameters()]
     digest = hashlib.sha256(repr((type(target).__name__, weights, shapes, _weight_sample(target),
                                   sorted(setting.items()))).encode())
     for p in prompts:
         digest.update(repr(p.tolist()).encode())
+    for i in images:
+        if i is not None:
+            digest.update(repr(i.image_grid_thw.tolist()).encode())
+            digest.update(i.pixel_values.float().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -187,11 +222,13 @@ def evaluate_tau(
     batch_size: int = 64,
     pad_token_id: int = 0,
     progress: bool = False,
+    images: Optional[Sequence[Optional[PromptImages]]] = None,
 ) -> EvalReport:
     """tau of the drafter `make_proposer()` builds (a fresh one per batch of `batch_size` prompts).
 
     Passes, each batched: the drafter; prompt lookup (`with_prompt_lookup`); plain target decoding
-    (`with_baseline`), whose output the drafter's must equal at temperature 0."""
+    (`with_baseline`), whose output the drafter's must equal at temperature 0. `images`: each prompt's images
+    (None: text), for an image-text target."""
     start = time.perf_counter()
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -208,6 +245,7 @@ def evaluate_tau(
                 block_size=block_size if proposer_factory else 1, tap_layer_ids=tap_layer_ids,
                 max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, temperature=temperature,
                 generator=generator, pad_token_id=pad_token_id,
+                images=images[i : i + batch_size] if images is not None else None,
                 on_step=(lambda n: bar.update(n)) if bar is not None else (lambda n: None),
             )
             if bar is not None:  # rows that stopped early: their unused budget
@@ -243,7 +281,7 @@ def evaluate_tau(
         per_prompt_steps=steps,
         prompt_lookup_per_prompt_committed=lookup_committed,
         prompt_lookup_per_prompt_steps=lookup_steps,
-        setting_digest=setting_digest(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+        setting_digest=setting_digest(target, prompts, images or (), max_new_tokens=max_new_tokens, temperature=temperature,
                                       block_size=block_size, stop_token_ids=tuple(stop_token_ids)),
         seconds=time.perf_counter() - start,
     )

@@ -202,14 +202,18 @@ def build_validator(config: Config, *, capture: TapCapture, head: TargetHead, to
     from dflash_trainer.data.config import DataSourceConfig
     from dflash_trainer.data.sources import load_source
     from dflash_trainer.data.tokenized import tokenize_all
+    from dflash_trainer.data.tokenizer import load_image_tokens
     from dflash_trainer.target.load import DTYPES
     from dflash_trainer.transport.wire import allocate
 
+    images = load_image_tokens(config.target, tokenizer)  # an image-text target validates with the images
     loaded = load_source(DataSourceConfig(path=str(conversations_path), format="messages"),
-                         limit=config.eval.num_prompts, max_record_bytes=config.data.max_record_bytes)
+                         limit=config.eval.num_prompts, max_record_bytes=config.data.max_record_bytes,
+                         images=images is not None)
     dataset = tokenize_all(list(loaded.conversations), tokenizer, thinking=config.data.thinking,
                            max_length=config.data.max_length, min_supervised=2,
-                           escape_special_tokens=config.data.escape_special_tokens).dataset  # as the training set
+                           escape_special_tokens=config.data.escape_special_tokens,
+                           images=images).dataset  # as the training set
     if len(dataset) == 0:
         return None
     wire = wire_spec(config, hidden=capture.hidden, num_taps=len(capture.tap_layer_ids))

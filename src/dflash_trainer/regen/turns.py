@@ -11,6 +11,7 @@ turn the row is skipped (local) or failed (openai). Both backends drive a conver
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from dflash_trainer.data.rules import REASONS, REGENERATE, conversation_problem
 from dflash_trainer.data.types import Conversation, Message
@@ -123,6 +124,7 @@ def skipped(rid: str, limit: str, detail: str) -> RegenOutcome:
     return RegenOutcome(row_id=rid, messages=None, error=f"{limit}: {detail}", skipped=limit)
 
 
-def as_dicts(messages: tuple[Message, ...]) -> list[dict[str, str]]:
-    """Messages in the chat-template / OpenAI form."""
-    return [{"role": m.role, "content": m.content} for m in messages]
+def as_dicts(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+    """Messages in the OpenAI form (a data row's): text, or text and `image_url` parts (urls as the data reader
+    resolved them: an absolute path or a data URL), so a regenerated row trains with its images."""
+    return [{"role": m.role, "content": m.openai_content()} for m in messages]

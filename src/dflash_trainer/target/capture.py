@@ -40,7 +40,7 @@ from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.target.checks import check_tap_layer_ids
 from dflash_trainer.target.context_parallel import ShardAttention, across_shards
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.load import find_decoder, image_text_model, text_config
+from dflash_trainer.target.load import deepstack_layer_count, find_decoder, image_text_model, text_config
 from dflash_trainer.transport.wire import WireBatch
 
 
@@ -164,8 +164,7 @@ class TapCapture:
         self.layers = self.decoder.layers
         self.image_text = image_text_model(model)
         """The image-text model around the decoder (vision tower, M-RoPE positions), or None for a text target."""
-        vision = getattr(getattr(model, "config", None), "vision_config", None)
-        self.deepstack_layers = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+        self.deepstack_layers = deepstack_layer_count(model)
         """Decoder layers 0..n-1 after which the model adds visual features at image positions (Qwen3-VL)."""
         num_layers = len(self.layers)
         check_tap_layer_ids(tap_layer_ids, num_layers)

@@ -168,6 +168,13 @@ def image_text_model(model: nn.Module) -> Optional[nn.Module]:
     return None
 
 
+def deepstack_layer_count(model: nn.Module) -> int:
+    """Decoder layers 0..n-1 after which an image-text model adds visual features at image positions (Qwen3-VL's
+    deepstack); 0 for other models."""
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
+
+
 FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm")
 """What decoder stacks call their final norm: Llama/Qwen/Gemma/DeepSeek `norm`, Nemotron-H's `norm_f`."""
 
