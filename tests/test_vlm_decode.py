@@ -18,7 +18,7 @@ from dflash_trainer.target.load import load_target
 from tests.drafter_helpers import single_thread  # noqa: F401 (autouse fixture)
 from tests.test_family_decode import OracleProposer
 from tests.test_target_capture import capture
-from tests.test_vlm_target import IMAGE_PAD, data_url, png
+from tests.test_vlm_target import IMAGE_PAD, data_url, image_conversations, png
 
 NEW = 20
 
@@ -145,20 +145,13 @@ def test_eval_of_a_run_trained_on_image_conversations_measures_tau_on_image_prom
     from dflash_trainer import cli
     from dflash_trainer.eval import batched
     from tests.pipeline_helpers import summary, train_in_process
-    from tests.test_vlm_target import image_row, write_rows
+    from tests.test_vlm_target import write_rows
 
     with_images = []  # rows with images in each decoding prefill
     prefill = batched.image_prefill
     monkeypatch.setattr(batched, "image_prefill", lambda target, ids, valid, images: (
         with_images.append(sum(i is not None for i in images)), prefill(target, ids, valid, images))[1])
-    (tmp_path / "images").mkdir()
-    rows = []
-    for i in range(12):
-        size = (32 + 16 * (i % 3), 48 + 16 * (i % 2))
-        url = f"images/{i}.png" if i % 2 else data_url(*size, seed=100 + i)
-        if i % 2:
-            png(tmp_path / url, *size, seed=i)
-        rows.append(image_row([url], question=f"Picture {i}: what is in it?"))
+    rows = image_conversations(tmp_path, 12)
     data = write_rows(tmp_path / "train.jsonl", rows)
     run = tmp_path / "run"
     assert train_in_process(run, "target.random_init=tiny-qwen3-vl", "target.tokenizer=tiny:qwen3-vl",

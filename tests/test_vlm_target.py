@@ -50,6 +50,20 @@ def image_row(urls, question="What is in this picture?", reply=REPLY):
     return {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": reply}]}
 
 
+def image_conversations(folder, count: int) -> list[dict]:
+    """`count` one-image conversations of different sizes, the odd ones PNG files under folder/images (named relative
+    to folder, where the data file goes), the even ones data URLs."""
+    (folder / "images").mkdir(exist_ok=True)
+    rows = []
+    for i in range(count):
+        size = (32 + 16 * (i % 3), 48 + 16 * (i % 2))
+        url = f"images/{i}.png" if i % 2 else data_url(*size, seed=100 + i)
+        if i % 2:
+            png(folder / url, *size, seed=i)
+        rows.append(image_row([url], question=f"Picture {i}: what is in it?"))
+    return rows
+
+
 def write_rows(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -202,14 +216,7 @@ def test_tiny_qwen3_vl_trains_on_image_conversations(tmp_path, monkeypatch):
     forward = TapCapture._forward_with_images
     monkeypatch.setattr(TapCapture, "_forward_with_images",
                         lambda self, inputs: (image_rows.append(len(inputs.image_grid_thw)), forward(self, inputs)))
-    (tmp_path / "images").mkdir()
-    rows = []
-    for i in range(10):
-        size = (32 + 16 * (i % 3), 48 + 16 * (i % 2))
-        url = f"images/{i}.png" if i % 2 else data_url(*size, seed=100 + i)
-        if i % 2:
-            png(tmp_path / url, *size, seed=i)
-        rows.append(image_row([url], question=f"Picture {i}: what is in it?"))
+    rows = image_conversations(tmp_path, 10)
     rows.append(image_row(["images/nowhere.png"]))
     data = write_rows(tmp_path / "train.jsonl", rows)
     run = tmp_path / "run"
