@@ -80,3 +80,25 @@ def test_server_commands_are_the_readmes():
                            "--speculative-draft-model-path", "E"]
     with pytest.raises(ValueError, match="dflash format only"):
         server_command("sglang", "speculators", **common)
+
+
+def test_serving_tau_dry_run_renders_the_prompts_as_eval_does(tmp_path, capsys, tiny_tokenizer):
+    """`bench/serving/serving_tau.py --dry-run` renders and counts the prompts as `dflash-train eval` does and prints
+    each engine's command (no engine, no GPU)."""
+    from bench.serving import serving_tau
+    from dflash_trainer.drafter.export import export_drafter
+    from tests.drafter_helpers import tiny_drafter
+    from tests.eval_helpers import tiny_target_model
+
+    target = tmp_path / "target"
+    tiny_target_model().save_pretrained(target)
+    tiny_tokenizer.save_pretrained(target)
+    drafter, target_config = tiny_drafter()
+    export = export_drafter(drafter, tmp_path / "export", target_config=target_config)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n"
+                               for text in ("hello there", "the sea is wide")))
+    assert serving_tau.main(["--config", "demo", "--drafter", str(export), "--prompts", str(prompts), "--dry-run",
+                             f"target.path={target}", "target.random_init=null", f"target.tokenizer={target}"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("2 prompts (") and "vllm dflash: " in printed and "sglang dflash: " in printed

@@ -61,8 +61,8 @@ def main() -> int:
     args = p.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompts = encode_prompts(tokenizer, load_prompt_messages(args.prompts, args.num_prompts), thinking=False,
-                             max_prompt_tokens=args.max_prompt_tokens)
+    prompts, _ = encode_prompts(tokenizer, load_prompt_messages(args.prompts, args.num_prompts), thinking=False,
+                                max_prompt_tokens=args.max_prompt_tokens)  # text prompts: no images
     drafter = load_drafter(args.export).float().eval()
     if args.markov_scale != 1.0:
         drafter.markov_w2.weight.data.mul_(args.markov_scale)

@@ -63,8 +63,8 @@ def prompt_ids(config, args) -> tuple[list[list[int]], list[int]]:
 
     tokenizer = load_tokenizer(config.target, config.data.chat_template)
     messages = load_prompt_messages(args.prompts, args.num_prompts)
-    encoded = encode_prompts(tokenizer, messages, thinking=config.data.thinking,
-                             max_prompt_tokens=config.data.max_length - args.max_new_tokens)
+    encoded, _ = encode_prompts(tokenizer, messages, thinking=config.data.thinking,
+                                max_prompt_tokens=config.data.max_length - args.max_new_tokens)  # text prompts
     generation = types.SimpleNamespace(generation_config=GenerationConfig.from_pretrained(config.target.path))
     return [p.tolist() for p in encoded], stop_token_ids(tokenizer, generation)
 
