@@ -114,7 +114,7 @@ def test_image_prompts_decode_losslessly_with_their_images(vl_target, image_prom
         start += len(ids)
 
 
-def test_a_long_image_prompt_is_cut_before_an_image_never_through_it(image_prompts, tmp_path):
+def test_a_long_image_prompt_is_cut_before_an_image_never_through_it(image_prompts, tmp_path, caplog):
     tokenizer = build_tiny_tokenizer("qwen3-vl")
     images = ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
     messages = message_rows([{"role": "user", "content": [
@@ -135,6 +135,7 @@ def test_a_long_image_prompt_is_cut_before_an_image_never_through_it(image_promp
     ids, kept = encode_image_prompt(tokenizer, messages, images, thinking=False,
                                     max_prompt_tokens=len(whole) - second - 1)  # through image 2: both left out
     assert kept is None and int((ids == IMAGE_PAD).sum()) == 0 and len(ids) < len(whole) - second - 1
+    assert "2 of its 2 images left out whole" in caplog.text  # never a silent loss
 
 
 def test_eval_of_a_run_trained_on_image_conversations_measures_tau_on_image_prompts(tmp_path, monkeypatch):

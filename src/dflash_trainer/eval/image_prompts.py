@@ -14,9 +14,10 @@ training captured (`TapCapture`): after a layer where the model adds visual feat
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -26,6 +27,8 @@ from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
 from dflash_trainer.data.vision import ImageTokens, add_image_tokens
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.target.load import deepstack_layer_count, find_decoder_layers, image_text_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +90,9 @@ def encode_image_prompt(tokenizer, messages: tuple[Message, ...], images: ImageT
     dropped = int((ends - counts < cut).sum())  # images the cut reaches: a prefix, left out whole
     if dropped:
         cut = max(cut, int(ends[dropped - 1]))
+        log.warning("an image prompt of %d tokens is cut to its last %d: %d of its %d images left out whole (the "
+                    "first ones); raise the prompt budget (data.max_length) to keep them", len(ids), len(ids) - cut,
+                    dropped, len(grid))
     kept = grid[dropped:]
     if len(kept) == 0:
         return ids[cut:], None
