@@ -99,6 +99,18 @@ PRESETS: dict[str, dict] = {
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            deepstack_visual_indexes=[0], patch_size=16, num_position_embeddings=64),
     ),
+    "tiny-qwen3.5-vl": dict(  # Qwen3.5 as released: image-text, its language model the hybrid one above
+        model_type="qwen3_5", tie_word_embeddings=False, image_token_id=TINY_VOCAB_SIZE + 6,
+        video_token_id=TINY_VOCAB_SIZE + 7, vision_start_token_id=TINY_VOCAB_SIZE + 8,
+        vision_end_token_id=TINY_VOCAB_SIZE + 9,
+        text_config=dict(
+            **{k: v for k, v in _TINY_SHAPE.items() if k != "tie_word_embeddings"}, intermediate_size=128, **_TINY_LINEAR,
+            layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, num_position_embeddings=64),
+    ),
     "qwen3-1.7b": dict(
         model_type="qwen3",
         vocab_size=151936,
