@@ -31,8 +31,11 @@ def linear_layers(cache) -> list:
 
 def record_linear_states(cache, block_width: int) -> None:
     """After the prefill: have the recurrent layers keep the state after each of a block's tokens."""
-    if linear_layers(cache):
+    layers = linear_layers(cache)
+    if layers:
         cache.activate_past_recording(recurrent_states_to_keep=block_width)
+    for layer in layers:  # one history per state (transformers' activation shares one list between a layer's states)
+        layer.recurrent_states_history = {i: [] for i in range(layer.number_of_states)}
 
 
 def keep_committed_states(cache, kept: torch.Tensor, fed: int) -> None:
@@ -64,7 +67,7 @@ def _keep_recurrent(layer, i: int, kept: torch.Tensor, fed: int) -> None:
     states = torch.stack([*history, layer.recurrent_states[i]])  # (fed + 1, R, ...): before, after 1, ..., after all
     chosen = states[kept, torch.arange(kept.shape[0], device=kept.device)]  # (R, ...)
     layer.recurrent_states[i].copy_(chosen)
-    layer.recurrent_states_history[i] = []  # a fresh list per state: the layer's dict shares one list between keys
+    history.clear()
 
 
 def select_rows(cache, rows: torch.Tensor) -> None:
