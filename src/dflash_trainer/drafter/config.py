@@ -92,9 +92,8 @@ class DrafterConfig:
     lilicorr_hidden_size: int = 1024
     """LiLiCorr: width of the lattice head, at most the drafter's hidden size (0, or a width at least the drafter's:
     the drafter's). 1024 is ModelOpt's published recipe for Qwen3-8B's 4,096-wide drafter
-    (modelopt_recipes/general/speculative_decoding/lilicorr.yaml). The head's matmuls grow with its width squared
-    over S*K = 120 candidates a block (16 slots, top-8): at 4,096 it costs 1.7x the rest of the 8B step, at 1024 an
-    eighth (bench/flops.py, lilicorr_step_flops)."""
+    (modelopt_recipes/general/speculative_decoding/lilicorr.yaml). The head runs over every candidate of every slot,
+    so its cost grows with its width squared (bench/flops.py, lilicorr_step_flops; prices in bench/RESULTS.md)."""
     lilicorr_candidate_topk: int = 8
     """LiLiCorr: candidates per slot (a power of two <= 16, the engines' limit)."""
     lilicorr_num_layers: int = 2
