@@ -101,7 +101,7 @@ def evaluate_drafter(
     prompts, prompt_images = encode_prompts(tokenizer, prompts_messages, thinking=config.data.thinking,
                                             max_prompt_tokens=max_prompt_tokens, images=images)
     return evaluate_tau(
-        target, lambda: DFlashBatchProposer(drafter, embed, lm_head), prompts, block_size=spec.draft_length + 1,
+        target, lambda: DFlashBatchProposer(drafter, embed, lm_head, lattice_head=ecfg.lattice_head), prompts, block_size=spec.draft_length + 1,
         tap_layer_ids=spec.tap_layer_ids, max_new_tokens=ecfg.max_new_tokens,
         stop_token_ids=stop_token_ids(tokenizer, target), temperature=ecfg.temperature, seed=config.run.seed,
         with_baseline=True, with_prompt_lookup=ecfg.prompt_lookup, batch_size=ecfg.batch_size,
