@@ -229,11 +229,12 @@ def test_tiny_qwen3_vl_trains_on_image_conversations(tmp_path, monkeypatch):
     assert plan["conversations_kept"] == 10 and plan["dropped"].get("unreadable_image") == 1
 
 
-def test_the_drafter_of_an_m_rope_target_is_exported_with_1d_rope(tmp_path):
+def test_the_drafter_of_an_m_rope_target_is_exported_with_1d_rope(tmp_path, caplog):
     """The drafter's RoPE is 1-D at sequence positions (training's; what vLLM's V2 runner and SGLang hand it), so
     its export of a Qwen3-VL target declares no M-RoPE: from `mrope_section` vLLM builds an M-RoPE drafter, which its
     V1 runner refuses ("does not support M-RoPE"). The fields change no numbers: our rotary table is the target
-    config's (HF's Qwen3 rotary ignores them), and an export written with them loads to the same forward."""
+    config's (HF's Qwen3 rotary ignores them), and an export written with them loads to the same forward. The export
+    warns that vLLM's V1 runner would hand the drafter M-RoPE positions (a text target's does not)."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -250,7 +251,16 @@ def test_the_drafter_of_an_m_rope_target_is_exported_with_1d_rope(tmp_path):
                         mask_token_id=config.text_config.vocab_size - 1)
     torch.manual_seed(0)
     drafter = DFlashDrafter(spec, attention="sdpa")
-    export_drafter(drafter, tmp_path / "export", target_config=config)
+    with caplog.at_level(logging.WARNING):
+        export_drafter(drafter, tmp_path / "export", target_config=config)
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in caplog.text
+    caplog.clear()
+    text_config = preset_config("tiny")
+    with caplog.at_level(logging.WARNING):
+        export_drafter(DFlashDrafter(drafter_spec(text_config, DrafterConfig(num_layers=1, block_size=8),
+                                                  mask_token_id=text_config.vocab_size - 1)),
+                       tmp_path / "text-export", target_config=text_config)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in caplog.text
     written = json.loads((tmp_path / "export" / "config.json").read_text())
     assert not [k for k in written["rope_parameters"] if k.startswith("mrope")]
     assert written["rope_parameters"]["rope_theta"] == target_rope["rope_theta"]
