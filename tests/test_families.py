@@ -34,7 +34,7 @@ FAMILIES = {  # preset: (the model class it is served as, the checked engines wi
     "tiny-glm4-moe": ("Glm4MoeForCausalLM", [VLLM, SGLANG]),
     "tiny-minimax-m2": ("MiniMaxM2ForCausalLM", [SGLANG]),
     "tiny-nemotron-h": ("NemotronHForCausalLM", []),
-    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", []),  # image-text; with images: test_vlm_target.py
+    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", [SGLANG]),  # image-text; with images: test_vlm_target.py
     "tiny-qwen3.5-vl": ("Qwen3_5ForConditionalGeneration", []),  # Qwen3.5 as released (image-text), on text here
 }
 SPECULATORS_REFUSED = {"tiny-gemma4": "scales its embeddings by 8"}

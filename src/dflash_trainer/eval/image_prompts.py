@@ -26,7 +26,8 @@ from dflash_trainer.data.masks import Unmaskable, render
 from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
 from dflash_trainer.data.vision import ImageTokens, add_image_tokens
 from dflash_trainer.errors import ConfigError, DataError
-from dflash_trainer.target.load import deepstack_layer_count, find_decoder_layers, image_text_model
+from dflash_trainer.target.load import find_decoder_layers, image_text_model
+from dflash_trainer.target.tap_points import hook_tap, read_at_next_input, visual_feature_layers
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +137,14 @@ def prefill_position_ids(positions: torch.Tensor, prefill: ImagePrefill) -> torc
 
 @contextmanager
 def deepstack_tap_inputs(target, tap_layer_ids: Sequence[int], active: bool) -> Iterator[dict[int, torch.Tensor]]:
-    """Inside: the taps on layers after which the model adds visual features, read at the next layer's input
-    (tap id -> (R, S, H)), when `active` (a forward with images whose taps are needed); otherwise records nothing."""
+    """Inside: the taps read at the next layer's input, after the visual features the model adds (tap id -> (R, S,
+    H); `target/tap_points.py`), when `active` (a forward with images whose taps are needed); otherwise records
+    nothing. The other taps are the layers' outputs, HF's `output_hidden_states`."""
     found: dict[int, torch.Tensor] = {}
     layers = find_decoder_layers(target)
-    added = deepstack_layer_count(target) if active else 0
-    handles = [layers[l + 1].register_forward_pre_hook(
-        lambda module, args, kwargs, l=l: found.__setitem__(l, args[0] if args else kwargs["hidden_states"]),
-        with_kwargs=True) for l in sorted(set(tap_layer_ids)) if l < added]
+    added_after = visual_feature_layers(target, with_images=active)
+    handles = [hook_tap(layers, l, added_after, lambda hidden, l=l: found.__setitem__(l, hidden))
+               for l in sorted(set(tap_layer_ids)) if read_at_next_input(l, added_after)]
     try:
         yield found
     finally:

@@ -40,7 +40,8 @@ from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.target.checks import check_tap_layer_ids
 from dflash_trainer.target.context_parallel import ShardAttention, across_shards
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.load import deepstack_layer_count, find_decoder, image_text_model, text_config
+from dflash_trainer.target.load import find_decoder, image_text_model, text_config
+from dflash_trainer.target.tap_points import hook_tap, visual_feature_layers
 from dflash_trainer.transport.wire import WireBatch
 
 
@@ -164,8 +165,8 @@ class TapCapture:
         self.layers = self.decoder.layers
         self.image_text = image_text_model(model)
         """The image-text model around the decoder (vision tower, M-RoPE positions), or None for a text target."""
-        self.deepstack_layers = deepstack_layer_count(model)
-        """Decoder layers 0..n-1 after which the model adds visual features at image positions (Qwen3-VL)."""
+        self.model = model
+        """The whole target: its config says after which layers a forward with images adds visual features."""
         num_layers = len(self.layers)
         check_tap_layer_ids(tap_layer_ids, num_layers)
         self.tap_layer_ids = tuple(tap_layer_ids)
@@ -192,16 +193,11 @@ class TapCapture:
             destinations.setdefault(layer_id, []).append(out.taps[:n, k * h : (k + 1) * h])  # (n, H) strided view
         if self.capture_last_hidden:
             destinations.setdefault(self.stop_layer, []).append(out.last_hidden[:n])  # (n, H)
-        # A tap on a layer after which the model adds visual features (Qwen3-VL's deepstack, image batches only) is
-        # read at the next layer's input, after the addition: what vLLM's capture hands the drafter
-        after_add = self.deepstack_layers if inputs.pixel_values is not None else 0
-        handles = [
-            self.layers[layer_id + 1].register_forward_pre_hook(
-                self._pre_hook(dsts, inputs.real_index, layer_id == self.stop_layer), with_kwargs=True)
-            if layer_id < after_add else
-            self.layers[layer_id].register_forward_hook(self._hook(dsts, inputs.real_index, layer_id == self.stop_layer))
-            for layer_id, dsts in destinations.items()
-        ]
+        # after a layer where the model adds visual features, the tap is the next layer's input (`tap_points.py`)
+        added_after = visual_feature_layers(self.model, with_images=inputs.pixel_values is not None)
+        handles = [hook_tap(self.layers, layer_id, added_after,
+                            self._reader(dsts, inputs.real_index, layer_id == self.stop_layer))
+                   for layer_id, dsts in destinations.items()]
         # cuDNN's attention builds an execution plan for every new batch shape (bench/RESULTS.md)
         kernels = nullcontext() if self.cudnn_attention else sdpa_kernel(list(SDPA_WITHOUT_CUDNN))
         try:
@@ -235,17 +231,8 @@ class TapCapture:
         model(input_ids=ids, position_ids=positions, pixel_values=inputs.pixel_values,
               image_grid_thw=inputs.image_grid_thw, use_cache=False)
 
-    def _hook(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
-            self._gather(output[0] if isinstance(output, tuple) else output, destinations, real_index, stop)
-
-        return hook
-
-    def _pre_hook(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self._gather(args[0] if args else kwargs["hidden_states"], destinations, real_index, stop)
-
-        return hook
+    def _reader(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
+        return lambda hidden: self._gather(hidden, destinations, real_index, stop)
 
     def _gather(self, hidden: torch.Tensor, destinations: list[torch.Tensor], real_index: torch.Tensor,
                 stop: bool) -> None:

@@ -94,7 +94,9 @@ PRESETS: dict[str, dict] = {
         vision_end_token_id=TINY_VISION_TOKENS["<|vision_end|>"],
         text_config=dict(
             **{k: v for k, v in _TINY_SHAPE.items() if k != "tie_word_embeddings"}, intermediate_size=128,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            # interleaved, as the released configs say: HF's Qwen3-VL always interleaves, vLLM reads the flag
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True},
         ),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            deepstack_visual_indexes=[0], patch_size=16, num_position_embeddings=64),
