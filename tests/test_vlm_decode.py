@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trainer.data.tiny_tokenizer import build_tiny_image_processor, build_tiny_tokenizer
+from dflash_trainer.data.tiny_tokenizer import build_tiny_image_tokens, build_tiny_tokenizer
 from dflash_trainer.data.types import TokenizedSequence
-from dflash_trainer.data.vision import ImageTokens
 from dflash_trainer.eval.batched import ContextUpdate, decode_batch
 from dflash_trainer.eval.image_prompts import encode_image_prompt, message_rows
 from dflash_trainer.target.config import TargetConfig
@@ -47,7 +46,7 @@ def image_prompts(tmp_path_factory):
     """Four prompts: one image, two images, text only, one image mid-turn; ids and images as eval encodes them."""
     folder = tmp_path_factory.mktemp("images")
     tokenizer = build_tiny_tokenizer("qwen3-vl")
-    images = ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+    images = build_tiny_image_tokens("qwen3-vl")
 
     def image(url):
         return {"type": "image_url", "image_url": {"url": url}}
@@ -116,7 +115,7 @@ def test_image_prompts_decode_losslessly_with_their_images(vl_target, image_prom
 
 def test_a_long_image_prompt_is_cut_before_an_image_never_through_it(image_prompts, tmp_path, caplog):
     tokenizer = build_tiny_tokenizer("qwen3-vl")
-    images = ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+    images = build_tiny_image_tokens("qwen3-vl")
     messages = message_rows([{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(40, 40, 5)}},
         {"type": "image_url", "image_url": {"url": data_url(64, 64, 6)}},
@@ -209,7 +208,7 @@ def test_regenerate_answers_image_prompts_with_their_images_and_keeps_them(tmp_p
     assert [i.url for i in by_question["What is this?"].messages[0].images] == [b_png]
 
     tokenizer = build_tiny_tokenizer("qwen3-vl")
-    images = ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+    images = build_tiny_image_tokens("qwen3-vl")
     stops = stop_token_ids(tokenizer, vl_target)
     replies = 0
     for conversation in read.conversations:
@@ -253,7 +252,7 @@ def test_eval_prompts_keep_their_image_parts_and_a_text_target_refuses_them(tmp_
     tokenizer = build_tiny_tokenizer("qwen3-vl")
     with pytest.raises(DataError, match="eval prompt 1 has images and the target has no image processor"):
         encode_prompts(tokenizer, [image_prompt, text_prompt], thinking=False, max_prompt_tokens=512)
-    images = ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+    images = build_tiny_image_tokens("qwen3-vl")
     (ids, text_ids), (first, none) = encode_prompts(tokenizer, [image_prompt, text_prompt], thinking=False,
                                                     max_prompt_tokens=512, images=images)
     assert none is None and first.image_grid_thw.tolist() == [[1, 2, 2]]  # 40 x 40 pixels: a 2 x 2 patch grid
