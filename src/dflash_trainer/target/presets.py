@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
-from dflash_trainer.data.tiny_tokenizer import TINY_VISION_TOKENS, TINY_VOCAB_SIZE
+from dflash_trainer.data.tiny_tokenizer import (
+    TINY_GEMMA3_TOKENS_PER_IMAGE,
+    TINY_VISION_TOKENS,
+    TINY_VOCAB_SIZE,
+    tiny_image_token_ids,
+)
 
 TINY_SPARE_ROWS = 64
 """Embedding rows past the tiny tokenizer's vocabulary, as Qwen3 has; the mask token is the first."""
@@ -24,6 +29,8 @@ _TINY_SHAPE = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
+
+_GEMMA3_TOKENS = tiny_image_token_ids("gemma3")
 
 _TINY_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                     linear_conv_kernel_dim=4)
@@ -110,6 +117,16 @@ PRESETS: dict[str, dict] = {
         ),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=16, num_position_embeddings=64),
+    ),
+    "tiny-gemma3-vl": dict(  # Gemma 3 image-text (4B and up): sliding / full layers, a 1-layer SigLIP tower whose
+        # 32 x 32 image (8 x 8 patches) is pooled to TINY_GEMMA3_TOKENS_PER_IMAGE soft tokens
+        model_type="gemma3", tie_word_embeddings=False, mm_tokens_per_image=TINY_GEMMA3_TOKENS_PER_IMAGE,
+        **{f"{name}_index": _GEMMA3_TOKENS[token] for name, token in
+           (("boi_token", "<start_of_image>"), ("image_token", "<image_soft_token>"), ("eoi_token", "<end_of_image>"))},
+        text_config=dict(**{k: v for k, v in _TINY_SHAPE.items() if k != "tie_word_embeddings"}, intermediate_size=128,
+                         sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 3),
+        vision_config=dict(model_type="siglip_vision_model", image_size=32, patch_size=8, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
     ),
     "qwen3-1.7b": dict(
         model_type="qwen3",
