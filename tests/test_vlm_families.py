@@ -32,6 +32,7 @@ from tests.test_vlm_target import REPLY, data_url, image_conversations, image_ro
 FAMILIES = {  # preset: its tiny tokenizer and processor (`tiny:<family>`)
     "tiny-gemma3-vl": "gemma3",
     "tiny-qwen3.5-vl": "qwen3-vl",
+    "tiny-gemma4-vl": "gemma4",
 }
 NEW = 16
 
@@ -55,6 +56,9 @@ def hf_image_inputs(family, ids: torch.Tensor, pil_images) -> dict:
     image = (ids == family.images.image_token_id).long()  # (1, S)
     if family.kind == "gemma3":
         return {"pixel_values": out["pixel_values"], "token_type_ids": image}
+    if family.kind == "gemma4":
+        return {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"],
+                "mm_token_type_ids": image}
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"], "mm_token_type_ids": image}
 
 
@@ -66,6 +70,17 @@ def hf_processor_ids(family, text: str, pil_images) -> list[int]:
         processor = Gemma3Processor(image_processor=family.images.image_processor, tokenizer=family.tokenizer,
                                     image_seq_length=family.images.tokens_per_image)
         return processor(text=text, images=pil_images, return_tensors="pt")["input_ids"][0].tolist()
+    if family.kind == "gemma4":  # its processor class needs an audio feature extractor and a video processor (torchvision):
+        from transformers import Gemma4Processor  # its own replacement text of each image, by hand
+
+        out = family.images.image_processor(images=pil_images, return_tensors="pt")
+        tokenizer = family.tokenizer
+        names = SimpleNamespace(boi_token=tokenizer.boi_token, image_token=tokenizer.image_token,
+                                eoi_token=tokenizer.eoi_token)
+        pieces = text.split(tokenizer.image_token)
+        text = pieces[0] + "".join(Gemma4Processor.replace_image_token(names, out, i) + piece
+                                   for i, piece in enumerate(pieces[1:]))
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
     merge = family.images.image_processor.merge_size ** 2  # Qwen-VL: one pad per merged patch
     grids = family.images.image_processor(images=pil_images, return_tensors="pt")["image_grid_thw"]
     for grid in grids:
