@@ -38,6 +38,7 @@ FAMILIES = {  # preset: (the model class it is served as, the checked engines wi
     "tiny-qwen3.5-vl": ("Qwen3_5ForConditionalGeneration", []),  # Qwen3.5 as released; with images: test_vlm_families.py
     "tiny-gemma3-vl": ("Gemma3ForConditionalGeneration", [VLLM, SGLANG]),  # image-text; with images: the same
     "tiny-gemma4-vl": ("Gemma4ForConditionalGeneration", []),  # image-text; with images: the same
+    "tiny-llama4-vl": ("Llama4ForConditionalGeneration", [SGLANG]),  # image-text; with images: the same
 }
 SPECULATORS_REFUSED = {preset: "scales its embeddings by 8" for preset in ("tiny-gemma4", "tiny-gemma3-vl", "tiny-gemma4-vl")}
 """Families whose drafter the speculators format cannot carry as trained (vLLM builds it without the embedding scale)."""

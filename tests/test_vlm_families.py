@@ -23,7 +23,7 @@ from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.eval.batched import decode_batch
 from dflash_trainer.eval.image_prompts import encode_image_prompt, message_rows
 from dflash_trainer.target.config import TargetConfig
-from dflash_trainer.target.load import load_target
+from dflash_trainer.target.load import find_decoder, image_text_model, load_target
 from tests.drafter_helpers import single_thread  # noqa: F401 (autouse fixture)
 from tests.test_family_decode import OracleProposer
 from tests.test_target_capture import capture
@@ -33,6 +33,7 @@ FAMILIES = {  # preset: its tiny tokenizer and processor (`tiny:<family>`)
     "tiny-gemma3-vl": "gemma3",
     "tiny-qwen3.5-vl": "qwen3-vl",
     "tiny-gemma4-vl": "gemma4",
+    "tiny-llama4-vl": "llama4",
 }
 NEW = 16
 
@@ -59,6 +60,8 @@ def hf_image_inputs(family, ids: torch.Tensor, pil_images) -> dict:
     if family.kind == "gemma4":
         return {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"],
                 "mm_token_type_ids": image}
+    if family.kind == "llama4":
+        return {"pixel_values": out["pixel_values"]}
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"], "mm_token_type_ids": image}
 
 
@@ -81,6 +84,16 @@ def hf_processor_ids(family, text: str, pil_images) -> list[int]:
         text = pieces[0] + "".join(Gemma4Processor.replace_image_token(names, out, i) + piece
                                    for i, piece in enumerate(pieces[1:]))
         return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if family.kind == "llama4":  # its processor class's own text of each image (the class needs no torchvision)
+        from transformers import Llama4Processor
+
+        out = family.images.image_processor(images=pil_images, return_tensors="pt")
+        names = SimpleNamespace(patch_size=family.images.patch_size, downsample_ratio=family.images.downsample,
+                                _prompt_split_image=lambda *a: Llama4Processor._prompt_split_image(None, *a))
+        pieces = text.split("<|image|>")
+        text = pieces[0] + "".join(Llama4Processor.replace_image_token(names, out, i) + piece
+                                   for i, piece in enumerate(pieces[1:]))
+        return family.tokenizer(text, add_special_tokens=False)["input_ids"]
     merge = family.images.image_processor.merge_size ** 2  # Qwen-VL: one pad per merged patch
     grids = family.images.image_processor(images=pil_images, return_tensors="pt")["image_grid_thw"]
     for grid in grids:
@@ -135,21 +148,20 @@ def test_taps_of_image_conversations_equal_hf_forward_with_their_images(family, 
             torch.testing.assert_close(got, states[layer + 1][0], atol=1e-4, rtol=1e-4)
         start += seq.num_tokens
     with torch.no_grad():  # the image changes the taps (the vision tower ran): not the text-only forward of the ids
-        text_only = target.model.language_model(input_ids=sequences[0].input_ids[None],
-                                                output_hidden_states=True).hidden_states
+        text_only = find_decoder(target)(input_ids=sequences[0].input_ids[None], output_hidden_states=True).hidden_states
     assert not torch.allclose(out.taps[: sequences[0].num_tokens, hidden : 2 * hidden], text_only[3][0], atol=1e-3)
 
 
 def hf_generate(family, ids, pil_images):
     """HF's own greedy `generate` of one prompt with its images: exactly NEW tokens (no stop)."""
-    target = family.target
-    if hasattr(target.model, "rope_deltas"):
-        target.model.rope_deltas = None
+    target, inner = family.target, image_text_model(family.target)
+    if hasattr(inner, "rope_deltas"):  # Qwen-VL's decoding state, which a prompt alone starts without
+        inner.rope_deltas = None
     out = target.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]), do_sample=False,
                           max_new_tokens=NEW, min_new_tokens=NEW, eos_token_id=None, pad_token_id=0,
                           **hf_image_inputs(family, ids[None], pil_images))
-    if hasattr(target.model, "rope_deltas"):
-        target.model.rope_deltas = None
+    if hasattr(inner, "rope_deltas"):
+        inner.rope_deltas = None
     return out[0, len(ids):].tolist()
 
 
@@ -245,3 +257,29 @@ def test_family_trains_and_measures_tau_on_image_conversations(preset, tmp_path,
     report = json.loads((run / "eval-best.json").read_text())
     assert report["prompts"] == 3 and report["greedy_match_rate"] == 1.0 and report["tau"] >= 1.0
     assert decoded_images == [3, 3, 3]  # the drafter's, prompt lookup's and plain decoding's passes, with the images
+
+
+def test_a_family_whose_images_cannot_be_made_into_tokens_refuses_image_rows_before_the_first_step(tmp_path, monkeypatch,
+                                                                                                   capsys):
+    """An image-text target whose processor kind has no image tokens here: its image rows are refused in one line
+    naming the processor, why and the fix, before any step (never a traceback, never trained on their text alone)."""
+    from dflash_trainer.data import tokenizer as tokenizer_module
+    from dflash_trainer.data.vision import UnsupportedImages, image_tokens_for
+    from tests.pipeline_helpers import train_in_process
+
+    class PixtralImageProcessor:  # a processor kind without image tokens here
+        pass
+
+    refused = image_tokens_for(PixtralImageProcessor(), build_tiny_tokenizer("qwen3-vl"), {})
+    assert isinstance(refused, UnsupportedImages)
+    monkeypatch.setattr(tokenizer_module, "load_image_tokens", lambda target, tokenizer: refused)
+    data = write_rows(tmp_path / "train.jsonl", image_conversations(tmp_path, 6))
+    run = tmp_path / "run"
+    assert train_in_process(run, "target.random_init=tiny-qwen3-vl", "target.tokenizer=tiny:qwen3-vl",
+                            f"data.path={data}", "train.max_steps=2", "train.num_epochs=100",
+                            f"data.cache_dir={tmp_path / 'cache'}") == 2
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if "error" in l]
+    assert line == ("dflash-train train: error: 6 conversations have images: images of a target with a "
+                    "PixtralImageProcessor are not supported yet (dflash-train knows the Qwen-VL, Gemma 3, Gemma 4 and "
+                    "Llama 4 processors): remove the image parts of the data to train on its text")
+    assert not list(run.glob("checkpoints/*"))

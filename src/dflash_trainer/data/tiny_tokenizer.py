@@ -32,6 +32,8 @@ TINY_IMAGE_TOKENS: dict[str, tuple[str, ...]] = {
     "qwen3-vl": ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
     "gemma3": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     "gemma4": ("<|image>", "<|image|>", "<image|>"),
+    "llama4": ("<|image_start|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>",
+               "<|image_end|>"),
 }
 """The image-text tokenizers (`tiny:<family>`) and their vision tokens, as the real ones name them, at ids past the
 vocabulary (six reserved tokens fill the ids before them), which the family's tiny target config names."""
@@ -40,7 +42,7 @@ _NAMED_TOKENS = {"gemma3": {"boi_token": "<start_of_image>", "image_token": "<im
                             "eoi_token": "<end_of_image>"},
                  "gemma4": {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>"}}
 """The tokenizer attributes naming a family's vision tokens (as the real tokenizers' configs do)."""
-_PLACEHOLDERS = {"gemma3": "<start_of_image>", "gemma4": "<|image|>"}
+_PLACEHOLDERS = {"gemma3": "<start_of_image>", "gemma4": "<|image|>", "llama4": "<|image|>"}
 """What a family's chat template writes for an image (the Qwen3-VL-style template's image part, replaced)."""
 
 TINY_GEMMA3_TOKENS_PER_IMAGE = 4
@@ -119,7 +121,8 @@ def build_tiny_image_processor(family: str = "qwen3-vl"):
     """The image processor of a tiny image-text target (Pillow backends: no torchvision), small images:
     - qwen3-vl: Qwen2-VL kind, patch 16, merge 2 (as Qwen3-VL's), at most 128 x 128 pixels (64 tokens);
     - gemma3: every image resized to 32 x 32 (`TINY_GEMMA3_TOKENS_PER_IMAGE` tokens);
-    - gemma4: patches of 4, pooled 2 x 2, at most 70 soft tokens (the least Gemma 4's processor allows)."""
+    - gemma4: patches of 4, pooled 2 x 2, at most 70 soft tokens (the least Gemma 4's processor allows);
+    - llama4: tiles of 32 x 32, at most 4 an image (`tiny_tiling.py`), each 4 tokens (`TINY_PROCESSOR_SETTINGS`)."""
     if family == "gemma3":
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -128,13 +131,22 @@ def build_tiny_image_processor(family: str = "qwen3-vl"):
         from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
         return Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+    if family == "llama4":
+        from dflash_trainer.data.tiny_tiling import TilingImageProcessor
+
+        return TilingImageProcessor(tile=TINY_LLAMA4_TILE, max_tiles=4)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
                                     image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})
 
 
-TINY_PROCESSOR_SETTINGS = {"gemma3": {"image_seq_length": TINY_GEMMA3_TOKENS_PER_IMAGE}}
+TINY_LLAMA4_TILE = 32
+"""Tile side of the tiny Llama 4 (its vision tower's `image_size`): 4 x 4 patches of 8, 4 tokens after the pixel
+shuffle."""
+
+TINY_PROCESSOR_SETTINGS = {"gemma3": {"image_seq_length": TINY_GEMMA3_TOKENS_PER_IMAGE},
+                           "llama4": {"patch_size": 8, "pixel_shuffle_ratio": 0.5}}
 """processor_config.json of the tiny image-text processors (where the family reads one)."""
 
 

@@ -11,6 +11,9 @@ processor's (Gemma 3's newlines merge with the template's). The families, as tra
   image and crop, grid (1 + crops, 1, 1).
 - Gemma 4: `<|image|>` becomes boi + one soft token per pooled group of patches + eoi; pixels: the image's h*w real
   patches (the processor's padding left out), grid (1, h, w), from which the patches' positions are rebuilt.
+- Llama 4: `<|image|>` becomes `<|image_start|>`, each tile's `<|patch|>` tokens (one per pixel-shuffled group of
+  patches) row by row between tile separators when the image spans several tiles, `<|image|>` and the global tile's
+  patch tokens, `<|image_end|>`; pixels: a row of C*S*S per tile, grid (tiles, 1, 1).
 Every family stores its pixels as rows `(P, D)` and a grid `(I, 3)` whose product is each image's rows (the tokenized
 cache's layout, `tokenized.DatasetImages`); the target's forward rebuilds its own shapes (`target/images.py`).
 
@@ -126,6 +129,37 @@ class Gemma4ImageTokens(ImageTokens):
                                texts=texts, token_counts=counts)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Llama4ImageTokens(ImageTokens):
+    family: ClassVar[str] = "Llama 4"
+    image_start: str
+    image_end: str
+    tile_x_separator: str
+    tile_y_separator: str
+    patch_size: int
+    """The vision tower's patch side in pixels (the processor's `patch_size`)."""
+    downsample: int
+    """Patches per image token: 1 / pixel_shuffle_ratio**2 (the tower's pixel shuffle)."""
+
+    def _layout(self, out: Mapping[str, torch.Tensor]) -> ProcessedImages:
+        pixels = out["pixel_values"].to(torch.float32)  # (N, C, S, S): each image's tiles, then its global tile
+        ratios = torch.as_tensor(out["aspect_ratios"], dtype=torch.int64).reshape(-1, 2)  # (I, 2) tiles down, across
+        per_tile = (pixels.shape[-2] // self.patch_size) * (pixels.shape[-1] // self.patch_size) // self.downsample
+        tiles = ratios.prod(-1) + (ratios.prod(-1) > 1).long()  # (I,) a global tile after several
+        texts = tuple(self._text(int(h), int(w), per_tile) for h, w in ratios)
+        grid = torch.stack([tiles, torch.ones_like(tiles), torch.ones_like(tiles)], -1)  # (I, 3)
+        return ProcessedImages(pixel_values=pixels.reshape(len(pixels), -1), image_grid_thw=grid, texts=texts,
+                               token_counts=tiles * per_tile)
+
+    def _text(self, height: int, width: int, per_tile: int) -> str:
+        """The processor's text of an image of `height` x `width` tiles: each tile's patch tokens, row by row between
+        separators (when there are several), then the global tile's after the image marker."""
+        patches = self.image_token * per_tile
+        rows = "".join(self.tile_x_separator.join([patches] * width) + self.tile_y_separator
+                       for _ in range(height)) if height * width > 1 else ""
+        return f"{self.image_start}{rows}{self.placeholder}{patches}{self.image_end}"
+
+
 def fit_images(sequence: TokenizedSequence, images: ProcessedImages, image_token_id: int, *,
                min_supervised: int) -> TokenizedSequence:
     """`sequence` (tokenized with the images' texts in place, truncated to its length limit) with the pixels and grids of
@@ -165,7 +199,8 @@ class UnsupportedImages:
 
 
 FAMILIES: dict[str, type[ImageTokens]] = {"Gemma3ImageProcessor": Gemma3ImageTokens,
-                                          "Gemma4ImageProcessor": Gemma4ImageTokens}
+                                          "Gemma4ImageProcessor": Gemma4ImageTokens,
+                                          "Llama4ImageProcessor": Llama4ImageTokens}
 """Image processor class (without its `Pil` / `Fast` backend suffix) -> its family; Qwen2-VL-kind processors (with
 `merge_size`) are the Qwen-VL family."""
 
@@ -174,12 +209,14 @@ def image_tokens_for(image_processor: Any, tokenizer: Any, settings: Mapping[str
     """The image tokens of a target whose image processor is `image_processor`, its tokenizer `tokenizer`, and its
     processor's settings `settings` (processor_config.json: `image_seq_length`), or why they cannot be made."""
     name = type(image_processor).__name__
-    kind = name.removesuffix("Fast").removesuffix("Pil")
+    kind = getattr(image_processor, "image_processor_type", None) or name.removesuffix("Fast").removesuffix("Pil")
     family = FAMILIES.get(kind, ImageTokens if isinstance(getattr(image_processor, "merge_size", None), int) else None)
     if family is None:
         return UnsupportedImages(reason=f"images of a target with a {name} are not supported yet (dflash-train knows "
-                                 "the Qwen-VL, Gemma 3 and Gemma 4 processors): remove the image parts of the data to "
-                                 "train on its text")
+                                 "the Qwen-VL, Gemma 3, Gemma 4 and Llama 4 processors): remove the image parts of the "
+                                 "data to train on its text")
+    if family is Llama4ImageTokens:
+        return _llama4_image_tokens(image_processor, tokenizer, settings)
     defaults = {"image_token": "<|image_pad|>"} if family is ImageTokens else {}
     names = {"image_token"} | ({"boi_token", "eoi_token"} if family is not ImageTokens else set())
     tokens = {n: getattr(tokenizer, n, None) or defaults.get(n) for n in names}
@@ -194,6 +231,28 @@ def image_tokens_for(image_processor: Any, tokenizer: Any, settings: Mapping[str
     return family(image_processor=image_processor, image_token=tokens["image_token"],
                   image_token_id=int(tokenizer.convert_tokens_to_ids(tokens["image_token"])), placeholder=placeholder,
                   **{k: v for k, v in tokens.items() if k != "image_token"}, **extra)
+
+
+_LLAMA4_TOKENS = {"placeholder": ("fake_image_token", "<|image|>"), "image_token": ("patch_token", "<|patch|>"),
+                  "image_start": ("start_of_image_token", "<|image_start|>"),
+                  "image_end": ("end_of_image_token", "<|image_end|>"),
+                  "tile_x_separator": ("tile_x_separator_token", "<|tile_x_separator|>"),
+                  "tile_y_separator": ("tile_y_separator_token", "<|tile_y_separator|>")}
+"""Llama 4's vision tokens: field -> (the processor setting naming it, its default there)."""
+
+
+def _llama4_image_tokens(image_processor: Any, tokenizer: Any, settings: Mapping[str, Any]
+                         ) -> ImageTokens | UnsupportedImages:
+    """Llama 4's image tokens: the tokens and the tower's patch size and pixel shuffle from the processor's settings
+    (their defaults as the processor has them)."""
+    tokens = {field: settings.get(key, default) for field, (key, default) in _LLAMA4_TOKENS.items()}
+    missing = [t for t in tokens.values() if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if missing:
+        return UnsupportedImages(reason=f"the tokenizer of a Llama 4 target lacks {' / '.join(missing)} (its vision "
+                                 "tokens): give target.tokenizer the model's own tokenizer")
+    return Llama4ImageTokens(image_processor=image_processor, image_token_id=tokenizer.convert_tokens_to_ids(
+        tokens["image_token"]), patch_size=int(settings.get("patch_size", 14)),
+        downsample=round(1 / float(settings.get("pixel_shuffle_ratio", 0.5)) ** 2), **tokens)
 
 
 def images_of(messages: Sequence[Any]) -> list[ImageRef]:

@@ -10,7 +10,8 @@ its images, at the same positions and with the same masks:
   within an image (bidirectional), on top of the causal mask;
 - Gemma 4: each image's real patches, padded to the batch's largest image, and their (x, y) positions (-1 on
   padding) rebuilt from the grid; `mm_token_type_ids` mark the image tokens (bidirectional within an image where
-  the config says so).
+  the config says so);
+- Llama 4: each row one (C, S, S) tile; plain causal (and chunked) attention.
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ def image_forward(model: nn.Module, ids: torch.Tensor, valid: Optional[torch.Ten
         pixels, positions = _padded_patches(pixel_values.to(dtype), grid)
         return ImageForward(kwargs={"pixel_values": pixels, "image_position_ids": positions,
                                     "mm_token_type_ids": image.long()})
-    raise ConfigError(f"images of a {type(model).__name__} target are not supported yet (Qwen-VL, Gemma 3 and Gemma 4 "
-                      "are): remove the image parts of the data to train on its text")
+    if kind == "llama4":
+        size = config.vision_config.image_size
+        return ImageForward(kwargs={"pixel_values": pixel_values.to(dtype).view(-1, 3, size, size)})  # (N, C, S, S)
+    raise ConfigError(f"images of a {type(model).__name__} target are not supported yet (Qwen-VL, Gemma 3, Gemma 4 and "
+                      "Llama 4 are): remove the image parts of the data to train on its text")
 
 
 def _padded_patches(rows: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,11 +146,13 @@ def find_decoder(model: nn.Module) -> nn.Module:
     """The decoder stack of a causal LM (embeddings + layers + final norm, no LM head).
 
     Llama/Qwen/Mistral-like models keep it in `model.model` with its layers in `.layers`; image-text-to-text
-    models (Gemma 3 4B+) in `model.model.language_model`, run on text alone. Calling the decoder instead of the
+    models (Gemma 3 4B+) in `model.model.language_model` (Llama 4's in `model.language_model.model`), run on text
+    alone. Calling the decoder instead of the
     causal LM never computes logits.
     """
     decoder = getattr(model, "model", None)
-    for candidate in (decoder, getattr(decoder, "language_model", None)):
+    language = getattr(model, "language_model", None)  # Llama 4 image-text: the causal LM itself
+    for candidate in (decoder, getattr(decoder, "language_model", None), getattr(language, "model", None)):
         if isinstance(candidate, nn.Module) and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
             return candidate
     arch = type(model).__name__
@@ -163,16 +165,17 @@ def find_decoder(model: nn.Module) -> nn.Module:
     )
 
 
-VISION_TOWER_NAMES = ("visual", "vision_tower")
-"""What image-text models call their vision tower: Qwen-VL's `visual`, Gemma's `vision_tower`."""
+VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+"""What image-text models call their vision tower: Qwen-VL's `visual`, Gemma's `vision_tower`, Llama 4's."""
 
 
 def image_text_model(model: nn.Module) -> Optional[nn.Module]:
-    """The image-text model around the decoder (`model.model`, with a vision tower and the language model: Qwen-VL,
-    Gemma 3/4), whose forward takes pixels (`images.py`), or None for a text target."""
-    inner = getattr(model, "model", None)
-    if hasattr(inner, "language_model") and any(hasattr(inner, name) for name in VISION_TOWER_NAMES):
-        return inner
+    """The image-text model around the decoder, with a vision tower and the language model, whose forward takes
+    pixels (`images.py`): `model.model` (Qwen-VL, Gemma 3/4), or the model itself (Llama 4, whose head is its
+    language model's); None for a text target."""
+    for inner in (getattr(model, "model", None), model):
+        if hasattr(inner, "language_model") and any(hasattr(inner, name) for name in VISION_TOWER_NAMES):
+            return inner
     return None
 
 

@@ -11,6 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from dflash_trainer.data.tiny_tokenizer import (
     TINY_GEMMA3_TOKENS_PER_IMAGE,
+    TINY_LLAMA4_TILE,
     TINY_VISION_TOKENS,
     TINY_VOCAB_SIZE,
     tiny_image_token_ids,
@@ -32,6 +33,7 @@ _TINY_SHAPE = dict(
 
 _GEMMA3_TOKENS = tiny_image_token_ids("gemma3")
 _GEMMA4_TOKENS = tiny_image_token_ids("gemma4")
+_LLAMA4_TOKENS = tiny_image_token_ids("llama4")
 
 _TINY_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                     linear_conv_kernel_dim=4)
@@ -42,6 +44,11 @@ _TINY_GEMMA4_TEXT = dict(  # Gemma 4's language model: sliding / full layers, pe
     model_type="gemma4_text", **_TINY_SHAPE, intermediate_size=128, sliding_window=4,
     layer_types=["sliding_attention", "full_attention"] * 3, vocab_size_per_layer_input=_TINY_SHAPE["vocab_size"],
     hidden_size_per_layer_input=16, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+)
+
+_TINY_LLAMA4_TEXT = dict(  # Llama 4's language model: MoE with a shared expert, chunked / NoPE layers
+    model_type="llama4_text", **_TINY_SHAPE, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
+    num_experts_per_tok=1, attention_chunk_size=8, bos_token_id=None, eos_token_id=None, pad_token_id=None,
 )
 
 PRESETS: dict[str, dict] = {
@@ -80,10 +87,7 @@ PRESETS: dict[str, dict] = {
         topk_group=1,
     ),
     "tiny-gemma4": _TINY_GEMMA4_TEXT,
-    "tiny-llama4": dict(  # Llama 4's language model: MoE with a shared expert, chunked / NoPE layers
-        model_type="llama4_text", **_TINY_SHAPE, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
-        num_experts_per_tok=1, attention_chunk_size=8, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    ),
+    "tiny-llama4": _TINY_LLAMA4_TEXT,
     "tiny-glm4-moe": dict(
         model_type="glm4_moe", **_TINY_SHAPE, intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
@@ -142,6 +146,16 @@ PRESETS: dict[str, dict] = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
                            position_embedding_size=64),
+    ),
+    "tiny-llama4-vl": dict(  # Llama 4 image-text: the language model above, a 1-layer tower of 32 x 32 tiles in
+        # patches of 8, pixel-shuffled to 4 tokens a tile
+        model_type="llama4", tie_word_embeddings=False,
+        **{f"{name}_index": _LLAMA4_TOKENS[token] for name, token in
+           (("boi_token", "<|image_start|>"), ("image_token", "<|patch|>"), ("eoi_token", "<|image_end|>"))},
+        text_config={k: v for k, v in _TINY_LLAMA4_TEXT.items() if k != "model_type"},
+        vision_config=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=TINY_LLAMA4_TILE, patch_size=8, pixel_shuffle_ratio=0.5, vision_output_dim=64,
+                           projector_input_dim=64, projector_output_dim=64),
     ),
     "qwen3-1.7b": dict(
         model_type="qwen3",
