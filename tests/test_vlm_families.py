@@ -283,3 +283,31 @@ def test_a_family_whose_images_cannot_be_made_into_tokens_refuses_image_rows_bef
                     "PixtralImageProcessor are not supported yet (dflash-train knows the Qwen-VL, Gemma 3, Gemma 4 and "
                     "Llama 4 processors): remove the image parts of the data to train on its text")
     assert not list(run.glob("checkpoints/*"))
+
+
+def test_gemma3_pan_and_scan_crops_are_its_processors(tmp_path):
+    """With pan-and-scan on, a wide image adds its crops: the text its processor writes for them, a row each."""
+    from dataclasses import replace
+
+    from transformers import Gemma3Processor
+
+    tokenizer = build_tiny_tokenizer("gemma3")
+    images = build_tiny_image_tokens("gemma3")
+    pan_and_scan = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=4,
+                        pan_and_scan_min_ratio_to_activate=1.2)
+    processor = type(images.image_processor)(size={"height": 32, "width": 32}, image_mean=[0.5] * 3,
+                                             image_std=[0.5] * 3, **pan_and_scan)
+    images = replace(images, image_processor=processor)
+    rows = [image_row([str(png(tmp_path / "wide.png", 32, 96, 0)), str(png(tmp_path / "square.png", 40, 40, 1))])]
+    (conversation,) = read(tmp_path, rows)
+    (seq,) = tokenize([conversation], tokenizer, images)
+    pil = [Image.open(tmp_path / n).convert("RGB") for n in ("wide.png", "square.png")]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "What is in this picture?"}]},
+         {"role": "assistant", "content": REPLY}], tokenize=False, enable_thinking=False)
+    out = Gemma3Processor(image_processor=processor, tokenizer=tokenizer, image_seq_length=images.tokens_per_image)(
+        text=text, images=pil, return_tensors="pt", **pan_and_scan)  # its own defaults would override the settings
+    assert seq.input_ids.tolist() == out["input_ids"][0].tolist()
+    crops = seq.image_grid_thw[:, 0] - 1
+    assert crops.tolist()[1] == 0 and crops.tolist()[0] > 0  # the wide image was cut, the square one not
+    torch.testing.assert_close(seq.pixel_values, out["pixel_values"].reshape(len(out["pixel_values"]), -1))

@@ -1,15 +1,18 @@
-"""Prompts with images for an image-text target (Qwen3-VL): encoding, and what batched decoding's prefill needs.
+"""Prompts with images for an image-text target: encoding, and what batched decoding's prefill needs.
 
-Encoding is the training's (`data/vision.py`): the chat template writes one image pad per image, the image processor
-makes the patches and grids, and each pad becomes one token per vision-tower output. A prompt longer than its budget
-keeps its last tokens, as a text prompt does, but never half an image: an image the cut reaches is left out whole.
+Encoding is the training's (`data/vision.py`): the chat template writes a placeholder per image, the image processor
+makes the pixels, and the processor's text of each image (its image tokens) takes the placeholder's place. A prompt
+longer than its budget keeps its last tokens, as a text prompt does, but never half an image: an image the cut reaches
+is left out whole.
 
-Decoding. The prefill runs the image-text model's own forward (vision tower, its embeddings in place of the pads, its
-deepstack features added after the first decoder layers) at the M-RoPE positions `get_rope_index` gives each
-left-padded row. Text after an image continues from the image's largest position, so a row's text position is its
-slot position (what the loop and the drafter count) plus the row's `rope_delta` (<= 0); every later step feeds text,
-at those positions on all 3 M-RoPE axes, as the model's own decoding does. The drafter's context gets the taps the
-training captured (`TapCapture`): after a layer where the model adds visual features, the next layer's input.
+Decoding. The prefill runs the image-text model's own forward (`target/images.py`: vision tower, its embeddings in
+place of the image tokens, the family's positions and masks). Qwen-VL: Qwen3-VL's deepstack features are added after
+the first decoder layers, at the M-RoPE positions `get_rope_index` gives each left-padded row. Text after an image
+continues from the image's largest position, so a row's text position is its slot position (what the loop and the
+drafter count) plus the row's `rope_delta` (<= 0); every later step feeds text, at those positions on all 3 M-RoPE
+axes, as the model's own decoding does. The other families decode at the slot positions. The drafter's context gets
+the taps the training captured (`TapCapture`): after a layer where the model adds visual features, the next layer's
+input.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ class PromptImages:
     """The images of one prompt, as the target's image processor made them."""
 
     pixel_values: torch.Tensor
-    """(P, D) float32 on CPU: the patches of the prompt's images, image after image (the order of their tokens)."""
+    """(P, D) float32 on CPU: the pixel rows of the prompt's images as stored (`data/vision.py`: Qwen-VL's patches, a
+    row per Gemma 3 image), image after image (the order of their tokens)."""
     image_grid_thw: torch.Tensor
-    """(I, 3) int64 on CPU: each image's patch grid; its tokens in the prompt number t*h*w / merge_size**2."""
+    """(I, 3) int64 on CPU: each image's grid; its product is the image's rows."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
