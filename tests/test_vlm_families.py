@@ -19,14 +19,12 @@ from dflash_trainer.data.images import decode_image
 from dflash_trainer.data.sources import load_source
 from dflash_trainer.data.tiny_tokenizer import build_tiny_image_tokens, build_tiny_tokenizer
 from dflash_trainer.data.tokenized import TokenizedDataset
-from dflash_trainer.data.types import TokenizedSequence
-from dflash_trainer.eval.batched import decode_batch
 from dflash_trainer.eval.image_prompts import encode_image_prompt, message_rows
 from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.target.load import find_decoder, image_text_model, load_target
 from tests.drafter_helpers import single_thread  # noqa: F401 (autouse fixture)
-from tests.test_family_decode import OracleProposer
 from tests.test_target_capture import capture
+from tests.test_vlm_decode import NEW, assert_decodes_as_alone
 from tests.test_vlm_target import REPLY, data_url, image_conversations, image_row, png, tokenize, write_rows
 
 FAMILIES = {  # preset: its tiny tokenizer and processor (`tiny:<family>`)
@@ -35,7 +33,6 @@ FAMILIES = {  # preset: its tiny tokenizer and processor (`tiny:<family>`)
     "tiny-gemma4-vl": "gemma4",
     "tiny-llama4-vl": "llama4",
 }
-NEW = 16
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -167,8 +164,7 @@ def hf_generate(family, ids, pil_images):
 
 def test_image_prompts_decode_losslessly_with_their_images(family, tmp_path):
     """Left-padded rows of image prompts (one image, two images, text, an image mid-turn) decode as HF's `generate` of
-    each alone with its images, plainly and speculatively (an oracle right for a different number of tokens each
-    step), and the drafter's context at the prefill is the taps training captures."""
+    each alone with its images (`assert_decodes_as_alone`)."""
     png(tmp_path / "a.png", 40, 70, 0), png(tmp_path / "b.png", 64, 96, 1), png(tmp_path / "c.png", 64, 64, 3)
 
     def image(name):
@@ -187,50 +183,14 @@ def test_image_prompts_decode_losslessly_with_their_images(family, tmp_path):
     alone = [hf_generate(family, ids, p) for ids, p in zip(prompts, pil)]
     assert hf_generate(family, prompts[0], []) != alone[0]  # the images matter
 
-    target = family.target
-    plain = decode_batch(target, prompts, images=images, max_new_tokens=NEW, stop_token_ids=[])
-    assert [r.output_ids for r in plain] == alone
-    taps = [0, 2, 4]
-    proposer = TapRecordingOracle([p.tolist() + a for p, a in zip(prompts, alone)],
-                                  vocab=target.config.get_text_config().vocab_size)
-    out = decode_batch(target, prompts, images=images, proposer=proposer, block_size=5, tap_layer_ids=taps,
-                       max_new_tokens=NEW, stop_token_ids=[])
-    assert [r.output_ids for r in out] == alone
-    lengths = [n for r in out for n in r.acceptance_lengths]
-    assert max(lengths) == 5 and min(lengths) == 1 and len(set(lengths)) > 2  # whole, none and partial blocks
-
-    prefill = proposer.updates[0]
-    sequences = [TokenizedSequence(input_ids=ids, loss_mask=torch.zeros_like(ids, dtype=torch.bool),
-                                   pixel_values=None if i is None else i.pixel_values,
-                                   image_grid_thw=None if i is None else i.image_grid_thw)
-                 for ids, i in zip(prompts, images)]
-    _, captured = capture(target, sequences, taps, token_budget=sum(len(p) for p in prompts))
-    start = 0
-    for row, ids in enumerate(prompts):
-        valid = prefill.valid[row]
-        assert prefill.tokens[row, valid].tolist() == ids.tolist()
-        torch.testing.assert_close(prefill.taps[row, valid], captured.taps[start : start + len(ids)], atol=1e-4,
-                                   rtol=1e-4)
-        start += len(ids)
+    assert_decodes_as_alone(family.target, prompts, images, alone)
 
 
-class TapRecordingOracle(OracleProposer):
-    """The oracle, also asking for taps and keeping each update it is told."""
-
-    needs_taps = True
-
-    def __init__(self, sequences, vocab):
-        super().__init__(sequences, vocab)
-        self.updates = []
-
-    def observe(self, update) -> None:
-        self.updates.append(update)
-
-
-@pytest.mark.parametrize("preset", list(FAMILIES))
+@pytest.mark.parametrize("preset", [*FAMILIES, "tiny-qwen3-vl"])
 def test_family_trains_and_measures_tau_on_image_conversations(preset, tmp_path, monkeypatch):
     """Training forwards each batch's images through the image-text model; the held-out split keeps image
-    conversations, and training's tau and `dflash-train eval` decode their prompts with the images, losslessly."""
+    conversations, and training's tau, validation and `dflash-train eval` decode their prompts with the images,
+    losslessly (greedy match rate 1.0 in fp32)."""
     from dflash_trainer import cli
     from dflash_trainer.eval import batched
     from dflash_trainer.target.capture import TapCapture
@@ -244,12 +204,15 @@ def test_family_trains_and_measures_tau_on_image_conversations(preset, tmp_path,
         decoded_images.append(sum(i is not None for i in images)), prefill(target, ids, valid, images))[1])
     data = write_rows(tmp_path / "train.jsonl", image_conversations(tmp_path, 12))
     run = tmp_path / "run"
-    assert train_in_process(run, f"target.random_init={preset}", f"target.tokenizer=tiny:{FAMILIES[preset]}",
+    assert train_in_process(run, f"target.random_init={preset}", f"target.tokenizer=tiny:{FAMILIES.get(preset, 'qwen3-vl')}",
                             "target.dtype=float32", f"data.path={data}", "data.num_eval_conversations=3",
                             "train.max_steps=2", "train.num_epochs=100", "eval.at_end=true", "eval.num_prompts=3",
                             "eval.max_new_tokens=12", f"data.cache_dir={tmp_path / 'cache'}") == 0
+    held = [json.loads(line) for line in (run / "plan" / "eval.jsonl").read_text().splitlines()]
+    assert len(held) == 3 and all(isinstance(r["messages"][0]["content"], list) for r in held)
     result = summary(run)
     assert result["status"] == "ok" and result["steps"] == 2 and sum(trained_images) >= 2
+    assert result["eval"]["val"]["replies"] == 3  # validation kept the image rows
     assert decoded_images and all(n == 3 for n in decoded_images)  # training's tau decoded 3 image prompts
     decoded_images.clear()
     assert cli.main(["eval", "--config", str(run / "config.yaml"), "--drafter", str(run / "best"),

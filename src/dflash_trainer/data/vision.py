@@ -101,9 +101,8 @@ class Gemma3ImageTokens(ImageTokens):
         texts = tuple(run if not n else
                       f"Here is the original image {run} and here are some crops to help you see better "
                       + " ".join([run] * int(n)) for n in crops)
-        grid = torch.stack([crops + 1, torch.ones_like(crops), torch.ones_like(crops)], -1)  # (I, 3)
-        return ProcessedImages(pixel_values=pixels.reshape(len(pixels), -1), image_grid_thw=grid, texts=texts,
-                               token_counts=(crops + 1) * self.tokens_per_image)
+        return ProcessedImages(pixel_values=pixels.reshape(len(pixels), -1), image_grid_thw=_rows_grid(crops + 1),
+                               texts=texts, token_counts=(crops + 1) * self.tokens_per_image)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,9 +146,8 @@ class Llama4ImageTokens(ImageTokens):
         per_tile = (pixels.shape[-2] // self.patch_size) * (pixels.shape[-1] // self.patch_size) // self.downsample
         tiles = ratios.prod(-1) + (ratios.prod(-1) > 1).long()  # (I,) a global tile after several
         texts = tuple(self._text(int(h), int(w), per_tile) for h, w in ratios)
-        grid = torch.stack([tiles, torch.ones_like(tiles), torch.ones_like(tiles)], -1)  # (I, 3)
-        return ProcessedImages(pixel_values=pixels.reshape(len(pixels), -1), image_grid_thw=grid, texts=texts,
-                               token_counts=tiles * per_tile)
+        return ProcessedImages(pixel_values=pixels.reshape(len(pixels), -1), image_grid_thw=_rows_grid(tiles),
+                               texts=texts, token_counts=tiles * per_tile)
 
     def _text(self, height: int, width: int, per_tile: int) -> str:
         """The processor's text of an image of `height` x `width` tiles: each tile's patch tokens, row by row between
@@ -158,6 +156,12 @@ class Llama4ImageTokens(ImageTokens):
         rows = "".join(self.tile_x_separator.join([patches] * width) + self.tile_y_separator
                        for _ in range(height)) if height * width > 1 else ""
         return f"{self.image_start}{rows}{self.placeholder}{patches}{self.image_end}"
+
+
+def _rows_grid(rows: torch.Tensor) -> torch.Tensor:
+    """(I, 3) grids (rows, 1, 1) of images stored as `rows` (I,) whole pictures each (Gemma 3's crops, Llama 4's
+    tiles)."""
+    return torch.stack([rows, torch.ones_like(rows), torch.ones_like(rows)], -1)
 
 
 def fit_images(sequence: TokenizedSequence, images: ProcessedImages, image_token_id: int, *,
