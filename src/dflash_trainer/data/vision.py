@@ -74,6 +74,16 @@ class ImageTokens:
             raise Unmaskable("image_processor_error", f"{refs[0].url[:80]}...: {e}") from None
         return self._layout(out)
 
+    @classmethod
+    def build(cls, image_processor: Any, tokenizer: Any, settings: Mapping[str, Any]) -> ImageTokens | UnsupportedImages:
+        """The family's image tokens for a target with this image processor, tokenizer and processor settings
+        (processor_config.json), or why they cannot be made."""
+        tokens = _tokens_named(tokenizer, cls.family, image_token=getattr(tokenizer, "image_token", None) or "<|image_pad|>")
+        if isinstance(tokens, UnsupportedImages):
+            return tokens
+        return cls(image_processor=image_processor, image_token_id=tokens.pop("image_token_id"),
+                   placeholder=tokens["image_token"], **tokens)
+
     def _layout(self, out: Mapping[str, torch.Tensor]) -> ProcessedImages:
         grid = out["image_grid_thw"].to(torch.int64)  # (I, 3)
         counts = grid.prod(-1) // self.image_processor.merge_size**2  # (I,) one pad per vision-tower output
@@ -87,12 +97,38 @@ class ImageTokens:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Gemma3ImageTokens(ImageTokens):
-    family: ClassVar[str] = "Gemma 3"
+class _GemmaImageTokens(ImageTokens):
+    """Gemma's families: the tokenizer names the soft token (`image_token`), begin and end of image."""
+
+    placeholder_field: ClassVar[str] = "image_token"
+    """Which of the three the chat template writes for an image."""
     boi_token: str
     eoi_token: str
+
+    @classmethod
+    def build(cls, image_processor: Any, tokenizer: Any, settings: Mapping[str, Any]) -> ImageTokens | UnsupportedImages:
+        tokens = _tokens_named(tokenizer, cls.family, **{n: getattr(tokenizer, n, None) for n in _GEMMA_TOKENS})
+        if isinstance(tokens, UnsupportedImages):
+            return tokens
+        return cls(image_processor=image_processor, image_token_id=tokens.pop("image_token_id"),
+                   placeholder=tokens[cls.placeholder_field], **cls._from_settings(settings), **tokens)
+
+    @staticmethod
+    def _from_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The family's fields read from the processor's settings."""
+        return {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gemma3ImageTokens(_GemmaImageTokens):
+    family: ClassVar[str] = "Gemma 3"
+    placeholder_field: ClassVar[str] = "boi_token"
     tokens_per_image: int
     """The processor's `image_seq_length` (the model's `mm_tokens_per_image`): soft tokens per image and crop."""
+
+    @staticmethod
+    def _from_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+        return {"tokens_per_image": int(settings.get("image_seq_length", 256))}
 
     def _layout(self, out: Mapping[str, torch.Tensor]) -> ProcessedImages:
         pixels = out["pixel_values"].to(torch.float32)  # (N, C, S, S): each image, then its crops
@@ -106,10 +142,8 @@ class Gemma3ImageTokens(ImageTokens):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Gemma4ImageTokens(ImageTokens):
+class Gemma4ImageTokens(_GemmaImageTokens):
     family: ClassVar[str] = "Gemma 4"
-    boi_token: str
-    eoi_token: str
 
     def _layout(self, out: Mapping[str, torch.Tensor]) -> ProcessedImages:
         pixels = out["pixel_values"].to(torch.float32)  # (I, max_patches, D), padded
@@ -139,6 +173,18 @@ class Llama4ImageTokens(ImageTokens):
     """The vision tower's patch side in pixels (the processor's `patch_size`)."""
     downsample: int
     """Patches per image token: 1 / pixel_shuffle_ratio**2 (the tower's pixel shuffle)."""
+
+    @classmethod
+    def build(cls, image_processor: Any, tokenizer: Any, settings: Mapping[str, Any]) -> ImageTokens | UnsupportedImages:
+        """The tokens, the tower's patch size and its pixel shuffle from the processor's settings (their defaults as
+        the processor has them)."""
+        tokens = _tokens_named(tokenizer, cls.family, **{field: settings.get(key, default)
+                                                         for field, (key, default) in _LLAMA4_TOKENS.items()})
+        if isinstance(tokens, UnsupportedImages):
+            return tokens
+        return cls(image_processor=image_processor, image_token_id=tokens.pop("image_token_id"),
+                   patch_size=int(settings.get("patch_size", 14)),
+                   downsample=round(1 / float(settings.get("pixel_shuffle_ratio", 0.5)) ** 2), **tokens)
 
     def _layout(self, out: Mapping[str, torch.Tensor]) -> ProcessedImages:
         pixels = out["pixel_values"].to(torch.float32)  # (N, C, S, S): each image's tiles, then its global tile
@@ -211,31 +257,19 @@ FAMILIES: dict[str, type[ImageTokens]] = {"Gemma3ImageProcessor": Gemma3ImageTok
 
 def image_tokens_for(image_processor: Any, tokenizer: Any, settings: Mapping[str, Any]) -> ImageTokens | UnsupportedImages:
     """The image tokens of a target whose image processor is `image_processor`, its tokenizer `tokenizer`, and its
-    processor's settings `settings` (processor_config.json: `image_seq_length`), or why they cannot be made."""
+    processor's settings `settings` (processor_config.json), or why they cannot be made."""
     name = type(image_processor).__name__
-    kind = getattr(image_processor, "image_processor_type", None) or name.removesuffix("Fast").removesuffix("Pil")
+    kind = (getattr(image_processor, "image_processor_type", None) or name).removesuffix("Fast").removesuffix("Pil")
     family = FAMILIES.get(kind, ImageTokens if isinstance(getattr(image_processor, "merge_size", None), int) else None)
     if family is None:
         return UnsupportedImages(reason=f"images of a target with a {name} are not supported yet (dflash-train knows "
                                  "the Qwen-VL, Gemma 3, Gemma 4 and Llama 4 processors): remove the image parts of the "
                                  "data to train on its text")
-    if family is Llama4ImageTokens:
-        return _llama4_image_tokens(image_processor, tokenizer, settings)
-    defaults = {"image_token": "<|image_pad|>"} if family is ImageTokens else {}
-    names = {"image_token"} | ({"boi_token", "eoi_token"} if family is not ImageTokens else set())
-    tokens = {n: getattr(tokenizer, n, None) or defaults.get(n) for n in names}
-    missing = [n for n, t in tokens.items() if not t or tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
-    if missing:
-        return UnsupportedImages(reason=f"the tokenizer of a {family.family} target names no {' / '.join(missing)} "
-                                 "(its special tokens): give target.tokenizer the model's own tokenizer")
-    extra: dict[str, Any] = {}
-    if family is Gemma3ImageTokens:
-        extra["tokens_per_image"] = int(settings.get("image_seq_length", 256))
-    placeholder = tokens["boi_token"] if family is Gemma3ImageTokens else tokens["image_token"]
-    return family(image_processor=image_processor, image_token=tokens["image_token"],
-                  image_token_id=int(tokenizer.convert_tokens_to_ids(tokens["image_token"])), placeholder=placeholder,
-                  **{k: v for k, v in tokens.items() if k != "image_token"}, **extra)
+    return family.build(image_processor, tokenizer, settings)
 
+
+_GEMMA_TOKENS = ("image_token", "boi_token", "eoi_token")
+"""The tokenizer attributes naming Gemma's vision tokens (its soft token, begin and end of image)."""
 
 _LLAMA4_TOKENS = {"placeholder": ("fake_image_token", "<|image|>"), "image_token": ("patch_token", "<|patch|>"),
                   "image_start": ("start_of_image_token", "<|image_start|>"),
@@ -245,18 +279,15 @@ _LLAMA4_TOKENS = {"placeholder": ("fake_image_token", "<|image|>"), "image_token
 """Llama 4's vision tokens: field -> (the processor setting naming it, its default there)."""
 
 
-def _llama4_image_tokens(image_processor: Any, tokenizer: Any, settings: Mapping[str, Any]
-                         ) -> ImageTokens | UnsupportedImages:
-    """Llama 4's image tokens: the tokens and the tower's patch size and pixel shuffle from the processor's settings
-    (their defaults as the processor has them)."""
-    tokens = {field: settings.get(key, default) for field, (key, default) in _LLAMA4_TOKENS.items()}
-    missing = [t for t in tokens.values() if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+def _tokens_named(tokenizer: Any, family: str, **tokens: Optional[str]) -> dict[str, Any] | UnsupportedImages:
+    """`tokens` (field -> token text) and `image_token_id` (the id of `tokens["image_token"]`), or why not: a token
+    that is not named, or not in the tokenizer."""
+    missing = [f"{field} {text!r}" if text else field for field, text in tokens.items()
+               if not text or tokenizer.convert_tokens_to_ids(text) in (None, tokenizer.unk_token_id)]
     if missing:
-        return UnsupportedImages(reason=f"the tokenizer of a Llama 4 target lacks {' / '.join(missing)} (its vision "
-                                 "tokens): give target.tokenizer the model's own tokenizer")
-    return Llama4ImageTokens(image_processor=image_processor, image_token_id=tokenizer.convert_tokens_to_ids(
-        tokens["image_token"]), patch_size=int(settings.get("patch_size", 14)),
-        downsample=round(1 / float(settings.get("pixel_shuffle_ratio", 0.5)) ** 2), **tokens)
+        return UnsupportedImages(reason=f"the tokenizer of a {family} target lacks its vision tokens ({', '.join(missing)}): "
+                                 "give target.tokenizer the model's own tokenizer")
+    return {**tokens, "image_token_id": int(tokenizer.convert_tokens_to_ids(tokens["image_token"]))}
 
 
 def images_of(messages: Sequence[Any]) -> list[ImageRef]:
