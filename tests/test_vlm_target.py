@@ -18,10 +18,14 @@ from PIL import Image
 from dflash_trainer.data.config import DataSourceConfig
 from dflash_trainer.data.masks import end_of_turn_marker
 from dflash_trainer.data.sources import load_source
-from dflash_trainer.data.tiny_tokenizer import TINY_VISION_TOKENS, build_tiny_image_processor, build_tiny_tokenizer
+from dflash_trainer.data.tiny_tokenizer import (
+    TINY_VISION_TOKENS,
+    build_tiny_image_processor,
+    build_tiny_image_tokens,
+    build_tiny_tokenizer,
+)
 from dflash_trainer.data.tokenize_pool import IMAGES_ON_TEXT_TARGET, TokenizeSettings, tokenize_one
 from dflash_trainer.data.tokenized import TokenizedDataset, tokenize_all
-from dflash_trainer.data.vision import ImageTokens
 from dflash_trainer.drafter.anchors import sample_anchors
 from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.target.load import load_target
@@ -76,7 +80,7 @@ def vl_tokenizer():
 
 @pytest.fixture(scope="module")
 def image_tokens():
-    return ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+    return build_tiny_image_tokens("qwen3-vl")
 
 
 @pytest.fixture(scope="module")

@@ -33,10 +33,9 @@ from transformers import Qwen3VLForConditionalGeneration
 
 from dflash_trainer.data.masks import end_of_turn_marker
 from dflash_trainer.data.sources import normalize_row
-from dflash_trainer.data.tiny_tokenizer import TINY_VISION_TOKENS, build_tiny_image_processor, build_tiny_tokenizer
+from dflash_trainer.data.tiny_tokenizer import build_tiny_image_tokens, build_tiny_tokenizer
 from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_one
 from dflash_trainer.data.types import TokenizedSequence
-from dflash_trainer.data.vision import ImageTokens
 from dflash_trainer.drafter.anchors import plan_from_anchors
 from dflash_trainer.drafter.config import DrafterConfig
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -77,8 +76,7 @@ def conversation(seed: int = 7) -> TokenizedSequence:
                                      {"type": "text", "text": "what is in it?"}]},
         {"role": "assistant", "content": "Coloured noise: random pixels, with no shape or object in them at all."}]}
     tokenizer = build_tiny_tokenizer("qwen3-vl")
-    images = ImageTokens(image_processor=build_tiny_image_processor(),
-                         image_token_id=TINY_VISION_TOKENS["<|image_pad|>"])
+    images = build_tiny_image_tokens("qwen3-vl")
     settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tokenizer, thinking=False),
                                 max_length=512, min_supervised=4, images=images)
     sequence = tokenize_one(normalize_row(row, source="serving-check", index=0, purpose=None, image_dir=Path(".")),

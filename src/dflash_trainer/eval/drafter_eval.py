@@ -16,6 +16,7 @@ from torch import nn
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.tokenizer import load_image_tokens
+from dflash_trainer.data.vision import require_images
 from dflash_trainer.drafter.fit import target_mismatches
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
@@ -97,7 +98,7 @@ def evaluate_drafter(
     embed, lm_head = head.embed_weight.to(device), head.lm_head_weight.to(device)
     images = None
     if any(has_image_parts(m) for m in prompts_messages):  # an image-text target's prompts keep their images
-        images = load_image_tokens(config.target, tokenizer)
+        images = require_images(load_image_tokens(config.target, tokenizer))
     prompts, prompt_images = encode_prompts(tokenizer, prompts_messages, thinking=config.data.thinking,
                                             max_prompt_tokens=max_prompt_tokens, images=images)
     return evaluate_tau(

@@ -40,6 +40,7 @@ from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.target.checks import check_tap_layer_ids
 from dflash_trainer.target.context_parallel import ShardAttention, across_shards
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.target.images import image_forward
 from dflash_trainer.target.load import find_decoder, image_text_model, text_config
 from dflash_trainer.target.tap_points import hook_tap, visual_feature_layers
 from dflash_trainer.transport.wire import WireBatch
@@ -72,10 +73,10 @@ class ForwardInputs:
     shard: Optional[ShardAttention] = None
     """Set for a context-parallel shard (`shard_inputs`): its attention sees the whole sequence across the group."""
     pixel_values: Optional[torch.Tensor] = None
-    """(P, D) float32 on the target device: the image patches of the batch's sequences, row after row (the order
-    of their image tokens in `input_ids`); None when no sequence has an image."""
+    """(P, D) float32 on the target device: the pixel rows of the batch's images as stored (`data/vision.py`), row
+    after row (the order of their image tokens in `input_ids`); None when no sequence has an image."""
     image_grid_thw: Optional[torch.Tensor] = None
-    """(num_images, 3) int64 on the target device: each image's patch grid, in the same order."""
+    """(num_images, 3) int64 on the target device: each image's grid (its product: the image's rows), in order."""
 
 
 def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch, *,
@@ -216,20 +217,16 @@ class TapCapture:
                 handle.remove()
 
     def _forward_with_images(self, inputs: ForwardInputs) -> None:
-        """The image-text model's own forward: the vision tower's embeddings replace the image pad tokens (and its
-        deepstack features join the first decoder layers), at the M-RoPE positions the model computes for each row
-        (`get_rope_index`: a row's text after an image continues from the image's largest position). Passing them
-        keeps the model's cached `rope_deltas`, which its decoding reads, untouched."""
+        """The image-text model's own forward: the vision tower's outputs replace the image tokens, at the positions
+        and with the masks the family's forward gives each row (`images.py`; Qwen-VL's deepstack features join the
+        first decoder layers)."""
         model = self.image_text
         if model is None or inputs.shard is not None:
             raise ConfigError("a batch with images needs an image-text target (a vision tower) and no context "
                               "parallel (pipeline.context_parallel=1)")
-        ids = inputs.input_ids  # (B, S), right-padded: padding gets text positions after each row's last token
-        token_types = (ids == model.config.image_token_id).int()  # (B, S): 1 at image tokens, as the processor's
-        positions, _ = model.get_rope_index(input_ids=ids, mm_token_type_ids=token_types,
-                                            image_grid_thw=inputs.image_grid_thw)  # (3, B, S)
-        model(input_ids=ids, position_ids=positions, pixel_values=inputs.pixel_values,
-              image_grid_thw=inputs.image_grid_thw, use_cache=False)
+        # right-padded: the padding comes after every real token, and no image token is padding (pad id 0)
+        images = image_forward(model, inputs.input_ids, None, inputs.pixel_values, inputs.image_grid_thw)
+        model(input_ids=inputs.input_ids, position_ids=images.mrope_positions, use_cache=False, **images.kwargs)
 
     def _reader(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
         return lambda hidden: self._gather(hidden, destinations, real_index, stop)
