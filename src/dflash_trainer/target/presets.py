@@ -123,7 +123,8 @@ PRESETS: dict[str, dict] = {
         text_config=dict(
             **{k: v for k, v in _TINY_SHAPE.items() if k != "tie_word_embeddings"}, intermediate_size=128, **_TINY_LINEAR,
             layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True},  # as the released configs (vLLM reads it; HF interleaves)
         ),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=16, num_position_embeddings=64),
