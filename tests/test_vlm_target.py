@@ -108,9 +108,10 @@ def test_image_rows_are_read_and_bad_images_counted_and_logged(tmp_path, caplog)
     assert image.url == str(tmp_path / "img" / "a.png") and image.at == 0 and len(image.sha256) == 64
     assert first.messages[0].content == "What is in this picture?"
     assert second.messages[0].images[0].url.startswith("data:image/png;base64,") and not text.has_images
-    # readers that take no images (regenerate, eval) drop image rows as before, counted
+    # readers that take no images (a text target's regenerate or eval) drop image rows, counted
     plain = load_source(DataSourceConfig(path=str(path)))
-    assert plain.report.kept == 1 and plain.report.dropped == {"non_text_content": 5}
+    assert plain.report.kept == 1 and plain.report.dropped == {"images_not_read": 5}
+    assert plain.report.layout_problem is None  # well-formed rows: no warning about the data's layout
 
 
 def test_image_tokens_are_the_processors_and_never_supervised(tmp_path, vl_tokenizer, image_tokens):

@@ -52,6 +52,23 @@ def decode_image(url: str) -> Image.Image:
     return image.convert("RGB")
 
 
+def image_data_url(url: str) -> str:
+    """The image at `url` (a path or data URL, as `resolve_image` returns) as a data URL, for a server that cannot
+    read this machine's files: a data URL as it is, a file's bytes base64-encoded under the MIME type of the format
+    Pillow finds in them (what the file holds, whatever its name says). `UnreadableImage` when it cannot be read."""
+    if url.startswith("data:"):
+        return url
+    data = _image_bytes(url)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            mime = Image.MIME.get(image.format or "")
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise UnreadableImage(f"{url[:80]}: not a readable image ({e})") from None
+    if mime is None:
+        raise UnreadableImage(f"{url[:80]}: Pillow knows no MIME type for its format {image.format!r}")
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
 def resolve_image(url: object, base_dir: Optional[Path]) -> tuple[str, str]:
     """`(url, sha256)` of an image part's url: a local path made absolute against `base_dir` (the data file's folder)
     with the digest of its bytes, or a data URL as it is (digest ""); decoded once to check it. `UnreadableImage`
