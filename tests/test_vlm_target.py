@@ -130,7 +130,9 @@ def test_image_tokens_are_the_processors_and_never_supervised(tmp_path, vl_token
         text = text.replace("<|image_pad|>", "<|placeholder|>" * n, 1)
     expected = vl_tokenizer(text.replace("<|placeholder|>", "<|image_pad|>"), add_special_tokens=False)["input_ids"]
     assert seq.input_ids.tolist() == expected
-    assert torch.equal(seq.pixel_values, out["pixel_values"]) and torch.equal(seq.image_grid_thw, out["image_grid_thw"])
+    read = TokenizedDataset.from_sequences([(conversation, seq)], image_tokens)[0]  # the pixels are made on read
+    assert torch.equal(read.pixel_values, out["pixel_values"]) and torch.equal(seq.image_grid_thw, out["image_grid_thw"])
+    assert seq.pixel_values is None and [i.url for i in seq.images] == [str(tmp_path / n) for n in ("a.png", "b.png")]
     image = seq.input_ids == IMAGE_PAD
     assert int(image.sum()) == sum(counts) > 2 and not (seq.loss_mask & image).any()
     assert int(seq.loss_mask.sum()) > 20  # the reply is supervised
@@ -168,7 +170,7 @@ def test_taps_of_image_conversations_equal_hf_forward_with_their_images(tmp_path
     conversations = load_source(DataSourceConfig(path=str(write_rows(tmp_path / "d.jsonl", rows))),
                                 images=True).conversations
     sequences = tokenize(conversations, vl_tokenizer, image_tokens)
-    dataset = TokenizedDataset.from_sequences(zip(conversations, sequences))
+    dataset = TokenizedDataset.from_sequences(zip(conversations, sequences), image_tokens)
     sequences = [dataset[i] for i in range(3)]  # through the dataset's flat image storage
     assert sequences[0].image_grid_thw is not None and sequences[1].image_grid_thw is None
     assert len(sequences[2].image_grid_thw) == 2

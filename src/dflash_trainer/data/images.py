@@ -41,9 +41,13 @@ def _image_bytes(url: str) -> bytes:
         raise UnreadableImage(f"{url}: {e.strerror or e}") from None
 
 
-def decode_image(url: str) -> Image.Image:
-    """The image at `url` (a path or data URL, as `resolve_image` returns), in RGB; `UnreadableImage` otherwise."""
+def decode_image(url: str, sha256: str = "") -> Image.Image:
+    """The image at `url` (a path or data URL, as `resolve_image` returns), in RGB; `UnreadableImage` otherwise, and
+    when `sha256` is given and the bytes read no longer have it (the file changed since it was first read)."""
     data = _image_bytes(url)
+    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
+        raise UnreadableImage(f"{url[:80]}: changed since the data was read (its SHA-256 is no longer "
+                              f"{sha256[:12]}...)")
     try:
         image = Image.open(io.BytesIO(data))
         image.load()  # decode every pixel now: a truncated file fails here, not in the middle of training

@@ -106,9 +106,13 @@ class TokenizedSequence:
     """(n,) bool on CPU: True on assistant reply tokens (and their end-of-turn token)."""
     truncated_tokens: int = 0
     """Tokens of the rendered conversation cut off past data.max_length (0: it fit)."""
+    images: tuple[ImageRef, ...] = ()
+    """The images whose tokens it holds, in order (empty for a text sequence): what the tokenized cache stores of
+    them, and what `data/vision.image_inputs` makes `pixel_values` from."""
     pixel_values: Optional[torch.Tensor] = None
     """(P, C * temporal_patch * patch * patch) float32 on CPU: the patches of the sequence's images as the target's
-    image processor makes them, image after image; None for a text sequence."""
+    image processor makes them, image after image; None for a text sequence, and for one fresh from tokenizing
+    (the training set makes them when a sequence is read)."""
     image_grid_thw: Optional[torch.Tensor] = None
     """(num_images, 3) int64 on CPU: each image's patch grid (time, height, width); its patches count t*h*w and its
     image tokens in `input_ids` t*h*w / merge_size**2."""

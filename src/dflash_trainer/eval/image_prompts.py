@@ -24,7 +24,8 @@ import torch
 
 from dflash_trainer.data.masks import Unmaskable, render
 from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
-from dflash_trainer.data.vision import ImageTokens, add_image_tokens
+from dflash_trainer.data.images import UnreadableImage
+from dflash_trainer.data.vision import ImageTokens, add_image_tokens, image_inputs
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.target.load import deepstack_layer_count, find_decoder_layers, image_text_model
 
@@ -93,11 +94,13 @@ def encode_image_prompt(tokenizer, messages: tuple[Message, ...], images: ImageT
         log.warning("an image prompt of %d tokens is cut to its last %d: %d of its %d images left out whole (the "
                     "first ones); raise the prompt budget (data.max_length) to keep them", len(ids), len(ids) - cut,
                     dropped, len(grid))
-    kept = grid[dropped:]
-    if len(kept) == 0:
+    if dropped == len(grid):
         return ids[cut:], None
-    first_patch = int(grid[:dropped].prod(-1).sum())
-    return ids[cut:], PromptImages(pixel_values=sequence.pixel_values[first_patch:], image_grid_thw=kept)
+    try:
+        pixel_values, kept = image_inputs(images, sequence.images[dropped:])  # (P, D), (I - dropped, 3)
+    except (UnreadableImage, ValueError, TypeError) as e:  # read a moment ago: changed or gone since
+        raise DataError(f"a prompt's image cannot be read as it was ({e})") from None
+    return ids[cut:], PromptImages(pixel_values=pixel_values, image_grid_thw=kept)
 
 
 def image_prefill(target, ids: torch.Tensor, valid: torch.Tensor,
