@@ -128,3 +128,20 @@ def test_the_target_is_fed_the_tokenized_pixels_from_a_cache_of_image_references
     reference = fed_pixels_reference(conversations[int(rebuilt.train.source_index[i])],
                                      rebuilt.train[i].image_grid_thw)
     assert torch.equal(fed_to_target(rebuilt.train, [i]), reference)
+
+
+def test_the_image_storage_bench_runs_and_checks_the_bits(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "host" / "image_storage.py"), "--smoke", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["image"] for r in result["rows"]] == ["96x128 PNG", "96x128 JPEG"]
+    assert all(r["same_bits"] and r["read_ms"] > 0 and r["reference_bytes"] * 100 < r["float32_patch_bytes"]
+               for r in result["rows"])
+    assert len(list(tmp_path.glob("*-host-image_storage.json"))) == 1

@@ -6,7 +6,7 @@ absolute file path with the SHA-256 of the file's bytes, or a data URL (kept who
 sequence makes its pixel values again, decoding each image and running the same processor
 (`vision.image_inputs`); they are bit-identical to what tokenizing saw, since the bytes are checked against the
 stored digest and the processor against the fingerprint the grids were made with. The price is the processor's CPU
-time on the reading rank each time a sequence is read (bench/RESULTS.md, "Image storage").
+time on the reading rank each time a sequence is read (bench/RESULTS.md, section 4; `bench/host/image_storage.py`).
 
 `image_inputs` is the one place that turns references into the processor's output; another image-text family plugs
 its processing in there (and in `ImageTokens`), not here.
