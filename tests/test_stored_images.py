@@ -145,3 +145,19 @@ def test_the_image_storage_bench_runs_and_checks_the_bits(tmp_path):
     assert all(r["same_bits"] and r["read_ms"] > 0 and r["reference_bytes"] * 100 < r["float32_patch_bytes"]
                for r in result["rows"])
     assert len(list(tmp_path.glob("*-host-image_storage.json"))) == 1
+
+
+def test_worker_processes_hand_back_the_image_references_one_process_makes(tmp_path):
+    from dflash_trainer.data.tokenized import tokenize_all
+
+    source = write_rows(tmp_path / "train.jsonl", image_conversations(tmp_path, 6))
+    chats = list(load_source(DataSourceConfig(path=str(source)), images=True).conversations)
+    tokenizer = build_tiny_tokenizer("qwen3-vl")
+    images = ImageTokens(image_processor=build_tiny_image_processor(),
+                         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_PAD_TEXT))
+    kwargs = dict(thinking=False, max_length=512, min_supervised=4, images=images)
+    one = tokenize_all(chats, tokenizer, **kwargs).dataset
+    many = tokenize_all(chats, tokenizer, num_workers=2, parallel_min_s=0.0, probe=2, **kwargs).dataset
+    assert len(one) == len(many) == 6 and one.content_sha256() == many.content_sha256()
+    assert one.images.refs == many.images.refs and len(one.images.refs) == 6
+    assert all(torch.equal(one[i].pixel_values, many[i].pixel_values) for i in range(6))

@@ -22,9 +22,9 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from dflash_trainer.data.images import UnreadableImage
 from dflash_trainer.data.masks import Unmaskable, render
 from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
-from dflash_trainer.data.images import UnreadableImage
 from dflash_trainer.data.vision import ImageTokens, add_image_tokens, image_inputs
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.target.load import deepstack_layer_count, find_decoder_layers, image_text_model

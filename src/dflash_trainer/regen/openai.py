@@ -53,7 +53,7 @@ class RequestFailed(Exception):
         self.kind = kind
         """Why, short (`regen/failures.py`): counted per kind in the commands' summaries."""
         self.status = status
-        """The HTTP status of the refusal (None: the request failed otherwise)."""
+        """The HTTP status the server refused it with (None: it failed otherwise: retries spent, a bad reply)."""
 
     @property
     def refused(self) -> bool:
