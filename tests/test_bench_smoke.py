@@ -67,6 +67,16 @@ def test_run_set_overrides_our_side_and_prints_the_chunk_plan(tmp_path):
     assert bad.returncode != 0 and "drafter.nosuch" in bad.stdout + bad.stderr
 
 
+def test_run_prices_a_drafter_whose_loss_reads_the_targets_last_hidden_state(tmp_path):
+    """LiLiCorr's penalty reads the target's logits: the priced step captures the last hidden state, as training does."""
+    run = [sys.executable, str(ROOT / "bench" / "speed" / "run.py"), "--smoke", "--no-baseline", "--out", str(tmp_path)]
+    proc = subprocess.run([*run, "--set", "drafter.variant=lilicorr", "--set", "drafter.lilicorr_conv=true"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["status"] == "ok" and result["step_ms"] > 0, result
+
+
 def test_run_with_an_fp8_target_asks_for_it_and_is_refused_on_the_cpu_by_name():
     from bench.speed import run
 

@@ -34,10 +34,13 @@ FAMILIES = {  # preset: (the model class it is served as, the checked engines wi
     "tiny-glm4-moe": ("Glm4MoeForCausalLM", [VLLM, SGLANG]),
     "tiny-minimax-m2": ("MiniMaxM2ForCausalLM", [SGLANG]),
     "tiny-nemotron-h": ("NemotronHForCausalLM", []),
-    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", []),  # image-text; with images: test_vlm_target.py
-    "tiny-qwen3.5-vl": ("Qwen3_5ForConditionalGeneration", []),  # Qwen3.5 as released (image-text), on text here
+    "tiny-qwen3-vl": ("Qwen3VLForConditionalGeneration", [SGLANG]),  # image-text; with images: test_vlm_target.py
+    "tiny-qwen3.5-vl": ("Qwen3_5ForConditionalGeneration", []),  # Qwen3.5 as released; with images: test_vlm_families.py
+    "tiny-gemma3-vl": ("Gemma3ForConditionalGeneration", [VLLM, SGLANG]),  # image-text; with images: the same
+    "tiny-gemma4-vl": ("Gemma4ForConditionalGeneration", []),  # image-text; with images: the same
+    "tiny-llama4-vl": ("Llama4ForConditionalGeneration", [SGLANG]),  # image-text; with images: the same
 }
-SPECULATORS_REFUSED = {"tiny-gemma4": "scales its embeddings by 8"}
+SPECULATORS_REFUSED = {preset: "scales its embeddings by 8" for preset in ("tiny-gemma4", "tiny-gemma3-vl", "tiny-gemma4-vl")}
 """Families whose drafter the speculators format cannot carry as trained (vLLM builds it without the embedding scale)."""
 
 

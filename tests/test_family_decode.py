@@ -46,7 +46,8 @@ class OracleProposer:
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-nemotron-h", "tiny-llama4", "tiny-gemma4",
-                                    "tiny-deepseek-v3", "tiny-qwen3.5-vl"])
+                                    "tiny-deepseek-v3", "tiny-qwen3.5-vl", "tiny-gemma3-vl",
+                                    "tiny-gemma4-vl", "tiny-llama4-vl"])
 def test_speculative_decoding_is_lossless_on_hybrid_and_chunked_targets(preset):
     target = load_target(TargetConfig(random_init=preset, dtype="float32", compile=False), torch.device("cpu"), seed=0)
     generator = torch.Generator().manual_seed(3)

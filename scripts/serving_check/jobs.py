@@ -35,9 +35,13 @@ class Job:
     """B: the engine must draft B - 1 tokens after the block's first (vLLM: num_speculative_tokens = B - 1)."""
     vllm_v2_runner: bool = False
     """Build the vLLM drafter as its V2 model runner does (VLLM_USE_V2_MODEL_RUNNER=1): the only runner that
-    takes a drafter whose layers mix full and sliding attention."""
+    takes a drafter whose layers mix full and sliding attention, and the runner whose positions the image case feeds."""
     refused: Optional[str] = None
     """Set when our exporter refused to write this format for this drafter (the engines skip the job)."""
+    conversation: Optional[str] = None
+    """The image case (image_case.py): a torch file with the conversation the context comes from, input_ids (S,),
+    pixel_values (P, D), image_grid_thw (I, 3), which an engine runs its own target on (vLLM); None for the text
+    cases, whose taps are random."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,9 +51,10 @@ class EngineResult:
     job: str
     engine: str
     status: str
-    """ran | not-read (the engine does not read this format) | error."""
+    """ran | not-read (the engine does not read this format) | refused (the engine cannot serve this drafter with this
+    target) | error."""
     detail: str = ""
-    """The error, or why the engine does not read the format."""
+    """The error, why the engine does not read the format, or why it cannot serve the drafter."""
     model_class: str = ""
     """The class the engine's loader built."""
     layers: list = field(default_factory=list)
@@ -62,7 +67,8 @@ class EngineResult:
     notes: list = field(default_factory=list)
     """Workarounds applied (with what they found), one line each."""
     outputs: str = ""
-    """A torch file with the engine's `hidden` (B, H) after the final norm and `logits` (B, V)."""
+    """A torch file with the engine's `hidden` (B, H) after the final norm and `logits` (B, V); with a conversation,
+    `target_taps` (S, K*H): its own target's aux hidden states of it."""
 
 
 def write_jobs(path: Path, jobs: list[Job]) -> None:

@@ -28,6 +28,9 @@ def main() -> int:
         stubs.install_for_sglang()
         from serving_check import engine_sglang as engine
     else:
+        from serving_check import stubs
+
+        stubs.install_for_vllm()
         from serving_check import engine_vllm as engine
     results = []
     for job in read_jobs(args.work / "jobs.json"):

@@ -1,13 +1,16 @@
-"""Import stubs for what SGLang imports but cannot run on this CPU; each is named with its reason.
+"""Import stubs for what the engines import but cannot run on this CPU; each is named with its reason.
 
 - `torchvision`: `sglang.srt.configs` imports every model config at import time, and two of them (InternVL's
-  `multimodal/internvl_utils.py`, `configs/deepseek_ocr.py`) import torchvision for image preprocessing. The
-  registry's torchvision wheels are CUDA builds (their `_C.so` needs `libtorch_cuda.so`), which do not load with a
-  CPU torch. Nothing of DFlash touches it.
+  `multimodal/internvl_utils.py`, `configs/deepseek_ocr.py`) import torchvision for image preprocessing. vLLM's
+  `qwen3_vl.py` (the image case's target) imports transformers' Qwen2-VL image processor
+  (`image_processing_qwen2_vl.py`), which imports torchvision; the check hands the target its patches, made by our
+  data code, and never runs that processor. The registry's torchvision wheels are CUDA builds (their `_C.so` needs
+  `libtorch_cuda.so`), which do not load with a CPU torch. Nothing of DFlash touches it.
 
-The stub serves these imports to SGLang's own modules only. Anything else that asks (transformers probes
-`importlib.util.find_spec("torchvision")` to decide whether to use it) still finds no module. Every name read from
-the stub is a class that raises when used, so a stubbed code path fails loudly instead of computing something else.
+The stub serves these imports to the named importers only (SGLang's own modules; transformers' Qwen2-VL image
+processor). Anything else that asks (transformers probes `importlib.util.find_spec("torchvision")` to decide whether
+to use it) still finds no module. Every name read from the stub is a class that raises when used, so a stubbed code
+path fails loudly instead of computing something else.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import importlib.machinery
 import sys
 import types
 
-STUBBED = {"torchvision": "the registry's wheels are CUDA builds; SGLang imports it for image preprocessing only"}
+STUBBED = {"torchvision": "the registry's wheels are CUDA builds; the engines import it for image preprocessing only"}
 
 
 class _StubMeta(type):
@@ -67,3 +70,7 @@ def _importer() -> str:
 
 def install_for_sglang() -> None:
     sys.meta_path.insert(0, _StubFinder(("sglang", *STUBBED)))
+
+
+def install_for_vllm() -> None:
+    sys.meta_path.insert(0, _StubFinder(("transformers.models.qwen2_vl.image_processing_qwen2_vl", *STUBBED)))

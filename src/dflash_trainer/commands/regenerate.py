@@ -59,7 +59,7 @@ def build_backend(config: Config) -> Backend:
             "regenerate.url=http://HOST:PORT/v1 (docs/data.md, \"Regenerating the answers\")", regen.max_new_tokens)
     import torch
 
-    from dflash_trainer.data.tokenizer import load_image_tokens, load_tokenizer
+    from dflash_trainer.data.tokenizer import load_tokenizer
     from dflash_trainer.regen.local import LocalBackend
     from dflash_trainer.target.load import load_target
 
@@ -70,7 +70,7 @@ def build_backend(config: Config) -> Backend:
     return LocalBackend(
         model=load_target(config.target, device, seed=config.run.seed),
         tokenizer=tokenizer,
-        images=load_image_tokens(config.target, tokenizer),
+        images=image_processing(config, tokenizer),
         max_new_tokens=regen.max_new_tokens,
         temperature=regen.temperature,
         thinking=regen.thinking,
@@ -81,18 +81,28 @@ def build_backend(config: Config) -> Backend:
     )
 
 
+def image_processing(config: Config, tokenizer):
+    """The target's image processing (`data/vision.py`), or None for a text target and for an image-text one whose
+    images cannot be made into tokens here (its image rows are then not answered)."""
+    from dflash_trainer.data.tokenizer import load_image_tokens
+    from dflash_trainer.data.vision import ImageTokens
+
+    images = load_image_tokens(config.target, tokenizer)
+    return images if isinstance(images, ImageTokens) else None
+
+
 def _answers_images(config: Config) -> bool:
     """Whether the backend answers prompts with their images: the openai backend (it sends them to the server, which
-    refuses them if its model takes none) or the local backend of an image-text target (one with an image
-    processor), unless `regenerate.drop_images`. Otherwise rows with images are dropped when read, counted
-    (`images_not_read`)."""
+    refuses them if its model takes none) or the local backend of an image-text target (one with an image processor
+    whose images are made into tokens here), unless `regenerate.drop_images`. Otherwise rows with images are dropped
+    when read, counted (`images_not_read`)."""
     if config.regenerate.drop_images:
         return False
     if config.regenerate.backend == "openai":
         return True
-    from dflash_trainer.data.tokenizer import load_image_tokens, load_tokenizer
+    from dflash_trainer.data.tokenizer import load_tokenizer
 
-    return load_image_tokens(config.target, load_tokenizer(config.target, config.data.chat_template)) is not None
+    return image_processing(config, load_tokenizer(config.target, config.data.chat_template)) is not None
 
 
 def _source_info(config: Config, conversations: list, report: Any) -> dict[str, Any]:

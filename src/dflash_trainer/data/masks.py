@@ -32,13 +32,13 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from dflash_trainer.data.types import Conversation, Message, TokenizedSequence
+from dflash_trainer.data.types import Conversation, ImageText, Message, TokenizedSequence
 from dflash_trainer.errors import ConfigError
 
 _PROBE = "PROBE7f3aREPLY"
@@ -73,14 +73,26 @@ class ReplySpan:
 
 
 def render(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], *, thinking: bool,
-           add_generation_prompt: bool = False) -> str:
+           add_generation_prompt: bool = False, images: Optional[ImageText] = None) -> str:
+    """`messages` rendered with the chat template; `images`: the processor's text of each image, put in place of the
+    placeholder the template writes for it (`vision.py`), as the target's processor does before tokenizing."""
     rows = [{"role": m.role, "content": m.chat_content()} for m in messages]  # image parts as the template takes them
     try:
         text = tokenizer.apply_chat_template(rows, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              enable_thinking=thinking)
     except Exception as e:  # jinja raises anything (e.g. templates that insist on role alternation)
         raise Unmaskable("template_error") from e
-    return text
+    return text if images is None else _put_images(text, images, sum(len(m.images) for m in messages))
+
+
+def _put_images(text: str, images: ImageText, count: int) -> str:
+    """`text` with its `count` image placeholders replaced by the first `count` image texts, in order."""
+    pieces = text.split(images.placeholder)
+    if len(pieces) - 1 != count:
+        raise Unmaskable("image_tokens_mismatch", f"the chat template wrote {len(pieces) - 1} image placeholders "
+                         f"{images.placeholder!r} for {count} images: set data.chat_template to the target's image-text "
+                         "template, or remove that text from the user turns")
+    return pieces[0] + "".join(t + p for t, p in zip(images.texts, pieces[1:]))
 
 
 def end_of_turn_marker(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) -> str:
@@ -127,9 +139,9 @@ def _token_boundaries(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int
 
 
 def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], full: str, *, thinking: bool,
-                end_of_turn: str, limit: int | None = None) -> list[ReplySpan]:
-    """The character span of every assistant reply in `full` (the rendered `messages`) that starts before
-    `limit` (see the module docstring)."""
+                end_of_turn: str, limit: int | None = None, images: Optional[ImageText] = None) -> list[ReplySpan]:
+    """The character span of every assistant reply in `full` (the rendered `messages`, `images` in place) that starts
+    before `limit` (see the module docstring)."""
     limit = len(full) if limit is None else limit
     spans: list[ReplySpan] = []
     cursor = 0
@@ -138,10 +150,10 @@ def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
             break
         if message.role != "assistant" or i == 0:  # an opening assistant turn answers no prompt: context only
             continue
-        history = render(tokenizer, messages[:i], thinking=thinking)
+        history = render(tokenizer, messages[:i], thinking=thinking, images=images)
         if len(history) >= limit:
             break
-        prompt = render(tokenizer, messages[:i], thinking=thinking, add_generation_prompt=True)
+        prompt = render(tokenizer, messages[:i], thinking=thinking, add_generation_prompt=True, images=images)
         if not full.startswith(history) or not prompt.startswith(history) or len(history) < cursor:
             raise Unmaskable("template_not_prefix_stable", _prefix_detail(i, history, full, prompt))
         gen = prompt[len(history):]
@@ -340,14 +352,15 @@ def _rest_tokens(tokenizer: PreTrainedTokenizerFast, text: str, head: _Head, *, 
 
 def tokenize_conversation(conversation: Conversation, tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
                           end_of_turn: str, max_length: int, min_supervised: int,
-                          escape_special_tokens: bool = False) -> TokenizedSequence:
+                          escape_special_tokens: bool = False, images: Optional[ImageText] = None) -> TokenizedSequence:
     """Token ids + assistant-only loss mask, truncated to `max_length`; raises `Unmaskable(reason)`.
-    `escape_special_tokens`: keep special-token text of user and system turns plain text (the module docstring)."""
-    text = render(tokenizer, conversation.messages, thinking=thinking)
+    `escape_special_tokens`: keep special-token text of user and system turns plain text (the module docstring).
+    `images`: the processor's text of each image (`vision.py`), tokenized in place of the template's placeholders."""
+    text = render(tokenizer, conversation.messages, thinking=thinking, images=images)
     escaped = escaped_spans(tokenizer, conversation.messages, text, thinking=thinking) if escape_special_tokens else []
     head = _encode_head(tokenizer, text, end_of_turn=end_of_turn, max_length=max_length, escaped=escaped)
     spans = reply_spans(tokenizer, conversation.messages, text, thinking=thinking, end_of_turn=end_of_turn,
-                        limit=head.limit)
+                        limit=head.limit, images=images)
     starts, ends = head.offsets[:, 0], head.offsets[:, 1]
     mask = np.zeros(len(starts), dtype=bool)
     for span in spans:

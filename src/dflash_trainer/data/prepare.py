@@ -34,8 +34,8 @@ from dflash_trainer.data.tokenized import (
     tokenize_all,
 )
 from dflash_trainer.data.types import Conversation
-from dflash_trainer.data.vision import ImageTokens
-from dflash_trainer.errors import DataError
+from dflash_trainer.data.vision import ImageTokens, UnsupportedImages
+from dflash_trainer.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +88,14 @@ def drop_duplicates(conversations: Sequence[Conversation]) -> list[Conversation]
     return kept
 
 
-def _build(config: Config, tokenizer: PreTrainedTokenizerFast,
-           images: Optional[ImageTokens]) -> tuple[TokenizedDataset, dict[str, Any]]:
+def _build(config: Config, tokenizer: PreTrainedTokenizerFast, images: Optional[ImageTokens],
+           refused: Optional[UnsupportedImages] = None) -> tuple[TokenizedDataset, dict[str, Any]]:
+    """`refused`: an image-text target whose images cannot be made into tokens: data with images is refused."""
     data = config.data
     loaded = load_conversations(data, seed=config.run.seed, images=True)
     unique = drop_duplicates(loaded.conversations)  # before holding out: a copy would leak into the eval slice
+    if refused is not None and any(c.has_images for c in unique):  # never trained on their text alone
+        raise ConfigError(f"{sum(c.has_images for c in unique)} conversations have images: {refused.reason}")
     # an image-text target evaluates image prompts with their images; a text target's image conversations are never
     # held out (tokenizing drops them, counted, below)
     with_images = [] if images is not None else [c for c in unique if c.has_images]
@@ -150,6 +153,10 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
     if tokenizer is None:
         tokenizer = load_tokenizer(config.target, config.data.chat_template)
     images = load_image_tokens(config.target, tokenizer)
+    if isinstance(images, UnsupportedImages):  # the data's image rows are refused when read (`_build`)
+        refused, images = images, None
+    else:
+        refused = None
     parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer,
                       images=images)
     code = code_fingerprint([__file__, masks.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__,
@@ -163,7 +170,7 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
             # what that process wrote (a damaged entry left as it was is not read, nor warned about, twice)
             cached = _unless_images_changed(load_cache(path, images), path) if cache_entry_id(path) != seen else None
             if cached is None:
-                built = _build(config, tokenizer, images)
+                built = _build(config, tokenizer, images, refused)
                 if len(built[0]):
                     try:
                         save_cache(path, *built)

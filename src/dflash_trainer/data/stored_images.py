@@ -1,15 +1,16 @@
-"""The training set's images, stored as references: each image's source and patch grid, never its pixels.
+"""The training set's images, stored as references: each image's source and grid, never its pixels.
 
-The target's image processor turns a 1024 x 1024 image into ~25 MB of float32 patches (Qwen3-VL), so storing its
-output made a cache of image data many times the size of the images. A stored image is its source instead: an
+The target's image processor turns a 1024 x 1024 image into ~25 MB of float32 patches (Qwen3-VL; every family's
+pixels are float32 rows many times the size of the compressed image), so storing its output made a cache of image
+data many times the size of the images. A stored image is its source instead: an
 absolute file path with the SHA-256 of the file's bytes, or a data URL (kept whole: it is the image). Reading a
 sequence makes its pixel values again, decoding each image and running the same processor
 (`vision.image_inputs`); they are bit-identical to what tokenizing saw, since the bytes are checked against the
 stored digest and the processor against the fingerprint the grids were made with. The price is the processor's CPU
 time on the reading rank each time a sequence is read (bench/RESULTS.md, section 4; `bench/host/image_storage.py`).
 
-`image_inputs` is the one place that turns references into the processor's output; another image-text family plugs
-its processing in there (and in `ImageTokens`), not here.
+`image_inputs` is the one place that turns references into the processor's output, whatever the family (its
+`ImageTokens.process`): a new family plugs its processing in there, not here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dflash_trainer.data.images import UnreadableImage
+from dflash_trainer.data.masks import Unmaskable
 from dflash_trainer.data.types import ImageRef, TokenizedSequence
 from dflash_trainer.data.vision import ImageTokens, image_inputs
 from dflash_trainer.errors import DataError
@@ -39,7 +40,8 @@ class DatasetImages:
     refs: tuple[ImageRef, ...]
     """Every image's source (`url`, `sha256`; `at` is not kept), sequence after sequence."""
     image_grid_thw: torch.Tensor
-    """(num_images, 3) int64 on CPU: each image's patch grid; its patches number t*h*w."""
+    """(num_images, 3) int64 on CPU: each image's grid; its product is the image's rows of pixel values
+    (`vision.py`)."""
     image_offsets: torch.Tensor
     """(n + 1,) int64 on CPU: first image of each sequence, then the number of images."""
     processing: str
@@ -65,9 +67,9 @@ class DatasetImages:
             raise ValueError("DatasetImages has no image processing to read its images with: call with_images")
         try:
             pixel_values, grid = image_inputs(self.images, self.refs[a:b])
-        except (UnreadableImage, ValueError, TypeError) as e:
+        except Unmaskable as e:
             raise DataError(f"training sequence {i}: its image cannot be read as it was when the data was prepared "
-                            f"({e}). Restore the image, or prepare the data again (rerun: a changed image rebuilds "
+                            f"({e.reason}: {e.detail}). Restore the image, or prepare the data again (rerun: a changed image rebuilds "
                             "the tokenized cache)") from None
         if not torch.equal(grid, self.image_grid_thw[a:b]):  # the processor's version changed its resizing
             raise DataError(f"training sequence {i}: the image processor now makes grids {grid.tolist()}, not "
@@ -119,7 +121,7 @@ class DatasetImages:
             raise ValueError("sequences with images need the image processing they were tokenized with")
         counts = [len(s.images) for s in sequences]
         if any(len(s.images) != len(s.image_grid_thw) for s in with_images):
-            raise ValueError("a sequence's images and grids differ in number: make sequences with add_image_tokens")
+            raise ValueError("a sequence's images and grids differ in number: make sequences with vision.fit_images")
         return DatasetImages(refs=tuple(ImageRef(url=r.url, at=0, sha256=r.sha256) for s in with_images
                                         for r in s.images),
                              image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]),

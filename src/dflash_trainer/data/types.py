@@ -72,6 +72,17 @@ def _message_from_json(row: dict[str, Any]) -> Message:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ImageText:
+    """What the target's processor writes for each image of a conversation in place of the template's placeholder
+    (`vision.py`); `masks.render` substitutes it."""
+
+    placeholder: str
+    """What the chat template writes for one image."""
+    texts: tuple[str, ...]
+    """The text of each image of the conversation, in order."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Conversation:
     messages: tuple[Message, ...]
     source: str
@@ -110,12 +121,12 @@ class TokenizedSequence:
     """The images whose tokens it holds, in order (empty for a text sequence): what the tokenized cache stores of
     them, and what `data/vision.image_inputs` makes `pixel_values` from."""
     pixel_values: Optional[torch.Tensor] = None
-    """(P, C * temporal_patch * patch * patch) float32 on CPU: the patches of the sequence's images as the target's
-    image processor makes them, image after image; None for a text sequence, and for one fresh from tokenizing
-    (the training set makes them when a sequence is read)."""
+    """(P, D) float32 on CPU: the pixel rows of the sequence's images as the target's image processor makes them
+    (Qwen-VL's patches; a row per image for Gemma 3: `vision.py`), image after image; None for a text sequence, and
+    for one fresh from tokenizing (the training set makes them when a sequence is read)."""
     image_grid_thw: Optional[torch.Tensor] = None
-    """(num_images, 3) int64 on CPU: each image's patch grid (time, height, width); its patches count t*h*w and its
-    image tokens in `input_ids` t*h*w / merge_size**2."""
+    """(num_images, 3) int64 on CPU: each image's grid (Qwen-VL's patch grid (time, height, width)); its product is
+    the image's rows of `pixel_values`."""
 
     @property
     def num_tokens(self) -> int:

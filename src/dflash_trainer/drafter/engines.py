@@ -4,8 +4,13 @@ An engine serves a DFlash drafter only for a target model class that can hand it
 vLLM's classes that implement its EAGLE-3 interface (`SupportsEagle3`), SGLang's that define
 `set_dflash_layers_to_capture`. These lists were read from the released packages (vLLM 0.33.0, SGLang 0.5.23;
 registry architectures whose class has the interface, itself or through a base class; draft-model and embedding
-classes left out). Gemma 3, for one, is in neither. Newer releases add classes: a target missing here gets a
-warning, not a refusal.
+classes left out). Gemma 3, for one, is in neither. SGLang's list leaves out `Qwen3VLForConditionalGeneration`: its
+`set_dflash_layers_to_capture` calls the method on its language model (`Qwen3LLMModel`), which has none, so SGLang's
+model runner raises AttributeError setting DFlash up (the serving check's image case). Newer releases add classes: a
+target missing here gets a warning, not a refusal.
+
+An image-text target whose layers rotate by M-RoPE positions (Qwen3-VL) is served right by vLLM's V2 model runner
+only (`warn_if_mrope`).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ SGLANG_VERIFIERS = frozenset({
     "MuseGlimmerForConditionalGeneration", "MuseSparkForConditionalGeneration", "NanbeigeForCausalLM",
     "NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "NemotronH_Nano_Omni_Reasoning_V3",
     "NemotronH_Nano_VL_V2", "NemotronH_Omni_Reasoning_V3", "Phi3ForCausalLM", "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration",
+    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
     "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen4ExpForConditionalGeneration",
     "TeleFLMForCausalLM"
@@ -97,3 +102,20 @@ def warn_if_unserved(target_config: Optional[Any]) -> None:
         log.warning("the target's model class %s has no DFlash verifier in %s (no hidden-state capture for "
                     "drafters): these engines cannot serve this drafter; the DFlash reference code "
                     "(`dflash`) and `dflash-train eval` can", "/".join(model_classes(config)), " or ".join(missing))
+
+
+def warn_if_mrope(target_config: Optional[Any]) -> None:
+    """Log a warning for a target whose layers rotate by M-RoPE positions (an image-text target: Qwen3-VL). The
+    drafter rotates by sequence positions, as vLLM's V2 model runner hands them (`input_batch.positions`); its V1 runner
+    hands the drafter the first row of the target's M-RoPE positions instead (`_copy_and_expand_dflash_inputs` reads
+    the (3, N) buffer as one row), which after an image fall behind the sequence positions, and stores the drafter's
+    context at them."""
+    if target_config is None:
+        return
+    config = target_config if isinstance(target_config, dict) else target_config.to_dict()
+    text = config.get("text_config") or config
+    if "mrope_section" in (text.get("rope_parameters") or text.get("rope_scaling") or {}):
+        log.warning("the target places image tokens by M-RoPE positions: serve this drafter with vLLM's V2 model "
+                    "runner, its default where Triton runs, which hands it sequence positions as training did; its "
+                    "V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) hands it the target's M-RoPE positions, behind the "
+                    "sequence positions after an image, and drafts image prompts from a misplaced context")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from dflash_trainer.drafter.dspark import CONFIDENCE_KEYS, MARKOV_KEYS, engine_names
 from dflash_trainer.drafter.embedding_scale import (SCALE_KEY, block_embedding_scale, embedding_scale_fields,
                                                     warn_if_vllm_unscaled)
-from dflash_trainer.drafter.engines import warn_if_unserved
+from dflash_trainer.drafter.engines import warn_if_mrope, warn_if_unserved
 from dflash_trainer.drafter.finite import check_finite
 from dflash_trainer.drafter.lilicorr import LatticeSpec, lattice_key_names
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -150,6 +150,7 @@ def export_drafter(model: DFlashDrafter, out_dir: str | os.PathLike, *, target_c
     state = export_state(model, target_config=target_config, dtype=dtype)
     config = export_config(model.spec, dtype=state["fc.weight"].dtype, target_config=target_config)
     warn_if_unserved(target_config)
+    warn_if_mrope(target_config)
     warn_if_vllm_unscaled(model.spec.variant, config["dflash_config"].get(SCALE_KEY))
     return write_export(out_dir, config, state)
 

@@ -31,7 +31,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import PretrainedConfig
 
 from dflash_trainer.drafter.embedding_scale import block_embedding_scale, refuse_speculators_scale
-from dflash_trainer.drafter.engines import model_classes, warn_if_unserved
+from dflash_trainer.drafter.engines import model_classes, warn_if_mrope, warn_if_unserved
 from dflash_trainer.drafter.export import ARCHITECTURES, dflash2_fields, export_config, export_state, write_export
 from dflash_trainer.drafter.fit import drafter_marks, target_mismatches
 from dflash_trainer.drafter.model import DFlashDrafter
@@ -260,6 +260,7 @@ def export_speculators(model: DFlashDrafter, out_dir: str | os.PathLike, *, veri
         refuse_speculators_scale(block_embedding_scale(target_config, dtype or next(model.parameters()).dtype))
     architectures = verifier_architectures(verifier, model.spec, target_config, is_target=verifier_is_target)
     warn_if_unserved({"architectures": architectures})
+    warn_if_mrope(target_config)
     state = export_state(model, target_config=target_config, dtype=dtype)
     config = speculators_config(model.spec, dtype=state["fc.weight"].dtype, verifier=verifier,
                                 architectures=architectures, target_config=target_config)

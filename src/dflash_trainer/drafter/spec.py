@@ -16,6 +16,11 @@ from dflash_trainer.target.checks import check_one_residual_stream, choose_tap_l
 from dflash_trainer.target.load import text_config
 
 
+MROPE_KEYS = frozenset({"mrope_section", "mrope_interleaved"})
+"""An image-text target's M-RoPE fields (Qwen3-VL's text config): how its own layers rotate image positions. The
+drafter rotates by the sequence position alone, which is what both engines hand it (vLLM's V2 runner, SGLang)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DrafterSpec:
     """Everything needed to build a drafter (and its export config). Hidden size = the target's."""
@@ -27,7 +32,8 @@ class DrafterSpec:
     intermediate_size: int
     rms_norm_eps: float
     rope_parameters: dict[str, Any]
-    """HF rope parameters, including `rope_theta` and `rope_type`."""
+    """HF rope parameters, including `rope_theta` and `rope_type`; never an image-text target's M-RoPE fields
+    (`MROPE_KEYS`, left out on construction)."""
     max_position_embeddings: int
     num_layers: int
     block_size: int
@@ -54,6 +60,10 @@ class DrafterSpec:
     (conv_kernel_size, conv_group_size; 0 when off)."""
 
     def __post_init__(self) -> None:
+        # the drafter's RoPE is 1-D at sequence positions (HF's Qwen3 rotary ignores M-RoPE fields): declared in its
+        # export, they would make vLLM build an M-RoPE drafter, which its V1 runner refuses
+        object.__setattr__(self, "rope_parameters",
+                           {k: v for k, v in self.rope_parameters.items() if k not in MROPE_KEYS})
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(
                 f"drafter.mask_token_id={self.mask_token_id} is not a row of the target's embedding "

@@ -250,10 +250,10 @@ class _TargetCache:
             attention_mask = masks if self.by_layer_type else masks["sliding_attention"]
         kwargs = {"logits_to_keep": 1} if last_only else {}
         position_ids = positions
-        if images is not None:  # the image-text model's forward: vision tower, M-RoPE positions
+        if images is not None:  # the image-text model's forward: vision tower, its positions and masks
             self.rope_deltas = images.rope_deltas
-            position_ids = prefill_position_ids(positions, images)  # (4, R, n)
-            kwargs |= {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
+            position_ids = prefill_position_ids(positions, images)  # (4, R, n) with M-RoPE, else (R, n)
+            kwargs |= images.kwargs
         elif self.rope_deltas is not None:
             position_ids = mrope_position_ids(positions, self.rope_deltas)  # (4, R, n)
         out = _forward(self.target, ids, self.cache, attention_mask=attention_mask, position_ids=position_ids,

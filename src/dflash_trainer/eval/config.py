@@ -23,6 +23,9 @@ class EvalConfig:
     """Prompts decoded together (rows of one batch accept independently)."""
     prompt_lookup: bool = True
     """Also measure prompt lookup (n-gram copying, no training) on the same prompts: the baseline to beat."""
+    lattice_head: bool = True
+    """LiLiCorr drafters: false drafts each slot's top-1 (the backbone alone, the lattice head unused), which
+    measures what the head adds; the engines always walk the lattice."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:

@@ -16,6 +16,7 @@ from torch import nn
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.tokenizer import load_image_tokens
+from dflash_trainer.data.vision import require_images
 from dflash_trainer.drafter.fit import target_mismatches
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
@@ -97,11 +98,11 @@ def evaluate_drafter(
     embed, lm_head = head.embed_weight.to(device), head.lm_head_weight.to(device)
     images = None
     if any(has_image_parts(m) for m in prompts_messages):  # an image-text target's prompts keep their images
-        images = load_image_tokens(config.target, tokenizer)
+        images = require_images(load_image_tokens(config.target, tokenizer))
     prompts, prompt_images = encode_prompts(tokenizer, prompts_messages, thinking=config.data.thinking,
                                             max_prompt_tokens=max_prompt_tokens, images=images)
     return evaluate_tau(
-        target, lambda: DFlashBatchProposer(drafter, embed, lm_head), prompts, block_size=spec.draft_length + 1,
+        target, lambda: DFlashBatchProposer(drafter, embed, lm_head, lattice_head=ecfg.lattice_head), prompts, block_size=spec.draft_length + 1,
         tap_layer_ids=spec.tap_layer_ids, max_new_tokens=ecfg.max_new_tokens,
         stop_token_ids=stop_token_ids(tokenizer, target), temperature=ecfg.temperature, seed=config.run.seed,
         with_baseline=True, with_prompt_lookup=ecfg.prompt_lookup, batch_size=ecfg.batch_size,

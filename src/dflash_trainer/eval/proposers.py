@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from dflash_trainer.drafter.dflash2 import walk
 from dflash_trainer.drafter.dspark import markov_walk
 from dflash_trainer.drafter.lilicorr import AnchorTracker, draft_block
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.drafter.model import DFlashDrafter, DraftContext
 from dflash_trainer.eval.batched import BlockDrafts, ContextUpdate
 
@@ -27,8 +28,14 @@ class DFlashBatchProposer:
 
     needs_taps = True
 
-    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *,
+                 lattice_head: bool = True) -> None:
+        if not lattice_head and drafter.lilicorr is None:
+            raise ConfigError("eval.lattice_head=false reads only a LiLiCorr drafter's lattice head; this drafter has "
+                              "none (drop the setting)")
         self.drafter = drafter
+        self.lattice = drafter.lilicorr if lattice_head else None
+        """LiLiCorr's lattice head when it drafts (`eval.lattice_head`), else None: each slot's top-1."""
         self.embed_weight = embed_weight
         self.lm_head_weight = lm_head_weight
         self.mask_token_id = drafter.spec.mask_token_id
@@ -42,7 +49,7 @@ class DFlashBatchProposer:
             self.context = self.drafter.empty_context(update.tokens.shape[0], update.tokens.device, self.dtype)
         self.context = self.drafter.extend_context(self.context, update.taps.to(self.dtype), update.positions,
                                                    update.valid)
-        if self.drafter.lilicorr is not None:
+        if self.lattice is not None:
             self.anchors.observe(self.drafter.context, update.taps.to(self.dtype), update.valid)
 
     def propose(self, last_tokens: torch.Tensor, starts: torch.Tensor, max_lengths: torch.Tensor, block_size: int,
@@ -66,8 +73,8 @@ class DFlashBatchProposer:
                                  generator)
             return BlockDrafts(tokens=walked.tokens, lengths=max_lengths, probs=walked.probs)
         logits = F.linear(hidden[:, 1:].to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (R, B-1, V)
-        if self.drafter.lilicorr is not None:  # LiLiCorr: the lattice head walks each slot's top-K candidates
-            walked = draft_block(self.drafter.lilicorr, hidden[:, 1:], self.lm_head_weight, self.embed_weight,
+        if self.lattice is not None:  # LiLiCorr: the lattice head walks each slot's top-K candidates
+            walked = draft_block(self.lattice, hidden[:, 1:], self.lm_head_weight, self.embed_weight,
                                  self.anchors.context, self.anchors.valid, temperature, generator)
             return BlockDrafts(tokens=walked.tokens, lengths=max_lengths, probs=walked.probs)
         selector = self.drafter.candidate_selector
@@ -82,7 +89,7 @@ class DFlashBatchProposer:
 
     def keep(self, rows: torch.Tensor) -> None:
         self.context = self.context.select(rows)
-        if self.drafter.lilicorr is not None:
+        if self.lattice is not None:
             self.anchors.keep(rows)
 
 

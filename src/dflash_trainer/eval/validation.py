@@ -203,10 +203,12 @@ def build_validator(config: Config, *, capture: TapCapture, head: TargetHead, to
     from dflash_trainer.data.sources import load_source
     from dflash_trainer.data.tokenized import tokenize_all
     from dflash_trainer.data.tokenizer import load_image_tokens
+    from dflash_trainer.data.vision import ImageTokens
     from dflash_trainer.target.load import DTYPES
     from dflash_trainer.transport.wire import allocate
 
     images = load_image_tokens(config.target, tokenizer)  # an image-text target validates with the images
+    images = images if isinstance(images, ImageTokens) else None  # one whose images are refused: its text rows
     loaded = load_source(DataSourceConfig(path=str(conversations_path), format="messages"),
                          limit=config.eval.num_prompts, max_record_bytes=config.data.max_record_bytes,
                          images=images is not None)

@@ -55,12 +55,14 @@ class DecodeBudget:
 def decode_budget(model: nn.Module) -> DecodeBudget:
     """The per-row costs of decoding `model` (its config and dtype) and the memory its device has free now."""
     config = text_config(model.config)
+    # the values as the config stores them: a loaded Gemma 4 refuses to read its per-layer head_dim as one attribute
+    values = config.to_dict()
     param = next(model.parameters())
     elem = param.element_size()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    width = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    heads = values["num_attention_heads"]
+    kv_heads = values.get("num_key_value_heads") or heads
+    head_dim = max(values.get("head_dim") or 0, values.get("global_head_dim") or 0) or config.hidden_size // heads
+    width = values.get("intermediate_size") or 4 * config.hidden_size
     layers = config.num_hidden_layers
     materialised = param.device.type == "cpu" or getattr(config, "_attn_implementation", None) == "eager"
     free = free_bytes(param.device)

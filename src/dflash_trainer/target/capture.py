@@ -40,7 +40,9 @@ from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.target.checks import check_tap_layer_ids
 from dflash_trainer.target.context_parallel import ShardAttention, across_shards
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.target.load import deepstack_layer_count, find_decoder, image_text_model, text_config
+from dflash_trainer.target.images import image_forward
+from dflash_trainer.target.load import find_decoder, image_text_model, text_config
+from dflash_trainer.target.tap_points import hook_tap, visual_feature_layers
 from dflash_trainer.transport.wire import WireBatch
 
 
@@ -71,10 +73,10 @@ class ForwardInputs:
     shard: Optional[ShardAttention] = None
     """Set for a context-parallel shard (`shard_inputs`): its attention sees the whole sequence across the group."""
     pixel_values: Optional[torch.Tensor] = None
-    """(P, D) float32 on the target device: the image patches of the batch's sequences, row after row (the order
-    of their image tokens in `input_ids`); None when no sequence has an image."""
+    """(P, D) float32 on the target device: the pixel rows of the batch's images as stored (`data/vision.py`), row
+    after row (the order of their image tokens in `input_ids`); None when no sequence has an image."""
     image_grid_thw: Optional[torch.Tensor] = None
-    """(num_images, 3) int64 on the target device: each image's patch grid, in the same order."""
+    """(num_images, 3) int64 on the target device: each image's grid (its product: the image's rows), in order."""
 
 
 def prepare_inputs(sequences: Sequence[TokenizedSequence], out: WireBatch, *,
@@ -164,8 +166,8 @@ class TapCapture:
         self.layers = self.decoder.layers
         self.image_text = image_text_model(model)
         """The image-text model around the decoder (vision tower, M-RoPE positions), or None for a text target."""
-        self.deepstack_layers = deepstack_layer_count(model)
-        """Decoder layers 0..n-1 after which the model adds visual features at image positions (Qwen3-VL)."""
+        self.model = model
+        """The whole target: its config says after which layers a forward with images adds visual features."""
         num_layers = len(self.layers)
         check_tap_layer_ids(tap_layer_ids, num_layers)
         self.tap_layer_ids = tuple(tap_layer_ids)
@@ -192,16 +194,11 @@ class TapCapture:
             destinations.setdefault(layer_id, []).append(out.taps[:n, k * h : (k + 1) * h])  # (n, H) strided view
         if self.capture_last_hidden:
             destinations.setdefault(self.stop_layer, []).append(out.last_hidden[:n])  # (n, H)
-        # A tap on a layer after which the model adds visual features (Qwen3-VL's deepstack, image batches only) is
-        # read at the next layer's input, after the addition: what vLLM's capture hands the drafter
-        after_add = self.deepstack_layers if inputs.pixel_values is not None else 0
-        handles = [
-            self.layers[layer_id + 1].register_forward_pre_hook(
-                self._pre_hook(dsts, inputs.real_index, layer_id == self.stop_layer), with_kwargs=True)
-            if layer_id < after_add else
-            self.layers[layer_id].register_forward_hook(self._hook(dsts, inputs.real_index, layer_id == self.stop_layer))
-            for layer_id, dsts in destinations.items()
-        ]
+        # after a layer where the model adds visual features, the tap is the next layer's input (`tap_points.py`)
+        added_after = visual_feature_layers(self.model, with_images=inputs.pixel_values is not None)
+        handles = [hook_tap(self.layers, layer_id, added_after,
+                            self._reader(dsts, inputs.real_index, layer_id == self.stop_layer))
+                   for layer_id, dsts in destinations.items()]
         # cuDNN's attention builds an execution plan for every new batch shape (bench/RESULTS.md)
         kernels = nullcontext() if self.cudnn_attention else sdpa_kernel(list(SDPA_WITHOUT_CUDNN))
         try:
@@ -220,32 +217,19 @@ class TapCapture:
                 handle.remove()
 
     def _forward_with_images(self, inputs: ForwardInputs) -> None:
-        """The image-text model's own forward: the vision tower's embeddings replace the image pad tokens (and its
-        deepstack features join the first decoder layers), at the M-RoPE positions the model computes for each row
-        (`get_rope_index`: a row's text after an image continues from the image's largest position). Passing them
-        keeps the model's cached `rope_deltas`, which its decoding reads, untouched."""
+        """The image-text model's own forward: the vision tower's outputs replace the image tokens, at the positions
+        and with the masks the family's forward gives each row (`images.py`; Qwen-VL's deepstack features join the
+        first decoder layers)."""
         model = self.image_text
         if model is None or inputs.shard is not None:
             raise ConfigError("a batch with images needs an image-text target (a vision tower) and no context "
                               "parallel (pipeline.context_parallel=1)")
-        ids = inputs.input_ids  # (B, S), right-padded: padding gets text positions after each row's last token
-        token_types = (ids == model.config.image_token_id).int()  # (B, S): 1 at image tokens, as the processor's
-        positions, _ = model.get_rope_index(input_ids=ids, mm_token_type_ids=token_types,
-                                            image_grid_thw=inputs.image_grid_thw)  # (3, B, S)
-        model(input_ids=ids, position_ids=positions, pixel_values=inputs.pixel_values,
-              image_grid_thw=inputs.image_grid_thw, use_cache=False)
+        # right-padded: the padding comes after every real token, and no image token is padding (pad id 0)
+        images = image_forward(model, inputs.input_ids, None, inputs.pixel_values, inputs.image_grid_thw)
+        model(input_ids=inputs.input_ids, position_ids=images.mrope_positions, use_cache=False, **images.kwargs)
 
-    def _hook(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
-            self._gather(output[0] if isinstance(output, tuple) else output, destinations, real_index, stop)
-
-        return hook
-
-    def _pre_hook(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self._gather(args[0] if args else kwargs["hidden_states"], destinations, real_index, stop)
-
-        return hook
+    def _reader(self, destinations: list[torch.Tensor], real_index: torch.Tensor, stop: bool) -> Callable:
+        return lambda hidden: self._gather(hidden, destinations, real_index, stop)
 
     def _gather(self, hidden: torch.Tensor, destinations: list[torch.Tensor], real_index: torch.Tensor,
                 stop: bool) -> None:

@@ -35,9 +35,13 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def auto_model_class(model_config: PretrainedConfig):
-    """The transformers auto class that builds the target: the causal LM one, or for an image-text-to-text
-    architecture with no causal-LM class (Qwen3-VL) the image-text-to-text one (its language model is tapped)."""
-    if type(model_config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(model_config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+    """The transformers auto class that builds the target: for an image-text-to-text architecture (a config with a
+    vision tower: Qwen3-VL, Qwen3.5, Gemma 3/4) the image-text-to-text one, whose vision tower makes the image
+    tokens of image rows (its language model is tapped), even where the causal-LM class would load the language
+    model alone (Qwen3.5); the causal-LM one otherwise."""
+    kind = type(model_config)
+    image_text = kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and getattr(model_config, "vision_config", None) is not None
+    if image_text or kind not in MODEL_FOR_CAUSAL_LM_MAPPING and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 
@@ -142,11 +146,13 @@ def find_decoder(model: nn.Module) -> nn.Module:
     """The decoder stack of a causal LM (embeddings + layers + final norm, no LM head).
 
     Llama/Qwen/Mistral-like models keep it in `model.model` with its layers in `.layers`; image-text-to-text
-    models (Gemma 3 4B+) in `model.model.language_model`, run on text alone. Calling the decoder instead of the
+    models (Gemma 3 4B+) in `model.model.language_model` (Llama 4's in `model.language_model.model`), run on text
+    alone. Calling the decoder instead of the
     causal LM never computes logits.
     """
     decoder = getattr(model, "model", None)
-    for candidate in (decoder, getattr(decoder, "language_model", None)):
+    language = getattr(model, "language_model", None)  # Llama 4 image-text: the causal LM itself
+    for candidate in (decoder, getattr(decoder, "language_model", None), getattr(language, "model", None)):
         if isinstance(candidate, nn.Module) and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
             return candidate
     arch = type(model).__name__
@@ -159,12 +165,17 @@ def find_decoder(model: nn.Module) -> nn.Module:
     )
 
 
+VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+"""What image-text models call their vision tower: Qwen-VL's `visual`, Gemma's `vision_tower`, Llama 4's."""
+
+
 def image_text_model(model: nn.Module) -> Optional[nn.Module]:
-    """The image-text model around the decoder (Qwen3-VL's `model.model`: vision tower, `get_rope_index`), or None
-    for a text target."""
-    inner = getattr(model, "model", None)
-    if all(hasattr(inner, name) for name in ("visual", "language_model", "get_rope_index")):
-        return inner
+    """The image-text model around the decoder, with a vision tower and the language model, whose forward takes
+    pixels (`images.py`): `model.model` (Qwen-VL, Gemma 3/4), or the model itself (Llama 4, whose head is its
+    language model's); None for a text target."""
+    for inner in (getattr(model, "model", None), model):
+        if hasattr(inner, "language_model") and any(hasattr(inner, name) for name in VISION_TOWER_NAMES):
+            return inner
     return None
 
 

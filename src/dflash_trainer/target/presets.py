@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
-from dflash_trainer.data.tiny_tokenizer import TINY_VISION_TOKENS, TINY_VOCAB_SIZE
+from dflash_trainer.data.tiny_tokenizer import (
+    TINY_GEMMA3_TOKENS_PER_IMAGE,
+    TINY_LLAMA4_TILE,
+    TINY_VISION_TOKENS,
+    TINY_VOCAB_SIZE,
+    tiny_image_token_ids,
+)
 
 TINY_SPARE_ROWS = 64
 """Embedding rows past the tiny tokenizer's vocabulary, as Qwen3 has; the mask token is the first."""
@@ -25,9 +31,25 @@ _TINY_SHAPE = dict(
     tie_word_embeddings=False,
 )
 
+_GEMMA3_TOKENS = tiny_image_token_ids("gemma3")
+_GEMMA4_TOKENS = tiny_image_token_ids("gemma4")
+_LLAMA4_TOKENS = tiny_image_token_ids("llama4")
+
 _TINY_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                     linear_conv_kernel_dim=4)
 _TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+_TINY_GEMMA4_TEXT = dict(  # Gemma 4's language model: sliding / full layers, per-layer input embeddings, scaled
+    # embeddings
+    model_type="gemma4_text", **_TINY_SHAPE, intermediate_size=128, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"] * 3, vocab_size_per_layer_input=_TINY_SHAPE["vocab_size"],
+    hidden_size_per_layer_input=16, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+)
+
+_TINY_LLAMA4_TEXT = dict(  # Llama 4's language model: MoE with a shared expert, chunked / NoPE layers
+    model_type="llama4_text", **_TINY_SHAPE, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
+    num_experts_per_tok=1, attention_chunk_size=8, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(model_type="qwen3", **_TINY_SHAPE, intermediate_size=128, rope_theta=10000.0),
@@ -64,15 +86,8 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_shared_experts=1, n_group=1,
         topk_group=1,
     ),
-    "tiny-gemma4": dict(  # Gemma 4's language model: sliding / full layers, per-layer input embeddings, scaled embeddings
-        model_type="gemma4_text", **_TINY_SHAPE, intermediate_size=128, sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"] * 3, vocab_size_per_layer_input=_TINY_SHAPE["vocab_size"],
-        hidden_size_per_layer_input=16, pad_token_id=0, bos_token_id=None, eos_token_id=None,
-    ),
-    "tiny-llama4": dict(  # Llama 4's language model: MoE with a shared expert, chunked / NoPE layers
-        model_type="llama4_text", **_TINY_SHAPE, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
-        num_experts_per_tok=1, attention_chunk_size=8, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    ),
+    "tiny-gemma4": _TINY_GEMMA4_TEXT,
+    "tiny-llama4": _TINY_LLAMA4_TEXT,
     "tiny-glm4-moe": dict(
         model_type="glm4_moe", **_TINY_SHAPE, intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
@@ -94,7 +109,9 @@ PRESETS: dict[str, dict] = {
         vision_end_token_id=TINY_VISION_TOKENS["<|vision_end|>"],
         text_config=dict(
             **{k: v for k, v in _TINY_SHAPE.items() if k != "tie_word_embeddings"}, intermediate_size=128,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            # interleaved, as the released configs say: HF's Qwen3-VL always interleaves, vLLM reads the flag
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True},
         ),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            deepstack_visual_indexes=[0], patch_size=16, num_position_embeddings=64),
@@ -110,6 +127,37 @@ PRESETS: dict[str, dict] = {
         ),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=16, num_position_embeddings=64),
+    ),
+    "tiny-gemma3-vl": dict(  # Gemma 3 image-text (4B and up): sliding / full layers, a 1-layer SigLIP tower whose
+        # 32 x 32 image (8 x 8 patches) is pooled to TINY_GEMMA3_TOKENS_PER_IMAGE soft tokens
+        model_type="gemma3", tie_word_embeddings=False, mm_tokens_per_image=TINY_GEMMA3_TOKENS_PER_IMAGE,
+        **{f"{name}_index": _GEMMA3_TOKENS[token] for name, token in
+           (("boi_token", "<start_of_image>"), ("image_token", "<image_soft_token>"), ("eoi_token", "<end_of_image>"))},
+        text_config=dict(**{k: v for k, v in _TINY_SHAPE.items() if k != "tie_word_embeddings"}, intermediate_size=128,
+                         sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 3),
+        vision_config=dict(model_type="siglip_vision_model", image_size=32, patch_size=8, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+    ),
+    "tiny-gemma4-vl": dict(  # Gemma 4 image-text: the language model above, its image tokens attending to each
+        # other (use_bidirectional_attention="vision"), a 1-layer tower of 4 x 4 patches pooled 2 x 2
+        model_type="gemma4", tie_word_embeddings=False, audio_config=None,
+        **{f"{name}_id": _GEMMA4_TOKENS[token] for name, token in
+           (("boi_token", "<|image>"), ("image_token", "<|image|>"), ("eoi_token", "<image|>"))},
+        text_config={**{k: v for k, v in _TINY_GEMMA4_TEXT.items() if k not in ("model_type", "tie_word_embeddings")},
+                     "use_bidirectional_attention": "vision"},
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                           position_embedding_size=64),
+    ),
+    "tiny-llama4-vl": dict(  # Llama 4 image-text: the language model above, a 1-layer tower of 32 x 32 tiles in
+        # patches of 8, pixel-shuffled to 4 tokens a tile
+        model_type="llama4", tie_word_embeddings=False,
+        **{f"{name}_index": _LLAMA4_TOKENS[token] for name, token in
+           (("boi_token", "<|image_start|>"), ("image_token", "<|patch|>"), ("eoi_token", "<|image_end|>"))},
+        text_config={k: v for k, v in _TINY_LLAMA4_TEXT.items() if k != "model_type"},
+        vision_config=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=TINY_LLAMA4_TILE, patch_size=8, pixel_shuffle_ratio=0.5, vision_output_dim=64,
+                           projector_input_dim=64, projector_output_dim=64),
     ),
     "qwen3-1.7b": dict(
         model_type="qwen3",
