@@ -42,7 +42,7 @@ class ProcessedImages:
     """The images of one conversation as the target's processor makes them."""
 
     refs: tuple[ImageRef, ...]
-    """The images, in order."""
+    """The images, in order: what a tokenized sequence keeps of those it holds (`fit_images`)."""
     pixel_values: torch.Tensor
     """(P, D) float32 on CPU: every image's pixel rows, image after image (the family's rows: module docstring)."""
     image_grid_thw: torch.Tensor
@@ -145,7 +145,8 @@ class Gemma3ImageTokens(_GemmaImageTokens):
                       f"Here is the original image {run} and here are some crops to help you see better "
                       + " ".join([run] * int(n)) for n in crops)
         return ProcessedImages(refs=refs, pixel_values=pixels.reshape(len(pixels), -1),
-                               image_grid_thw=_rows_grid(crops + 1), texts=texts, token_counts=(crops + 1) * self.tokens_per_image)
+                               image_grid_thw=_rows_grid(crops + 1), texts=texts,
+                               token_counts=(crops + 1) * self.tokens_per_image)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
