@@ -1,6 +1,6 @@
 """A tiny OpenAI-compatible server for tests: /v1/models, /v1/chat/completions and /v1/completions on 127.0.0.1.
 
-Chat replies are `re:<last user content>`. Behaviour is keyed by the last user message, so tests can make
+Chat replies are `re:<last user content>` (the text of its text parts when it is a list of parts). Behaviour is keyed by the last user message, so tests can make
 some prompts fail, fail a few times first, or be slow on their first attempts. Text completions are words drawn
 from the request's seed (or what `Behaviour.completion` says). Server-wide faults: `fault` (every request on the
 `fault_on` endpoints answers wrongly: an HTTP error, malformed JSON, no choices, no content), `die_after` (the
@@ -58,10 +58,17 @@ class Behaviour:
     """After this many POSTs (both endpoints), every connection is closed without an answer (a dead server)."""
     reply_model: str | None = None
     """The `model` replies name (None: the one asked for)."""
+    refuse_images: str = ""
+    """Non-empty: a chat request with an `image_url` part answers 400 with this message (a text-only model)."""
     posts: int = 0
     attempts: Counter = field(default_factory=Counter)
     requests: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _text(content) -> str:
+    """A message's text: the content, or its text parts joined."""
+    return content if isinstance(content, str) else "".join(p["text"] for p in content if p["type"] == "text")
 
 
 def _handler(behaviour: Behaviour):
@@ -131,7 +138,7 @@ def _handler(behaviour: Behaviour):
                 return
             if self._faulted("chat"):
                 return
-            prompt = body["messages"][-1]["content"]
+            prompt = _text(body["messages"][-1]["content"])
             with behaviour.lock:
                 behaviour.requests.append(body)
                 behaviour.attempts[prompt] += 1
@@ -140,7 +147,10 @@ def _handler(behaviour: Behaviour):
                 time.sleep(behaviour.delay_s)
             if attempt <= behaviour.slow_first:
                 time.sleep(behaviour.slow_s)
-            if prompt in behaviour.reject:
+            if behaviour.refuse_images and any(isinstance(m["content"], list) and any(
+                    part["type"] == "image_url" for part in m["content"]) for m in body["messages"]):
+                self._send(400, {"error": {"message": behaviour.refuse_images, "type": "BadRequestError"}})
+            elif prompt in behaviour.reject:
                 self._send(400, {"error": "prompt too long"})
             elif prompt in behaviour.always_fail:
                 self._send(500, {"error": "internal"})

@@ -115,7 +115,7 @@ def test_jsonl_with_bad_lines_and_text_parts(tmp_path):
     )
     out = load_source(DataSourceConfig(path=str(path)))
     assert out.report.kept == 2
-    assert out.report.dropped == {"invalid_json": 1, "non_text_content": 1}
+    assert out.report.dropped == {"invalid_json": 1, "images_not_read": 1}
     assert out.conversations[1].messages[0].content == "ab"
 
 

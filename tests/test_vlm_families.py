@@ -114,7 +114,8 @@ def test_image_tokens_are_the_family_processors(family, tmp_path):
     image = seq.input_ids == family.images.image_token_id
     assert int(image.sum()) == int(family.images.process(conversation.messages[0].images).token_counts.sum()) > 2
     assert not (seq.loss_mask & image).any() and int(seq.loss_mask.sum()) > 20
-    assert seq.image_grid_thw.prod(-1).sum() == len(seq.pixel_values)  # rows as stored: the grid counts them
+    read_back = TokenizedDataset.from_sequences([(conversation, seq)], family.images)[0]  # pixels made on read
+    assert seq.image_grid_thw.prod(-1).sum() == len(read_back.pixel_values)  # rows as stored: the grid counts them
 
 
 def test_taps_of_image_conversations_equal_hf_forward_with_their_images(family, tmp_path):
@@ -127,7 +128,7 @@ def test_taps_of_image_conversations_equal_hf_forward_with_their_images(family, 
                       question="Compare them.")]
     conversations = read(tmp_path, rows)
     sequences = tokenize(conversations, family.tokenizer, family.images)
-    dataset = TokenizedDataset.from_sequences(zip(conversations, sequences))
+    dataset = TokenizedDataset.from_sequences(zip(conversations, sequences), family.images)
     sequences = [dataset[i] for i in range(3)]  # through the dataset's flat image storage
     assert [s.image_grid_thw is None for s in sequences] == [False, True, False] and len(sequences[2].image_grid_thw) == 2
     taps, target = [0, 2, 4], family.target
@@ -273,4 +274,5 @@ def test_gemma3_pan_and_scan_crops_are_its_processors(tmp_path):
     assert seq.input_ids.tolist() == out["input_ids"][0].tolist()
     crops = seq.image_grid_thw[:, 0] - 1
     assert crops.tolist()[1] == 0 and crops.tolist()[0] > 0  # the wide image was cut, the square one not
-    torch.testing.assert_close(seq.pixel_values, out["pixel_values"].reshape(len(out["pixel_values"]), -1))
+    read_back = TokenizedDataset.from_sequences([(conversation, seq)], images)[0]  # pixels made on read
+    torch.testing.assert_close(read_back.pixel_values, out["pixel_values"].reshape(len(out["pixel_values"]), -1))

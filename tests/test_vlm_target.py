@@ -112,9 +112,10 @@ def test_image_rows_are_read_and_bad_images_counted_and_logged(tmp_path, caplog)
     assert image.url == str(tmp_path / "img" / "a.png") and image.at == 0 and len(image.sha256) == 64
     assert first.messages[0].content == "What is in this picture?"
     assert second.messages[0].images[0].url.startswith("data:image/png;base64,") and not text.has_images
-    # readers that take no images (regenerate, eval) drop image rows as before, counted
+    # readers that take no images (a text target's regenerate or eval) drop image rows, counted
     plain = load_source(DataSourceConfig(path=str(path)))
-    assert plain.report.kept == 1 and plain.report.dropped == {"non_text_content": 5}
+    assert plain.report.kept == 1 and plain.report.dropped == {"images_not_read": 5}
+    assert plain.report.layout_problem is None  # well-formed rows: no warning about the data's layout
 
 
 def test_image_tokens_are_the_processors_and_never_supervised(tmp_path, vl_tokenizer, image_tokens):
@@ -133,7 +134,9 @@ def test_image_tokens_are_the_processors_and_never_supervised(tmp_path, vl_token
         text = text.replace("<|image_pad|>", "<|placeholder|>" * n, 1)
     expected = vl_tokenizer(text.replace("<|placeholder|>", "<|image_pad|>"), add_special_tokens=False)["input_ids"]
     assert seq.input_ids.tolist() == expected
-    assert torch.equal(seq.pixel_values, out["pixel_values"]) and torch.equal(seq.image_grid_thw, out["image_grid_thw"])
+    read = TokenizedDataset.from_sequences([(conversation, seq)], image_tokens)[0]  # the pixels are made on read
+    assert torch.equal(read.pixel_values, out["pixel_values"]) and torch.equal(seq.image_grid_thw, out["image_grid_thw"])
+    assert seq.pixel_values is None and [i.url for i in seq.images] == [str(tmp_path / n) for n in ("a.png", "b.png")]
     image = seq.input_ids == IMAGE_PAD
     assert int(image.sum()) == sum(counts) > 2 and not (seq.loss_mask & image).any()
     assert int(seq.loss_mask.sum()) > 20  # the reply is supervised
@@ -171,7 +174,7 @@ def test_taps_of_image_conversations_equal_hf_forward_with_their_images(tmp_path
     conversations = load_source(DataSourceConfig(path=str(write_rows(tmp_path / "d.jsonl", rows))),
                                 images=True).conversations
     sequences = tokenize(conversations, vl_tokenizer, image_tokens)
-    dataset = TokenizedDataset.from_sequences(zip(conversations, sequences))
+    dataset = TokenizedDataset.from_sequences(zip(conversations, sequences), image_tokens)
     sequences = [dataset[i] for i in range(3)]  # through the dataset's flat image storage
     assert sequences[0].image_grid_thw is not None and sequences[1].image_grid_thw is None
     assert len(sequences[2].image_grid_thw) == 2

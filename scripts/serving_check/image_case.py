@@ -35,6 +35,7 @@ from dflash_trainer.data.masks import end_of_turn_marker
 from dflash_trainer.data.sources import normalize_row
 from dflash_trainer.data.tiny_tokenizer import build_tiny_image_tokens, build_tiny_tokenizer
 from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_one
+from dflash_trainer.data.tokenized import TokenizedDataset
 from dflash_trainer.data.types import TokenizedSequence
 from dflash_trainer.drafter.anchors import plan_from_anchors
 from dflash_trainer.drafter.config import DrafterConfig
@@ -65,7 +66,8 @@ def make_vl_target(folder: Path, seed: int = 5) -> tuple[Target, Qwen3VLForCondi
 
 
 def conversation(seed: int = 7) -> TokenizedSequence:
-    """A conversation whose user turn has an image between two texts, tokenized as training tokenizes it."""
+    """A conversation whose user turn has an image between two texts, tokenized as training tokenizes it and read as
+    training reads it (its pixels made from the image's reference)."""
     pixels = np.random.default_rng(seed).integers(0, 256, (*IMAGE_SIZE, 3), dtype=np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
@@ -79,11 +81,11 @@ def conversation(seed: int = 7) -> TokenizedSequence:
     images = build_tiny_image_tokens("qwen3-vl")
     settings = TokenizeSettings(thinking=False, end_of_turn=end_of_turn_marker(tokenizer, thinking=False),
                                 max_length=512, min_supervised=4, images=images)
-    sequence = tokenize_one(normalize_row(row, source="serving-check", index=0, purpose=None, image_dir=Path(".")),
-                            tokenizer, settings)
+    chat = normalize_row(row, source="serving-check", index=0, purpose=None, image_dir=Path("."))
+    sequence = tokenize_one(chat, tokenizer, settings)
     if isinstance(sequence, str):
         raise RuntimeError(f"the check's image conversation was dropped ({sequence})")
-    return sequence
+    return TokenizedDataset.from_sequences([(chat, sequence)], images)[0]
 
 
 @torch.no_grad()

@@ -92,11 +92,14 @@ def image_processing(config: Config, tokenizer):
 
 
 def _answers_images(config: Config) -> bool:
-    """Whether the backend answers prompts with their images: the local backend of an image-text target (one with
-    an image processor whose images are made into tokens here). Otherwise rows with images are dropped when read,
-    counted (`non_text_content`)."""
-    if config.regenerate.backend != "local":
+    """Whether the backend answers prompts with their images: the openai backend (it sends them to the server, which
+    refuses them if its model takes none) or the local backend of an image-text target (one with an image processor
+    whose images are made into tokens here), unless `regenerate.drop_images`. Otherwise rows with images are dropped
+    when read, counted (`images_not_read`)."""
+    if config.regenerate.drop_images:
         return False
+    if config.regenerate.backend == "openai":
+        return True
     from dflash_trainer.data.tokenizer import load_tokenizer
 
     return image_processing(config, load_tokenizer(config.target, config.data.chat_template)) is not None

@@ -134,6 +134,10 @@ class RegenerateConfig:
     """First retry delay; doubles on each further retry (with jitter)."""
     shard_rows: int = 256
     """Rows per output shard."""
+    drop_images: bool = False
+    """Leave out the rows whose user turns have image parts (counted as `images_not_read`) and regenerate the text
+    rows only: for a text target, or a server that takes no images. False: image rows are answered with their
+    images (the openai backend sends them; the local backend needs an image-text target)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "openai"):

@@ -41,15 +41,36 @@ def _image_bytes(url: str) -> bytes:
         raise UnreadableImage(f"{url}: {e.strerror or e}") from None
 
 
-def decode_image(url: str) -> Image.Image:
-    """The image at `url` (a path or data URL, as `resolve_image` returns), in RGB; `UnreadableImage` otherwise."""
+def decode_image(url: str, sha256: str = "") -> Image.Image:
+    """The image at `url` (a path or data URL, as `resolve_image` returns), in RGB; `UnreadableImage` otherwise, and
+    when `sha256` is given and the bytes read no longer have it (the file changed since it was first read)."""
     data = _image_bytes(url)
+    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
+        raise UnreadableImage(f"{url[:80]}: changed since the data was read (its SHA-256 is no longer "
+                              f"{sha256[:12]}...)")
     try:
         image = Image.open(io.BytesIO(data))
         image.load()  # decode every pixel now: a truncated file fails here, not in the middle of training
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise UnreadableImage(f"{url[:80]}: not a readable image ({e})") from None
     return image.convert("RGB")
+
+
+def image_data_url(url: str) -> str:
+    """The image at `url` (a path or data URL, as `resolve_image` returns) as a data URL, for a server that cannot
+    read this machine's files: a data URL as it is, a file's bytes base64-encoded under the MIME type of the format
+    Pillow finds in them (what the file holds, whatever its name says). `UnreadableImage` when it cannot be read."""
+    if url.startswith("data:"):
+        return url
+    data = _image_bytes(url)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            mime = Image.MIME.get(image.format or "")
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise UnreadableImage(f"{url[:80]}: not a readable image ({e})") from None
+    if mime is None:
+        raise UnreadableImage(f"{url[:80]}: Pillow knows no MIME type for its format {image.format!r}")
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def resolve_image(url: object, base_dir: Optional[Path]) -> tuple[str, str]:

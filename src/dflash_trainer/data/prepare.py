@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.config import Config
 from dflash_trainer.data import images as images_module
-from dflash_trainer.data import masks, rules, sources, tokenize_pool, vision
+from dflash_trainer.data import masks, rules, sources, stored_images, tokenize_pool, vision
 from dflash_trainer.data.images import changed_image_files
 from dflash_trainer.data.plan import EpochPlan, check_lengths_fit, hold_out, write_eval_conversations
 from dflash_trainer.data.sources import load_conversations
@@ -160,15 +160,15 @@ def prepare_data(config: Config, run_dir: str | os.PathLike, *,
     parts = key_parts(config.data, seed=config.run.seed, block_size=config.drafter.block_size, tokenizer=tokenizer,
                       images=images)
     code = code_fingerprint([__file__, masks.__file__, rules.__file__, sources.__file__, tokenize_pool.__file__,
-                             vision.__file__, images_module.__file__])
+                             vision.__file__, images_module.__file__, stored_images.__file__])
     path = cache_root(config.data.cache_dir) / cache_key(parts, code)
-    cached = _unless_images_changed(load_cache(path), path)  # an entry is renamed into place whole: no lock needed
+    cached = _unless_images_changed(load_cache(path, images), path)  # renamed into place whole: no lock needed
     built = None
     if cached is None:
         seen = cache_entry_id(path)
         with cache_lock(path):  # a process preparing the same data at once waits, then reads the cache
             # what that process wrote (a damaged entry left as it was is not read, nor warned about, twice)
-            cached = _unless_images_changed(load_cache(path), path) if cache_entry_id(path) != seen else None
+            cached = _unless_images_changed(load_cache(path, images), path) if cache_entry_id(path) != seen else None
             if cached is None:
                 built = _build(config, tokenizer, images, refused)
                 if len(built[0]):

@@ -97,6 +97,9 @@ class LoadReport:
 
 
 ROW_LAYOUT = ("missing_turns", "not_an_object")
+IMAGES_NOT_READ = "images_not_read"
+"""Drop reason of a row with image parts when its reader takes no images (a text target's regenerate or eval,
+`regenerate.drop_images`): the row is well formed, so not a layout problem."""
 TURN_LAYOUT = ("bad_turn", "missing_role", "unknown_role", "missing_content", "non_text_content")
 EXPECTED_LAYOUT = ("a `messages` list of {role, content} turns (roles system, user, assistant), or ShareGPT's "
                    "`conversations` list of {from, value} turns (from: human, gpt or chatgpt, bing, bard, system); "
@@ -149,7 +152,9 @@ def _content(value: Any, image_dir: Optional[Path]) -> tuple[str, tuple[ImageRef
     for part in value:
         if part.get("type") == "text" and isinstance(part.get("text"), str):
             text.append(part["text"])
-        elif part.get("type") == "image_url" and image_dir is not None and isinstance(part.get("image_url"), dict):
+        elif part.get("type") == "image_url" and image_dir is None:
+            raise Drop(IMAGES_NOT_READ)
+        elif part.get("type") == "image_url" and isinstance(part.get("image_url"), dict):
             try:
                 url, digest = resolve_image(part["image_url"].get("url"), image_dir)
             except UnreadableImage as e:
@@ -164,7 +169,7 @@ def normalize_row(row: Any, *, source: str, index: int, purpose: Optional[str] =
                   image_dir: Optional[Path] = None) -> Conversation:
     """One row -> a Conversation, or `Drop(reason)`. Accepts `conversations` (from/value) or `messages`
     (role/content) turns. `purpose`: the rule the conversation must meet (`rules.py`; None: none). `image_dir`:
-    read image parts of user turns, relative paths from there (None: a row with image parts is `non_text_content`)."""
+    read image parts of user turns, relative paths from there (None: a row with image parts is `images_not_read`)."""
     if not isinstance(row, dict):
         raise Drop("not_an_object")
     turns = row.get("messages", row.get("conversations"))
@@ -314,7 +319,7 @@ def load_source(source: DataSourceConfig, *, limit: Optional[int] = None, purpos
     """Conversations of one source in row order, stopping once `limit` (or the source's own
     `max_conversations`) conversations are kept; `purpose`: see `normalize_row`; `max_record_bytes`: the largest
     row read (`data.max_record_bytes`; the module docstring says where it applies); `images`: read image parts of
-    user turns (`images.py`; otherwise such rows drop as `non_text_content`)."""
+    user turns (`images.py`; otherwise such rows drop as `images_not_read`)."""
     caps = [c for c in (limit, source.max_conversations) if c is not None]
     cap = min(caps) if caps else None
     name = source.path

@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.data.masks import Unmaskable, tokenize_conversation
-from dflash_trainer.data.types import Conversation, TokenizedSequence
+from dflash_trainer.data.types import Conversation, ImageRef, TokenizedSequence
 from dflash_trainer.data.vision import ImageTokens, fit_images, image_text, images_of
 from dflash_trainer.errors import DataError
 
@@ -73,8 +73,8 @@ class TokenizedRow:
     dropped_reason: Optional[str]
     """The `Unmaskable` reason when dropped."""
     truncated_tokens: int = 0
-    pixel_values: Optional[np.ndarray] = None
-    """(P, D) float32 image patches, or None (a text sequence)."""
+    images: tuple[ImageRef, ...] = ()
+    """The images the sequence holds (`TokenizedSequence.images`)."""
     image_grid_thw: Optional[np.ndarray] = None
     """(num_images, 3) int64, or None."""
 
@@ -145,8 +145,7 @@ def _tokenize_chunk(chunk: list[Conversation]) -> list[TokenizedRow]:
             numpy = lambda t: None if t is None else t.numpy()  # noqa: E731
             rows.append(TokenizedRow(input_ids=result.input_ids.numpy(), loss_mask=result.loss_mask.numpy(),
                                      dropped_reason=None, truncated_tokens=result.truncated_tokens,
-                                     pixel_values=numpy(result.pixel_values),
-                                     image_grid_thw=numpy(result.image_grid_thw)))
+                                     images=result.images, image_grid_thw=numpy(result.image_grid_thw)))
     return rows
 
 
@@ -155,7 +154,7 @@ def _from_row(row: TokenizedRow) -> Result:
         return row.dropped_reason
     tensor = lambda a: None if a is None else torch.from_numpy(a)  # noqa: E731
     return TokenizedSequence(input_ids=torch.from_numpy(row.input_ids), loss_mask=torch.from_numpy(row.loss_mask),
-                             truncated_tokens=row.truncated_tokens, pixel_values=tensor(row.pixel_values),
+                             truncated_tokens=row.truncated_tokens, images=row.images,
                              image_grid_thw=tensor(row.image_grid_thw))
 
 

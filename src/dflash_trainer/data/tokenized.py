@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.data.masks import end_of_turn_marker
 from dflash_trainer.data.sources import source_fingerprint
+from dflash_trainer.data.stored_images import DatasetImages
 from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers, tokenize_one
 from dflash_trainer.data.types import Conversation, TokenizedSequence
 from dflash_trainer.data.vision import ImageTokens
@@ -36,7 +37,7 @@ from dflash_trainer.errors import DataError
 
 log = logging.getLogger(__name__)
 
-CODE_VERSION = 1
+CODE_VERSION = 2
 """Bump when loading, masking or the cache layout changes: old caches are then ignored."""
 
 DEFAULT_CACHE_DIR = Path("~/.cache/dflash_trainer/tokenized")
@@ -58,8 +59,9 @@ class TokenizedDataset:
     """(n,) int64 on CPU: index into `sources` of each sequence's source."""
     sources: tuple[str, ...]
     """Source names."""
-    images: Optional["DatasetImages"] = None
-    """The sequences' images (an image-text target's data with image parts), or None."""
+    images: Optional[DatasetImages] = None
+    """The sequences' images (an image-text target's data with image parts: references, their pixels made on
+    read), or None."""
 
     def __len__(self) -> int:
         return int(self.offsets.numel()) - 1
@@ -76,9 +78,10 @@ class TokenizedDataset:
         """Digest of the training content (ids, loss masks, sequence boundaries, and images where there are some):
         equal data, equal digest, whatever code produced it. A checkpoint resumes only on data with its digest."""
         h = hashlib.sha256()
-        extra = self.images.tensors().values() if self.images is not None else ()
-        for t in (self.offsets, self.input_ids, self.loss_mask.to(torch.uint8), *extra):
+        for t in (self.offsets, self.input_ids, self.loss_mask.to(torch.uint8)):
             h.update(t.contiguous().numpy().tobytes())
+        if self.images is not None:
+            self.images.update_content_digest(h)
         return h.hexdigest()
 
     @property
@@ -94,13 +97,16 @@ class TokenizedDataset:
         return int(self.loss_mask.sum())
 
     @staticmethod
-    def from_sequences(items: Iterable[tuple[Conversation, TokenizedSequence]]) -> "TokenizedDataset":
+    def from_sequences(items: Iterable[tuple[Conversation, TokenizedSequence]],
+                       images: Optional[ImageTokens] = None) -> "TokenizedDataset":
+        """The dataset of `items`; `images`: the image processing they were tokenized with (sequences with images
+        need it)."""
         items = list(items)
         sources = tuple(dict.fromkeys(c.source for c, _ in items))
         lengths = torch.tensor([0] + [s.num_tokens for _, s in items], dtype=torch.long)
         empty = torch.zeros(0, dtype=torch.long)
         return TokenizedDataset(
-            images=DatasetImages.from_sequences([s for _, s in items]),
+            images=DatasetImages.from_sequences([s for _, s in items], images),
             input_ids=torch.cat([s.input_ids for _, s in items] or [empty]).to(torch.int32),
             loss_mask=torch.cat([s.loss_mask for _, s in items] or [empty.bool()]),
             offsets=torch.cumsum(lengths, 0),
@@ -108,43 +114,6 @@ class TokenizedDataset:
             source_id=torch.tensor([sources.index(c.source) for c, _ in items], dtype=torch.long),
             sources=sources,
         )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DatasetImages:
-    """Every sequence's images, concatenated: sequence `i` has images `[image_offsets[i], image_offsets[i+1])`,
-    whose patches are consecutive rows of `pixel_values`."""
-
-    pixel_values: torch.Tensor
-    """(P, D) float32 on CPU: all images' patches, in sequence order (the image processor's output as it is)."""
-    image_grid_thw: torch.Tensor
-    """(num_images, 3) int64 on CPU: each image's patch grid; its patches number t*h*w."""
-    image_offsets: torch.Tensor
-    """(n + 1,) int64 on CPU: first image of each sequence, then the number of images."""
-
-    def of(self, i: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """Sequence `i`'s `(pixel_values, image_grid_thw)`, or `(None, None)` when it has no image."""
-        a, b = int(self.image_offsets[i]), int(self.image_offsets[i + 1])
-        if a == b:
-            return None, None
-        patches = self.image_grid_thw.prod(-1)  # (num_images,)
-        start, end = int(patches[:a].sum()), int(patches[:b].sum())
-        return self.pixel_values[start:end], self.image_grid_thw[a:b]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
-                "image_offsets": self.image_offsets}
-
-    @staticmethod
-    def from_sequences(sequences: Sequence[TokenizedSequence]) -> Optional["DatasetImages"]:
-        """The images of `sequences`, or None when none has any (a text dataset stores nothing more)."""
-        with_images = [s for s in sequences if s.image_grid_thw is not None]
-        if not with_images:
-            return None
-        counts = [0 if s.image_grid_thw is None else len(s.image_grid_thw) for s in sequences]
-        return DatasetImages(pixel_values=torch.cat([s.pixel_values for s in with_images]),
-                             image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]),
-                             image_offsets=torch.cumsum(torch.tensor([0] + counts, dtype=torch.long), 0))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -202,8 +171,8 @@ def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTok
     kept = [(c, r) for c, r in zip(conversations, results) if not isinstance(r, str)]
     dropped = Counter(r for r in results if isinstance(r, str))
     cut = [r.truncated_tokens for _, r in kept if r.truncated_tokens]
-    return TokenizeOutcome(dataset=TokenizedDataset.from_sequences(kept), dropped=dict(dropped), truncated=len(cut),
-                           truncated_tokens=sum(cut))
+    return TokenizeOutcome(dataset=TokenizedDataset.from_sequences(kept, images), dropped=dict(dropped),
+                           truncated=len(cut), truncated_tokens=sum(cut))
 
 
 # ------------------------------------------------------------------------------------------- caching
@@ -330,6 +299,8 @@ def _rows_sha256(dataset: TokenizedDataset) -> str:
     h = hashlib.sha256()
     for t in (dataset.source_index, dataset.source_id):
         h.update(t.contiguous().numpy().tobytes())
+    if dataset.images is not None:  # where each image is read from
+        h.update(dataset.images.sources_json())
     return h.hexdigest()
 
 
@@ -358,20 +329,20 @@ def cache_entry_id(path: Path) -> Optional[tuple[int, int]]:
     return st.st_ino, st.st_mtime_ns
 
 
-def load_cache(path: Path) -> Optional[tuple[TokenizedDataset, dict[str, Any]]]:
+def load_cache(path: Path, images: Optional[ImageTokens] = None) -> Optional[tuple[TokenizedDataset, dict[str, Any]]]:
     """The cached dataset and its metadata, or None when absent, unreadable or damaged (its bytes no longer match
     the digests saved with it): then it is rebuilt from the sources, with a warning naming the file, since the
-    cache is only a copy of what the sources and the config give."""
+    cache is only a copy of what the sources and the config give. `images`: the image processing its images are
+    read with (the one the cache key names)."""
     if not (path / "data.safetensors").is_file() or not (path / "meta.json").is_file():
         return None
     try:
         t = load_file(str(path / "data.safetensors"))
         meta = json.loads((path / "meta.json").read_bytes().decode("utf-8"))
-        images = DatasetImages(**{k: t[k] for k in ("pixel_values", "image_grid_thw", "image_offsets")}) \
-            if "image_offsets" in t else None
+        stored = DatasetImages.from_tensors(t, images) if "image_offsets" in t else None
         dataset = TokenizedDataset(input_ids=t["input_ids"], loss_mask=t["loss_mask"].bool(), offsets=t["offsets"],
                                    source_index=t["source_index"], source_id=t["source_id"],
-                                   sources=tuple(meta["sources"]), images=images)
+                                   sources=tuple(meta["sources"]), images=stored)
     except Exception as e:  # a corrupt cache entry is rebuilt, never trusted
         log.warning("tokenized cache %s is unreadable (%s: %s): rebuilding it from the sources (if this repeats, "
                     "delete %s or set data.cache_dir to a writable folder)", path, type(e).__name__, e, path)

@@ -117,9 +117,13 @@ class TokenizedSequence:
     """(n,) bool on CPU: True on assistant reply tokens (and their end-of-turn token)."""
     truncated_tokens: int = 0
     """Tokens of the rendered conversation cut off past data.max_length (0: it fit)."""
+    images: tuple[ImageRef, ...] = ()
+    """The images whose tokens it holds, in order (empty for a text sequence): what the tokenized cache stores of
+    them, and what `data/vision.image_inputs` makes `pixel_values` from."""
     pixel_values: Optional[torch.Tensor] = None
     """(P, D) float32 on CPU: the pixel rows of the sequence's images as the target's image processor makes them
-    (Qwen-VL's patches; a row per image for Gemma 3: `vision.py`), image after image; None for a text sequence."""
+    (Qwen-VL's patches; a row per image for Gemma 3: `vision.py`), image after image; None for a text sequence, and
+    for one fresh from tokenizing (the training set makes them when a sequence is read)."""
     image_grid_thw: Optional[torch.Tensor] = None
     """(num_images, 3) int64 on CPU: each image's grid (Qwen-VL's patch grid (time, height, width)); its product is
     the image's rows of `pixel_values`."""

@@ -14,8 +14,10 @@ processor's (Gemma 3's newlines merge with the template's). The families, as tra
 - Llama 4: `<|image|>` becomes `<|image_start|>`, each tile's `<|patch|>` tokens (one per pixel-shuffled group of
   patches) row by row between tile separators when the image spans several tiles, `<|image|>` and the global tile's
   patch tokens, `<|image_end|>`; pixels: a row of C*S*S per tile, grid (tiles, 1, 1).
-Every family stores its pixels as rows `(P, D)` and a grid `(I, 3)` whose product is each image's rows (the tokenized
-cache's layout, `tokenized.DatasetImages`); the target's forward rebuilds its own shapes (`target/images.py`).
+Every family gives its pixels as rows `(P, D)` and a grid `(I, 3)` whose product is each image's rows; the target's
+forward rebuilds its own shapes (`target/images.py`). A tokenized sequence keeps its images' references and grids, not
+their pixels: `image_inputs` makes the pixels again from the references whenever they are needed (the tokenized cache
+stores references: `stored_images.py`).
 
 Image tokens (`image_token_id`, the ones the vision tower's outputs replace) are in user turns: never supervised.
 Truncation at `data.max_length` never cuts an image: the sequence ends before the first image token of the first
@@ -39,6 +41,8 @@ from dflash_trainer.errors import ConfigError
 class ProcessedImages:
     """The images of one conversation as the target's processor makes them."""
 
+    refs: tuple[ImageRef, ...]
+    """The images, in order: what a tokenized sequence keeps of those it holds (`fit_images`)."""
     pixel_values: torch.Tensor
     """(P, D) float32 on CPU: every image's pixel rows, image after image (the family's rows: module docstring)."""
     image_grid_thw: torch.Tensor
@@ -65,14 +69,17 @@ class ImageTokens:
     """What the chat template writes for one image (the processor's `image_token`)."""
 
     def process(self, refs: Sequence[ImageRef]) -> ProcessedImages:
-        """The processor's output for the images at `refs`; `Unmaskable` when one cannot be read or processed."""
+        """The processor's output for the images at `refs`, each image's bytes checked against its `sha256` where it
+        has one; `Unmaskable` when one cannot be read as it was, or processed. Every family's processor makes each
+        image's pixels from that image alone, so the rows of some of a conversation's images are those of all of
+        them (tests/test_stored_images.py checks it per family)."""
         try:
-            out = self.image_processor(images=[decode_image(r.url) for r in refs], return_tensors="pt")
+            out = self.image_processor(images=[decode_image(r.url, r.sha256) for r in refs], return_tensors="pt")
         except UnreadableImage as e:
             raise Unmaskable("unreadable_image", str(e)) from None
         except (ValueError, TypeError) as e:  # e.g. an extreme aspect ratio the processor refuses
             raise Unmaskable("image_processor_error", f"{refs[0].url[:80]}...: {e}") from None
-        return self._layout(out)
+        return self._layout(tuple(refs), out)
 
     @classmethod
     def build(cls, image_processor: Any, tokenizer: Any, settings: Mapping[str, Any]) -> ImageTokens | UnsupportedImages:
@@ -84,10 +91,10 @@ class ImageTokens:
         return cls(image_processor=image_processor, image_token_id=tokens.pop("image_token_id"),
                    placeholder=tokens["image_token"], **tokens)
 
-    def _layout(self, out: Mapping[str, torch.Tensor]) -> ProcessedImages:
+    def _layout(self, refs: tuple[ImageRef, ...], out: Mapping[str, torch.Tensor]) -> ProcessedImages:
         grid = out["image_grid_thw"].to(torch.int64)  # (I, 3)
         counts = grid.prod(-1) // self.image_processor.merge_size**2  # (I,) one pad per vision-tower output
-        return ProcessedImages(pixel_values=out["pixel_values"].to(torch.float32), image_grid_thw=grid,
+        return ProcessedImages(refs=refs, pixel_values=out["pixel_values"].to(torch.float32), image_grid_thw=grid,
                                texts=tuple(self.image_token * int(n) for n in counts), token_counts=counts)
 
     def fingerprint(self) -> str:
@@ -130,22 +137,23 @@ class Gemma3ImageTokens(_GemmaImageTokens):
     def _from_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
         return {"tokens_per_image": int(settings.get("image_seq_length", 256))}
 
-    def _layout(self, out: Mapping[str, torch.Tensor]) -> ProcessedImages:
+    def _layout(self, refs: tuple[ImageRef, ...], out: Mapping[str, torch.Tensor]) -> ProcessedImages:
         pixels = out["pixel_values"].to(torch.float32)  # (N, C, S, S): each image, then its crops
         crops = out["num_crops"].to(torch.int64).reshape(-1)  # (I,)
         run = f"\n\n{self.boi_token}{self.image_token * self.tokens_per_image}{self.eoi_token}\n\n"
         texts = tuple(run if not n else
                       f"Here is the original image {run} and here are some crops to help you see better "
                       + " ".join([run] * int(n)) for n in crops)
-        return ProcessedImages(pixel_values=pixels.reshape(len(pixels), -1), image_grid_thw=_rows_grid(crops + 1),
-                               texts=texts, token_counts=(crops + 1) * self.tokens_per_image)
+        return ProcessedImages(refs=refs, pixel_values=pixels.reshape(len(pixels), -1),
+                               image_grid_thw=_rows_grid(crops + 1), texts=texts,
+                               token_counts=(crops + 1) * self.tokens_per_image)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Gemma4ImageTokens(_GemmaImageTokens):
     family: ClassVar[str] = "Gemma 4"
 
-    def _layout(self, out: Mapping[str, torch.Tensor]) -> ProcessedImages:
+    def _layout(self, refs: tuple[ImageRef, ...], out: Mapping[str, torch.Tensor]) -> ProcessedImages:
         pixels = out["pixel_values"].to(torch.float32)  # (I, max_patches, D), padded
         positions = out["image_position_ids"].to(torch.int64)  # (I, max_patches, 2): (x, y), -1 on padding
         counts = torch.as_tensor(out["num_soft_tokens_per_image"], dtype=torch.int64).reshape(-1)  # (I,)
@@ -158,8 +166,8 @@ class Gemma4ImageTokens(_GemmaImageTokens):
             rows.append(image[:real])
             grids.append((1, height, width))
         texts = tuple(f"{self.boi_token}{self.image_token * int(n)}{self.eoi_token}" for n in counts)
-        return ProcessedImages(pixel_values=torch.cat(rows), image_grid_thw=torch.tensor(grids, dtype=torch.int64),
-                               texts=texts, token_counts=counts)
+        return ProcessedImages(refs=refs, pixel_values=torch.cat(rows),
+                               image_grid_thw=torch.tensor(grids, dtype=torch.int64), texts=texts, token_counts=counts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,14 +194,14 @@ class Llama4ImageTokens(ImageTokens):
                    patch_size=int(settings.get("patch_size", 14)),
                    downsample=round(1 / float(settings.get("pixel_shuffle_ratio", 0.5)) ** 2), **tokens)
 
-    def _layout(self, out: Mapping[str, torch.Tensor]) -> ProcessedImages:
+    def _layout(self, refs: tuple[ImageRef, ...], out: Mapping[str, torch.Tensor]) -> ProcessedImages:
         pixels = out["pixel_values"].to(torch.float32)  # (N, C, S, S): each image's tiles, then its global tile
         ratios = torch.as_tensor(out["aspect_ratios"], dtype=torch.int64).reshape(-1, 2)  # (I, 2) tiles down, across
         per_tile = (pixels.shape[-2] // self.patch_size) * (pixels.shape[-1] // self.patch_size) // self.downsample
         tiles = ratios.prod(-1) + (ratios.prod(-1) > 1).long()  # (I,) a global tile after several
         texts = tuple(self._text(int(h), int(w), per_tile) for h, w in ratios)
-        return ProcessedImages(pixel_values=pixels.reshape(len(pixels), -1), image_grid_thw=_rows_grid(tiles),
-                               texts=texts, token_counts=tiles * per_tile)
+        return ProcessedImages(refs=refs, pixel_values=pixels.reshape(len(pixels), -1),
+                               image_grid_thw=_rows_grid(tiles), texts=texts, token_counts=tiles * per_tile)
 
     def _text(self, height: int, width: int, per_tile: int) -> str:
         """The processor's text of an image of `height` x `width` tiles: each tile's patch tokens, row by row between
@@ -212,9 +220,10 @@ def _rows_grid(rows: torch.Tensor) -> torch.Tensor:
 
 def fit_images(sequence: TokenizedSequence, images: ProcessedImages, image_token_id: int, *,
                min_supervised: int) -> TokenizedSequence:
-    """`sequence` (tokenized with the images' texts in place, truncated to its length limit) with the pixels and grids of
-    the images it keeps whole, cut before the first image token of an image the truncation reached into. Raises
-    `Unmaskable` when the image tokens are not the processor's, or too few supervised tokens are left."""
+    """`sequence` (tokenized with the images' texts in place, truncated to its length limit) with the references and
+    grids of the images it keeps whole (`image_inputs` makes their pixels where they are needed), cut before the first
+    image token of an image the truncation reached into. Raises `Unmaskable` when the image tokens are not the
+    processor's, or too few supervised tokens are left."""
     at = torch.nonzero(sequence.input_ids == image_token_id).flatten()  # (n_image_tokens,) in order
     ends = torch.cumsum(images.token_counts, 0)  # (I,) one past each image's last image token, counted
     if len(at) > int(ends[-1]) or (len(at) < int(ends[-1]) and not sequence.truncated_tokens):
@@ -225,14 +234,21 @@ def fit_images(sequence: TokenizedSequence, images: ProcessedImages, image_token
     cut = sequence.num_tokens
     if kept < len(ends) and len(at) > int(ends[kept]) - int(images.token_counts[kept]):  # reached into image `kept`
         cut = int(at[int(ends[kept] - images.token_counts[kept])])
-    rows = int(images.image_grid_thw[:kept].prod(-1).sum())
     result = replace(sequence, input_ids=sequence.input_ids[:cut], loss_mask=sequence.loss_mask[:cut],
-                     truncated_tokens=sequence.truncated_tokens + sequence.num_tokens - cut,
-                     pixel_values=images.pixel_values[:rows] if kept else None,
+                     truncated_tokens=sequence.truncated_tokens + sequence.num_tokens - cut, images=images.refs[:kept],
                      image_grid_thw=images.image_grid_thw[:kept] if kept else None)
     if int(result.loss_mask.sum()) < min_supervised:
         raise Unmaskable("too_few_supervised_tokens")
     return result
+
+
+def image_inputs(images: ImageTokens, refs: Sequence[ImageRef]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(pixel_values (P, D) float32, image_grid_thw (I, 3) int64)` of the images `refs` as the target's processor
+    makes them (`ImageTokens.process`: the family's rows and grids, each image's bytes checked against its digest):
+    the one way a stored reference becomes pixels again. `Unmaskable` when an image cannot be read as it was, or
+    processed."""
+    processed = images.process(refs)
+    return processed.pixel_values, processed.image_grid_thw
 
 
 def image_text(images: ImageTokens, processed: ProcessedImages) -> ImageText:

@@ -8,6 +8,11 @@ Requests time out after `request_timeout_s` and are retried with exponential bac
 does a chat reply with no content (it would be an empty assistant turn; asked again, the same request gets the
 same). Each failure has a kind (`regen/failures.py`) that the commands count. A reply naming another model than
 the one asked for is taken (proxies rename models) and warned about once.
+
+Image parts of user turns go to the server as OpenAI `image_url` parts: a local file as a `data:` URL of its bytes
+(the server need not see this machine's files), a data URL as it is. A server that refuses images (a text-only
+model, or images turned off) stops the run with one error naming the server, the model and the fix, rather than
+failing every image row one by one.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import logging
 import queue
 import random
+import re
 import socket
 import threading
 import urllib.error
@@ -24,8 +30,9 @@ import urllib.request
 import zlib
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
+from dflash_trainer.data.images import UnreadableImage, image_data_url
 from dflash_trainer.data.types import Conversation, Message
-from dflash_trainer.errors import ConfigError
+from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.regen.failures import (BAD_SHAPE, CONNECTION, EMPTY_REPLY, MALFORMED_JSON, NO_CHOICES, OTHER,
                                            REFUSED, STOPPED, TIMEOUT, http_kind)
 from dflash_trainer.regen.turns import Continuation, RegenOutcome, TurnState, as_dicts, failed, start
@@ -41,10 +48,12 @@ QUEUE_POLL_S = 0.5
 class RequestFailed(Exception):
     """A request failed for good (not retryable, or out of retries); the row is logged as failed."""
 
-    def __init__(self, message: str, *, kind: str) -> None:
+    def __init__(self, message: str, *, kind: str, status: int | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         """Why, short (`regen/failures.py`): counted per kind in the commands' summaries."""
+        self.status = status
+        """The HTTP status the server refused it with (None: it failed otherwise: retries spent, a bad reply)."""
 
     @property
     def refused(self) -> bool:
@@ -52,8 +61,29 @@ class RequestFailed(Exception):
         return self.kind == REFUSED
 
 
+IMAGE_REFUSAL_STATUS = (400, 415, 422)
+"""Statuses with which servers refuse content they cannot take (422: a request schema without image parts)."""
 REFUSED_LATER_TURN = "HTTP 400 from the server at a later turn (e.g. over its context length)"
 """The cut of a conversation whose later turn the server refused (the turns before it are kept)."""
+
+
+_IMAGES_REFUSED = re.compile(
+    r"not an? (multi-?modal|vision|image)|image input is not supported|at most \d+ image|image_url|"
+    r"(not|n't) (support|accept|take|handle|process)\w*\W+(\w+\W+){0,3}(image|vision|multi-?modal)|"
+    r"(image|vision|multi-?modal)\w*\W+(\w+\W+){0,4}(not supported|unsupported|not enabled|disabled)", re.I)
+"""A refusal that names the images (vLLM: `M is not a multimodal model`, `At most 0 image(s) may be provided`;
+SGLang: `image input is not supported for this model`; OpenAI: `image_url is only supported by certain models`)."""
+_LENGTH_REFUSED = re.compile(r"context length|maximum model length|too long", re.I)
+"""A length refusal, which names image tokens on an image-text server but is a row's limit, not the server's."""
+
+
+def images_refused(detail: str) -> bool:
+    """Whether a refusal of a request with images says the server takes no images (or not that many)."""
+    return bool(_IMAGES_REFUSED.search(detail)) and not _LENGTH_REFUSED.search(detail)
+
+
+class ImagesRefused(ConfigError):
+    """The server refused a prompt's images: its model takes none (or not that many); the whole run stops."""
 
 
 class _Retryable(Exception):
@@ -102,6 +132,22 @@ def base_url(url: str) -> str:
         if url.endswith(suffix):
             url = url[: -len(suffix)]
     return url if url.endswith("/v1") else url + "/v1"
+
+
+def request_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+    """Messages as the chat endpoint takes them: text, or text and `image_url` parts, each image a data URL (a file's
+    bytes, read now); a DataError names an image that can no longer be read."""
+    rows = as_dicts(messages)
+    for row in rows:
+        if isinstance(row["content"], list):
+            for part in row["content"]:
+                if part["type"] == "image_url":
+                    try:
+                        part["image_url"] = {"url": image_data_url(part["image_url"]["url"])}
+                    except UnreadableImage as e:
+                        raise DataError(f"an image of the prompt cannot be read any more ({e}); restore it, or "
+                                        "leave its row out, and rerun") from None
+    return rows
 
 
 def reply_text(message: dict[str, Any]) -> str:
@@ -169,7 +215,7 @@ class OpenAIBackend:
         of one prompt differ, and a rerun asks for the same ones."""
         request: dict[str, Any] = {
             "model": self.model,
-            "messages": as_dicts(messages),
+            "messages": request_messages(messages),
             "max_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "chat_template_kwargs": {"enable_thinking": self.thinking},
@@ -177,7 +223,16 @@ class OpenAIBackend:
         if self.temperature > 0:
             request["top_p"] = self.top_p
             request["seed"] = request_seed(self.seed, request_key)
-        return self._ask("chat/completions", request, _message)
+        try:
+            return self._ask("chat/completions", request, _message)
+        except RequestFailed as e:
+            if e.status in IMAGE_REFUSAL_STATUS and any(m.images for m in messages) and images_refused(str(e)):
+                raise ImagesRefused(
+                    f"the server at {self.url} (model {self.model!r}) refused a prompt's images ({e}). Serve an "
+                    "image-text model there (e.g. Qwen3-VL; vLLM: raise --limit-mm-per-prompt if it says how many "
+                    "images it takes) and rerun, or set regenerate.drop_images=true to regenerate the text rows only "
+                    "(the image rows are then left out, counted); the rows written so far are kept") from None
+            raise
 
     def complete_text(
         self,
@@ -258,7 +313,7 @@ class OpenAIBackend:
             detail = e.read()[:300].decode("utf-8", errors="replace")
             if e.code >= 500 or e.code in RETRY_STATUS:
                 raise _Retryable(f"HTTP {e.code}: {detail}", kind=http_kind(e.code)) from None
-            raise RequestFailed(f"HTTP {e.code}: {detail}", kind=http_kind(e.code)) from None
+            raise RequestFailed(f"HTTP {e.code}: {detail}", kind=http_kind(e.code), status=e.code) from None
         except (TimeoutError, socket.timeout) as e:
             raise _Retryable(f"timed out after {self.timeout}s ({e})", kind=TIMEOUT) from None
         except urllib.error.URLError as e:
@@ -301,6 +356,7 @@ class OpenAIBackend:
             try:
                 outbox.put(("ok", self._answer(conv)))
             except BaseException as e:  # re-raised in the consuming thread
+                self._stop.set()  # the run ends: no worker takes another conversation
                 outbox.put(("error", e))
 
     def run(self, conversations: Iterable[Conversation]) -> Iterator[RegenOutcome]:
