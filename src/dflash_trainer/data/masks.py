@@ -13,6 +13,12 @@ So with Qwen3 thinking off the empty `<think>\n\n</think>\n\n` of the last turn 
 supervised), with thinking on a think block is supervised, and earlier turns (whose reasoning the template
 drops) are supervised as rendered. Every span is checked to contain the reply's text; a reply that cannot
 be located, or whose boundary falls inside a token, drops the conversation with a reason: never a wrong mask.
+With thinking on, a final reply whose reasoning the template drops (DeepSeek-V3.1's and Gemma 4's render every reply
+without it) drops the conversation too (`template_drops_reasoning`): the target writes that reasoning at serve time.
+The end-of-turn marker is the first special token after a reply that a user turn follows: the token closing the
+turn, or in a template that closes none (GLM-4.5) the next turn's opening token, at which the target stops (an eos
+id of its generation config); such a template writes nothing after the final reply, so the marker is appended
+there, as the target writes it, and the final reply is supervised through it like the others.
 An assistant turn that opens the conversation (ShareGPT's continuation parts) answers no prompt: it stays in
 the sequence as context and is not supervised.
 
@@ -96,9 +102,12 @@ def _put_images(text: str, images: ImageText, count: int) -> str:
 
 
 def end_of_turn_marker(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) -> str:
-    """The special token the template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`, ...): the first
-    special token after a probe reply."""
-    probe = (Message(role="user", content="Q"), Message(role="assistant", content=_PROBE))
+    """The special token that ends an assistant turn: the first special token after a probe reply that a user turn
+    follows. Most templates close the turn with it (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`); in one that closes
+    no turn (GLM-4.5) it is the next turn's opening token (`<|user|>`), where the target stops at serve time (an eos
+    id of its generation config), and `final_turn_left_open` says so."""
+    probe = (Message(role="user", content="Q"), Message(role="assistant", content=_PROBE),
+             Message(role="user", content="Q"))
     try:
         text = render(tokenizer, probe, thinking=thinking)
     except Unmaskable:
@@ -109,9 +118,18 @@ def end_of_turn_marker(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) ->
     if not hits:
         raise ConfigError(
             "cannot find the end-of-turn token of the chat template (no special token follows an assistant "
-            "reply); set data.chat_template to a template that closes turns with a special token"
+            "reply); set data.chat_template to a template that ends turns with a special token"
         )
     return min(hits)[2]
+
+
+def final_turn_left_open(tokenizer: PreTrainedTokenizerFast, end_of_turn: str, *, thinking: bool) -> bool:
+    """Whether the template writes no end of turn after a conversation's final reply (GLM-4.5: a reply ends where the
+    next turn opens). The target still writes `end_of_turn` there at serve time, so training text gets it appended
+    (`tokenize_conversation(close_final_turn=True)`) and the final reply is supervised through it, as the others."""
+    probe = (Message(role="user", content="Q"), Message(role="assistant", content=_PROBE))
+    text = render(tokenizer, probe, thinking=thinking)
+    return end_of_turn not in text[text.index(_PROBE) + len(_PROBE):]
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -164,12 +182,33 @@ def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
                 raise Unmaskable("reply_not_found")
         start = len(history) + matched
         eot = full.find(end_of_turn, start)
-        core = message.content.split("</think>")[-1].strip()
-        if eot < 0 or core not in full[start:eot]:
+        reasoning, answer = split_reasoning(message.content)
+        if eot < 0 or answer not in full[start:eot]:
             raise Unmaskable("reply_not_found")
+        if thinking and i == len(messages) - 1 and reasoning not in full[start:eot]:
+            raise Unmaskable("template_drops_reasoning", _DROPPED_REASONING)
         spans.append(ReplySpan(start=start, end=eot + len(end_of_turn)))
         cursor = eot + len(end_of_turn)
     return spans
+
+
+THOUGHT_TAGS = (("<think>", "</think>"), ("<|channel>", "<channel|>"))
+"""How a reply marks its reasoning: think tags (Qwen3, DeepSeek, GLM, MiniMax, Nemotron), Gemma 4's thought channel."""
+
+
+def split_reasoning(content: str) -> tuple[str, str]:
+    """(reasoning, answer) of a reply, both stripped: the text inside its reasoning tags and the text after the last
+    closing one; ('', the whole reply) when it has none."""
+    for opening, closing in THOUGHT_TAGS:
+        if closing in content:
+            return content.split(closing)[0].split(opening)[-1].strip(), content.split(closing)[-1].strip()
+    return "", content.strip()
+
+
+_DROPPED_REASONING = ("the chat template renders the final reply without its reasoning (as DeepSeek-V3.1's and Gemma "
+                      "4's do), while with data.thinking=true the target writes that reasoning at serve time: the "
+                      "drafter would never see it. Set data.thinking=false to train for serving with thinking off, or "
+                      "data.chat_template to a template that keeps the reasoning of the reply after the last user turn")
 
 
 # ------------------------------------------------------------------------------------ special-token text
@@ -352,15 +391,21 @@ def _rest_tokens(tokenizer: PreTrainedTokenizerFast, text: str, head: _Head, *, 
 
 def tokenize_conversation(conversation: Conversation, tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
                           end_of_turn: str, max_length: int, min_supervised: int,
-                          escape_special_tokens: bool = False, images: Optional[ImageText] = None) -> TokenizedSequence:
+                          escape_special_tokens: bool = False, images: Optional[ImageText] = None,
+                          close_final_turn: bool = False) -> TokenizedSequence:
     """Token ids + assistant-only loss mask, truncated to `max_length`; raises `Unmaskable(reason)`.
     `escape_special_tokens`: keep special-token text of user and system turns plain text (the module docstring).
-    `images`: the processor's text of each image (`vision.py`), tokenized in place of the template's placeholders."""
-    text = render(tokenizer, conversation.messages, thinking=thinking, images=images)
-    escaped = escaped_spans(tokenizer, conversation.messages, text, thinking=thinking) if escape_special_tokens else []
+    `images`: the processor's text of each image (`vision.py`), tokenized in place of the template's placeholders.
+    `close_final_turn`: the template leaves the final reply open (`final_turn_left_open`): `end_of_turn` is appended
+    after it, as the target writes it."""
+    messages = conversation.messages
+    text = render(tokenizer, messages, thinking=thinking, images=images)
+    escaped = escaped_spans(tokenizer, messages, text, thinking=thinking) if escape_special_tokens else []
+    if close_final_turn and len(messages) > 1 and messages[-1].role == "assistant":
+        text += end_of_turn
     head = _encode_head(tokenizer, text, end_of_turn=end_of_turn, max_length=max_length, escaped=escaped)
-    spans = reply_spans(tokenizer, conversation.messages, text, thinking=thinking, end_of_turn=end_of_turn,
-                        limit=head.limit, images=images)
+    spans = reply_spans(tokenizer, messages, text, thinking=thinking, end_of_turn=end_of_turn, limit=head.limit,
+                        images=images)
     starts, ends = head.offsets[:, 0], head.offsets[:, 1]
     mask = np.zeros(len(starts), dtype=bool)
     for span in spans:

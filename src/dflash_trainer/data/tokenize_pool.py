@@ -48,6 +48,7 @@ class TokenizeSettings:
 
     thinking: bool
     end_of_turn: str
+    """The token that ends an assistant turn (`masks.end_of_turn_marker`)."""
     max_length: int
     min_supervised: int
     escape_special_tokens: bool = False
@@ -55,6 +56,8 @@ class TokenizeSettings:
     images: Optional[ImageTokens] = None
     """The image-text target's image processing (`vision.py`); None: a conversation with images is dropped
     (`IMAGES_ON_TEXT_TARGET`)."""
+    close_final_turn: bool = False
+    """The template writes no end of turn after the final reply (`masks.final_turn_left_open`): it is appended."""
 
 
 IMAGES_ON_TEXT_TARGET = "images_need_image_text_target"
@@ -96,7 +99,8 @@ def tokenize_one(conversation: Conversation, tokenizer: PreTrainedTokenizerFast,
                                          end_of_turn=settings.end_of_turn, max_length=settings.max_length,
                                          min_supervised=settings.min_supervised,
                                          escape_special_tokens=settings.escape_special_tokens,
-                                         images=None if processed is None else image_text(settings.images, processed))
+                                         images=None if processed is None else image_text(settings.images, processed),
+                                         close_final_turn=settings.close_final_turn)
         if processed is not None:
             sequence = fit_images(sequence, processed, settings.images.image_token_id,
                                   min_supervised=settings.min_supervised)
