@@ -155,7 +155,6 @@ def _trained_tokenizer_json() -> str:
     return tok.to_str()
 
 
-@functools.lru_cache(maxsize=None)
 def _named_tokenizer_json(name: str) -> str:
     """The trained BPE with its special tokens (ids 0-8) renamed to `name`'s chat tokens (`TINY_CHAT_TOKENS`)."""
     chat = TINY_CHAT_TOKENS[name].tokens
