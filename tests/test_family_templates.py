@@ -13,13 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_trainer.data.masks import (
-    Unmaskable,
-    end_of_turn_marker,
-    final_turn_left_open,
-    render,
-    tokenize_conversation,
-)
+from dflash_trainer.data.masks import TurnEnds, Unmaskable, render, tokenize_conversation, turn_ends
 from dflash_trainer.data.tiny_tokenizer import TINY_CHAT_TOKENS, build_tiny_tokenizer
 from dflash_trainer.data.tokenized import tokenize_all
 from dflash_trainer.data.types import Conversation, Message
@@ -64,9 +58,8 @@ CONVERSATIONS = {"plain": PLAIN, "multi": MULTI, "single": SINGLE}
 
 
 def masked(tok, c: Conversation, *, thinking: bool):
-    eot = end_of_turn_marker(tok, thinking=thinking)
-    return tokenize_conversation(c, tok, thinking=thinking, end_of_turn=eot, max_length=4096, min_supervised=1,
-                                 close_final_turn=final_turn_left_open(tok, eot, thinking=thinking))
+    return tokenize_conversation(c, tok, thinking=thinking, end_of_turn=turn_ends(tok, thinking=thinking),
+                                 max_length=4096, min_supervised=1)
 
 
 def reference(tok, c: Conversation, *, thinking: bool, marker: str, closes: bool) -> tuple[list[int], list[bool]]:
@@ -106,8 +99,7 @@ def test_end_of_turn_and_stop_tokens_are_the_familys(family, toks):
     tok = toks[family]
     marker, closes, stops = FAMILIES[family]
     for thinking in (False, True):
-        assert end_of_turn_marker(tok, thinking=thinking) == marker
-        assert final_turn_left_open(tok, marker, thinking=thinking) is not closes
+        assert turn_ends(tok, thinking=thinking) == TurnEnds(inner=marker, final=marker, appended=not closes)
     target = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))  # the tiny presets declare none
     assert set(tok.convert_ids_to_tokens(stop_token_ids(tok, target))) == stops
     generic = {"<|im_start|>", "<|eot_id|>", "<|start_header_id|>"} - set(TINY_CHAT_TOKENS[family].tokens)
@@ -213,3 +205,34 @@ def test_a_regenerated_reply_is_supervised_as_the_target_wrote_it(family, thinki
     prompt = render(tok, question, thinking=thinking, add_generation_prompt=True)
     context = seq.input_ids[: int(seq.loss_mask.nonzero()[0])].tolist()
     assert (context == tok(prompt, add_special_tokens=False)["input_ids"]) is ((family, thinking) not in PROMPT_NOT_RENDERED)
+
+
+HARMONY = (  # shaped like gpt-oss's: every message closed by <|end|>, but a final reply by <|return|>, which ends
+    # generation (<|end|> also closes the reasoning channel the target writes before its answer: not a stop token)
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}{{- '<|start|>assistant<|channel|>final<|message|>' + m['content'] -}}"
+    "{{- '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' -}}"
+    "{%- else -%}{{- '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}"
+)
+
+
+def test_a_final_reply_ends_with_its_own_token_where_the_template_gives_it_one():
+    """gpt-oss's template closes earlier replies with `<|end|>` and the final one with `<|return|>` (what the target
+    writes last): each reply is supervised through its own, never across the next user turn, and decoding stops at
+    `<|return|>`, not at the `<|end|>` that closes the target's reasoning channel."""
+    import copy
+
+    tok = copy.deepcopy(build_tiny_tokenizer("qwen3"))
+    tok.add_tokens(["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>"], special_tokens=True)
+    tok.chat_template = HARMONY
+    ends = turn_ends(tok, thinking=False)
+    assert ends == TurnEnds(inner="<|end|>", final="<|return|>")
+    seq = masked(tok, PLAIN, thinking=False)
+    ids, mask = seq.input_ids.tolist(), seq.loss_mask.tolist()
+    assert runs(tok, ids, mask) == ["<|channel|>final<|message|>Hi! How can I help?<|end|>",
+                                    "<|channel|>final<|message|>Why did the chicken cross the road?<|return|>"]
+    target = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))
+    stops = set(tok.convert_ids_to_tokens(stop_token_ids(tok, target)))
+    assert "<|return|>" in stops and "<|end|>" not in stops

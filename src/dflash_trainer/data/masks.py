@@ -15,10 +15,11 @@ drops) are supervised as rendered. Every span is checked to contain the reply's 
 be located, or whose boundary falls inside a token, drops the conversation with a reason: never a wrong mask.
 With thinking on, a final reply whose reasoning the template drops (DeepSeek-V3.1's and Gemma 4's render every reply
 without it) drops the conversation too (`template_drops_reasoning`): the target writes that reasoning at serve time.
-The end-of-turn marker is the first special token after a reply that a user turn follows: the token closing the
-turn, or in a template that closes none (GLM-4.5) the next turn's opening token, at which the target stops (an eos
-id of its generation config); such a template writes nothing after the final reply, so the marker is appended
-there, as the target writes it, and the final reply is supervised through it like the others.
+A reply ends with the first special token after it (`TurnEnds`): the token closing the turn, the final reply's own
+where the template gives it another (gpt-oss: `<|end|>`, then `<|return|>` last), or in a template that closes no
+turn (GLM-4.5) the next turn's opening token, at which the target stops (an eos id of its generation config); such
+a template writes nothing after the final reply, so that token is appended there, as the target writes it, and the
+final reply is supervised through it like the others.
 An assistant turn that opens the conversation (ShareGPT's continuation parts) answers no prompt: it stays in
 the sequence as context and is not supervised.
 
@@ -101,13 +102,30 @@ def _put_images(text: str, images: ImageText, count: int) -> str:
     return pieces[0] + "".join(t + p for t, p in zip(images.texts, pieces[1:]))
 
 
-def end_of_turn_marker(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) -> str:
-    """The special token that ends an assistant turn: the first special token after a probe reply that a user turn
-    follows. Most templates close the turn with it (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`); in one that closes
-    no turn (GLM-4.5) it is the next turn's opening token (`<|user|>`), where the target stops at serve time (an eos
-    id of its generation config), and `final_turn_left_open` says so."""
-    probe = (Message(role="user", content="Q"), Message(role="assistant", content=_PROBE),
-             Message(role="user", content="Q"))
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnEnds:
+    """The special tokens that end an assistant reply in a chat template (`turn_ends`)."""
+
+    inner: str
+    """After a reply that a user turn follows: the token closing the turn (`<|im_end|>`, `<|eot_id|>`, gpt-oss's
+    `<|end|>`), or in a template that closes no turn (GLM-4.5) the next turn's opening token (`<|user|>`), where the
+    target stops at serve time (an eos id of its generation config)."""
+    final: str
+    """After a conversation's final reply: the token the target ends its generation with (gpt-oss's `<|return|>`;
+    `inner` in most templates). Decoding stops at it (`target/stop_tokens.py`)."""
+    appended: bool = False
+    """The template writes no token after the final reply (GLM-4.5): `final` (then `inner`) is appended there, as the
+    target writes it, and the final reply is supervised through it like the others."""
+
+    @classmethod
+    def of(cls, end_of_turn: "str | TurnEnds") -> "TurnEnds":
+        """`end_of_turn` as `TurnEnds` (a str: one token that the template writes after every reply)."""
+        return end_of_turn if isinstance(end_of_turn, TurnEnds) else cls(inner=end_of_turn, final=end_of_turn)
+
+
+def _special_after_probe(tokenizer: PreTrainedTokenizerFast, probe: Sequence[Message], *, thinking: bool
+                         ) -> Optional[str]:
+    """The first special (or added) token the template writes after the probe reply of `probe`, None if none."""
     try:
         text = render(tokenizer, probe, thinking=thinking)
     except Unmaskable:
@@ -115,21 +133,26 @@ def end_of_turn_marker(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) ->
     after = text[text.index(_PROBE) + len(_PROBE):] if _PROBE in text else ""
     specials = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
     hits = [(after.find(s), -len(s), s) for s in specials if s and after.find(s) >= 0]
-    if not hits:
+    return min(hits)[2] if hits else None
+
+
+def turn_ends(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) -> TurnEnds:
+    """The tokens that end an assistant reply: the first special token the template writes after a probe reply that a
+    user turn follows, and after one that ends the conversation (see `TurnEnds`)."""
+    question, reply = Message(role="user", content="Q"), Message(role="assistant", content=_PROBE)
+    inner = _special_after_probe(tokenizer, (question, reply, question), thinking=thinking)
+    if inner is None:
         raise ConfigError(
             "cannot find the end-of-turn token of the chat template (no special token follows an assistant "
             "reply); set data.chat_template to a template that ends turns with a special token"
         )
-    return min(hits)[2]
+    final = _special_after_probe(tokenizer, (question, reply), thinking=thinking)
+    return TurnEnds(inner=inner, final=final or inner, appended=final is None)
 
 
-def final_turn_left_open(tokenizer: PreTrainedTokenizerFast, end_of_turn: str, *, thinking: bool) -> bool:
-    """Whether the template writes no end of turn after a conversation's final reply (GLM-4.5: a reply ends where the
-    next turn opens). The target still writes `end_of_turn` there at serve time, so training text gets it appended
-    (`tokenize_conversation(close_final_turn=True)`) and the final reply is supervised through it, as the others."""
-    probe = (Message(role="user", content="Q"), Message(role="assistant", content=_PROBE))
-    text = render(tokenizer, probe, thinking=thinking)
-    return end_of_turn not in text[text.index(_PROBE) + len(_PROBE):]
+def end_of_turn_marker(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) -> str:
+    """The token that ends an assistant reply that another turn follows (`TurnEnds.inner`)."""
+    return turn_ends(tokenizer, thinking=thinking).inner
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -157,9 +180,11 @@ def _token_boundaries(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int
 
 
 def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], full: str, *, thinking: bool,
-                end_of_turn: str, limit: int | None = None, images: Optional[ImageText] = None) -> list[ReplySpan]:
-    """The character span of every assistant reply in `full` (the rendered `messages`, `images` in place) that starts
-    before `limit` (see the module docstring)."""
+                end_of_turn: str | TurnEnds, limit: int | None = None,
+                images: Optional[ImageText] = None) -> list[ReplySpan]:
+    """The character span of every assistant reply in `full` (the rendered `messages`, `images` in place, the final
+    reply's end appended where the template writes none) that starts before `limit` (see the module docstring)."""
+    ends = TurnEnds.of(end_of_turn)
     limit = len(full) if limit is None else limit
     spans: list[ReplySpan] = []
     cursor = 0
@@ -181,6 +206,7 @@ def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
             if matched == 0:
                 raise Unmaskable("reply_not_found")
         start = len(history) + matched
+        end_of_turn = ends.final if i == len(messages) - 1 else ends.inner
         eot = full.find(end_of_turn, start)
         reasoning, answer = split_reasoning(message.content)
         if eot < 0 or answer not in full[start:eot]:
@@ -390,21 +416,19 @@ def _rest_tokens(tokenizer: PreTrainedTokenizerFast, text: str, head: _Head, *, 
 
 
 def tokenize_conversation(conversation: Conversation, tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
-                          end_of_turn: str, max_length: int, min_supervised: int,
-                          escape_special_tokens: bool = False, images: Optional[ImageText] = None,
-                          close_final_turn: bool = False) -> TokenizedSequence:
+                          end_of_turn: str | TurnEnds, max_length: int, min_supervised: int,
+                          escape_special_tokens: bool = False, images: Optional[ImageText] = None) -> TokenizedSequence:
     """Token ids + assistant-only loss mask, truncated to `max_length`; raises `Unmaskable(reason)`.
+    `end_of_turn`: what ends a reply (`turn_ends`; a str: one token the template writes after every reply).
     `escape_special_tokens`: keep special-token text of user and system turns plain text (the module docstring).
-    `images`: the processor's text of each image (`vision.py`), tokenized in place of the template's placeholders.
-    `close_final_turn`: the template leaves the final reply open (`final_turn_left_open`): `end_of_turn` is appended
-    after it, as the target writes it."""
-    messages = conversation.messages
+    `images`: the processor's text of each image (`vision.py`), tokenized in place of the template's placeholders."""
+    messages, eot = conversation.messages, TurnEnds.of(end_of_turn)
     text = render(tokenizer, messages, thinking=thinking, images=images)
     escaped = escaped_spans(tokenizer, messages, text, thinking=thinking) if escape_special_tokens else []
-    if close_final_turn and len(messages) > 1 and messages[-1].role == "assistant":
-        text += end_of_turn
-    head = _encode_head(tokenizer, text, end_of_turn=end_of_turn, max_length=max_length, escaped=escaped)
-    spans = reply_spans(tokenizer, messages, text, thinking=thinking, end_of_turn=end_of_turn, limit=head.limit,
+    if eot.appended and len(messages) > 1 and messages[-1].role == "assistant":
+        text += eot.final
+    head = _encode_head(tokenizer, text, end_of_turn=eot.inner, max_length=max_length, escaped=escaped)
+    spans = reply_spans(tokenizer, messages, text, thinking=thinking, end_of_turn=eot, limit=head.limit,
                         images=images)
     starts, ends = head.offsets[:, 0], head.offsets[:, 1]
     mask = np.zeros(len(starts), dtype=bool)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from dflash_trainer.data.masks import Unmaskable, tokenize_conversation
+from dflash_trainer.data.masks import TurnEnds, Unmaskable, tokenize_conversation
 from dflash_trainer.data.types import Conversation, TokenizedSequence
 from dflash_trainer.data.vision import ImageTokens, fit_images, image_text, images_of
 from dflash_trainer.errors import DataError
@@ -47,8 +47,8 @@ class TokenizeSettings:
     """What every conversation is tokenized with (sent once to each worker)."""
 
     thinking: bool
-    end_of_turn: str
-    """The token that ends an assistant turn (`masks.end_of_turn_marker`)."""
+    end_of_turn: str | TurnEnds
+    """What ends an assistant reply (`masks.turn_ends`; a str: one token the template writes after every reply)."""
     max_length: int
     min_supervised: int
     escape_special_tokens: bool = False
@@ -56,8 +56,6 @@ class TokenizeSettings:
     images: Optional[ImageTokens] = None
     """The image-text target's image processing (`vision.py`); None: a conversation with images is dropped
     (`IMAGES_ON_TEXT_TARGET`)."""
-    close_final_turn: bool = False
-    """The template writes no end of turn after the final reply (`masks.final_turn_left_open`): it is appended."""
 
 
 IMAGES_ON_TEXT_TARGET = "images_need_image_text_target"
@@ -99,8 +97,7 @@ def tokenize_one(conversation: Conversation, tokenizer: PreTrainedTokenizerFast,
                                          end_of_turn=settings.end_of_turn, max_length=settings.max_length,
                                          min_supervised=settings.min_supervised,
                                          escape_special_tokens=settings.escape_special_tokens,
-                                         images=None if processed is None else image_text(settings.images, processed),
-                                         close_final_turn=settings.close_final_turn)
+                                         images=None if processed is None else image_text(settings.images, processed))
         if processed is not None:
             sequence = fit_images(sequence, processed, settings.images.image_token_id,
                                   min_supervised=settings.min_supervised)
