@@ -236,3 +236,19 @@ def test_a_final_reply_ends_with_its_own_token_where_the_template_gives_it_one()
     target = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))
     stops = set(tok.convert_ids_to_tokens(stop_token_ids(tok, target)))
     assert "<|return|>" in stops and "<|end|>" not in stops
+
+
+def test_a_worker_process_ends_the_final_reply_as_this_one_does(toks):
+    """The settings a tokenizer worker gets carry the template's turn ends: GLM-4.5's final replies get their
+    appended `<|user|>` there too."""
+    from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers, tokenize_one
+
+    tok = toks["glm4-moe"]
+    settings = TokenizeSettings(thinking=False, end_of_turn=turn_ends(tok, thinking=False), max_length=256,
+                                min_supervised=1)
+    chats = [PLAIN, SINGLE, MULTI]
+    out = tokenize_in_workers(chats, tok, settings, num_workers=1)
+    here = [tokenize_one(c, tok, settings) for c in chats]
+    assert [(r.input_ids.tolist(), r.loss_mask.tolist()) for r in out] == \
+        [(r.input_ids.tolist(), r.loss_mask.tolist()) for r in here]
+    assert all(r.input_ids[-1] == tok.convert_tokens_to_ids("<|user|>") and r.loss_mask[-1] for r in out)
