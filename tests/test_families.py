@@ -2,7 +2,7 @@
 of its own config class (`target/presets.py`): tap capture equals HF's hidden states, a training run (taps, early
 exit, the target's head and final norm), the export in both formats, `eval` lossless against plain decoding, and
 which engines will serve the drafter (`drafter/engines.py`, the engines' class lists). The README's family matrix
-is this table."""
+is this table. Each family runs with its own chat format (`tiny:<family>`: its special tokens and template)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,14 @@ FAMILIES = {  # preset: (the model class it is served as, the checked engines wi
     "tiny-gemma4-vl": ("Gemma4ForConditionalGeneration", []),  # image-text; with images: the same
     "tiny-llama4-vl": ("Llama4ForConditionalGeneration", [SGLANG]),  # image-text; with images: the same
 }
+TOKENIZERS = {  # preset: its family's tiny tokenizer (the family's special tokens and chat template; test_family_templates.py)
+    "tiny-qwen3-next": "qwen3.5", "tiny-qwen3.5": "qwen3.5", "tiny-qwen3.5-moe": "qwen3.5",
+    "tiny-deepseek-v3": "deepseek-v3", "tiny-gemma4": "gemma4", "tiny-llama4": "llama4", "tiny-glm4-moe": "glm4-moe",
+    "tiny-minimax-m2": "minimax-m2", "tiny-nemotron-h": "nemotron-h", "tiny-qwen3-vl": "qwen3-vl",
+    "tiny-qwen3.5-vl": "qwen3.5", "tiny-gemma3-vl": "gemma3", "tiny-gemma4-vl": "gemma4", "tiny-llama4-vl": "llama4",
+}
+RUNS = [*((preset, TOKENIZERS[preset]) for preset in FAMILIES), ("tiny-deepseek-v3", "kimi-k2")]
+"""(preset, tokenizer) of each training run: Kimi-K2 is served as DeepseekV3ForCausalLM, with its own chat format."""
 SPECULATORS_REFUSED = {preset: "scales its embeddings by 8" for preset in ("tiny-gemma4", "tiny-gemma3-vl", "tiny-gemma4-vl")}
 """Families whose drafter the speculators format cannot carry as trained (vLLM builds it without the embedding scale)."""
 
@@ -59,15 +67,15 @@ def test_family_taps_equal_hf_hidden_states(preset):
         start += seq.num_tokens
 
 
-@pytest.mark.parametrize("preset", FAMILIES)
-def test_family_trains_exports_and_evaluates(preset, tmp_path):
+@pytest.mark.parametrize("preset,tokenizer", RUNS, ids=[f"{p}-{t}" for p, t in RUNS])
+def test_family_trains_exports_and_evaluates(preset, tokenizer, tmp_path):
     served_as, unserved = FAMILIES[preset]
     config = preset_config(preset)
     assert model_classes(config.to_dict()) == [served_as] and engines_without_support(config) == unserved
 
     run = tmp_path / "run"
-    assert train_in_process(run, f"target.random_init={preset}", "train.num_epochs=100", "train.max_steps=3",
-                            "data.max_conversations=12") == 0
+    assert train_in_process(run, f"target.random_init={preset}", f"target.tokenizer=tiny:{tokenizer}",
+                            "train.num_epochs=100", "train.max_steps=3", "data.max_conversations=12") == 0
     result = summary(run)
     assert result["status"] == "ok" and result["steps"] == 3
     out = tmp_path / "export"

@@ -29,7 +29,7 @@ from tests.test_vlm_target import REPLY, data_url, image_conversations, image_ro
 
 FAMILIES = {  # preset: its tiny tokenizer and processor (`tiny:<family>`)
     "tiny-gemma3-vl": "gemma3",
-    "tiny-qwen3.5-vl": "qwen3-vl",
+    "tiny-qwen3.5-vl": "qwen3.5",
     "tiny-gemma4-vl": "gemma4",
     "tiny-llama4-vl": "llama4",
 }
@@ -143,7 +143,8 @@ def test_taps_of_image_conversations_equal_hf_forward_with_their_images(family, 
             states = target(input_ids=ids, output_hidden_states=True, **kwargs).hidden_states
         for k, layer in enumerate(taps):
             got = out.taps[start : start + seq.num_tokens, k * hidden : (k + 1) * hidden]
-            torch.testing.assert_close(got, states[layer + 1][0], atol=1e-4, rtol=1e-4)
+            # fp32 sums in another order (rows of a padded batch, not one alone) on Gemma's scaled embeddings
+            torch.testing.assert_close(got, states[layer + 1][0], atol=2e-4, rtol=1e-4)
         start += seq.num_tokens
     with torch.no_grad():  # the image changes the taps (the vision tower ran): not the text-only forward of the ids
         text_only = find_decoder(target)(input_ids=sequences[0].input_ids[None], output_hidden_states=True).hidden_states

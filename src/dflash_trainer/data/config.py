@@ -51,7 +51,9 @@ class DataConfig:
     thinking: bool = False
     """Render chat templates with thinking on (Qwen3 `enable_thinking`). Must match serving."""
     chat_template: Optional[str] = None
-    """Override the tokenizer's chat template: a builtin name (qwen3 | llama3 | chatml) or a .jinja file."""
+    """Override the tokenizer's chat template: a builtin name (qwen3 | qwen3-vl | llama3 | chatml, or a family's own
+    format: gemma3 | gemma4 | llama4 | deepseek-v3 | glm4-moe | minimax-m2 | nemotron-h | qwen3.5 | kimi-k2) or a
+    .jinja file."""
     cache_dir: Optional[str] = None
     """Where tokenized data is cached (default: `~/.cache/dflash_trainer/tokenized`)."""
     num_buckets: int = 8

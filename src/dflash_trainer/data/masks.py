@@ -13,6 +13,13 @@ So with Qwen3 thinking off the empty `<think>\n\n</think>\n\n` of the last turn 
 supervised), with thinking on a think block is supervised, and earlier turns (whose reasoning the template
 drops) are supervised as rendered. Every span is checked to contain the reply's text; a reply that cannot
 be located, or whose boundary falls inside a token, drops the conversation with a reason: never a wrong mask.
+With thinking on, a final reply whose reasoning the template drops (DeepSeek-V3.1's and Gemma 4's render every reply
+without it) drops the conversation too (`template_drops_reasoning`): the target writes that reasoning at serve time.
+A reply ends with the first special token after it (`TurnEnds`): the token closing the turn, the final reply's own
+where the template gives it another (gpt-oss: `<|end|>`, then `<|return|>` last), or in a template that closes no
+turn (GLM-4.5) the next turn's opening token, at which the target stops (an eos id of its generation config); such
+a template writes nothing after the final reply, so that token is appended there, as the target writes it, and the
+final reply is supervised through it like the others.
 An assistant turn that opens the conversation (ShareGPT's continuation parts) answers no prompt: it stays in
 the sequence as context and is not supervised.
 
@@ -95,10 +102,30 @@ def _put_images(text: str, images: ImageText, count: int) -> str:
     return pieces[0] + "".join(t + p for t, p in zip(images.texts, pieces[1:]))
 
 
-def end_of_turn_marker(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) -> str:
-    """The special token the template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`, ...): the first
-    special token after a probe reply."""
-    probe = (Message(role="user", content="Q"), Message(role="assistant", content=_PROBE))
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnEnds:
+    """The special tokens that end an assistant reply in a chat template (`turn_ends`)."""
+
+    inner: str
+    """After a reply that a user turn follows: the token closing the turn (`<|im_end|>`, `<|eot_id|>`, gpt-oss's
+    `<|end|>`), or in a template that closes no turn (GLM-4.5) the next turn's opening token (`<|user|>`), where the
+    target stops at serve time (an eos id of its generation config)."""
+    final: str
+    """After a conversation's final reply: the token the target ends its generation with (gpt-oss's `<|return|>`;
+    `inner` in most templates). Decoding stops at it (`target/stop_tokens.py`)."""
+    appended: bool = False
+    """The template writes no token after the final reply (GLM-4.5): `final` (then `inner`) is appended there, as the
+    target writes it, and the final reply is supervised through it like the others."""
+
+    @classmethod
+    def of(cls, end_of_turn: "str | TurnEnds") -> "TurnEnds":
+        """`end_of_turn` as `TurnEnds` (a str: one token that the template writes after every reply)."""
+        return end_of_turn if isinstance(end_of_turn, TurnEnds) else cls(inner=end_of_turn, final=end_of_turn)
+
+
+def _special_after_probe(tokenizer: PreTrainedTokenizerFast, probe: Sequence[Message], *, thinking: bool
+                         ) -> Optional[str]:
+    """The first special (or added) token the template writes after the probe reply of `probe`, None if none."""
     try:
         text = render(tokenizer, probe, thinking=thinking)
     except Unmaskable:
@@ -106,12 +133,26 @@ def end_of_turn_marker(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) ->
     after = text[text.index(_PROBE) + len(_PROBE):] if _PROBE in text else ""
     specials = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
     hits = [(after.find(s), -len(s), s) for s in specials if s and after.find(s) >= 0]
-    if not hits:
+    return min(hits)[2] if hits else None
+
+
+def turn_ends(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) -> TurnEnds:
+    """The tokens that end an assistant reply: the first special token the template writes after a probe reply that a
+    user turn follows, and after one that ends the conversation (see `TurnEnds`)."""
+    question, reply = Message(role="user", content="Q"), Message(role="assistant", content=_PROBE)
+    inner = _special_after_probe(tokenizer, (question, reply, question), thinking=thinking)
+    if inner is None:
         raise ConfigError(
             "cannot find the end-of-turn token of the chat template (no special token follows an assistant "
-            "reply); set data.chat_template to a template that closes turns with a special token"
+            "reply); set data.chat_template to a template that ends turns with a special token"
         )
-    return min(hits)[2]
+    final = _special_after_probe(tokenizer, (question, reply), thinking=thinking)
+    return TurnEnds(inner=inner, final=final or inner, appended=final is None)
+
+
+def end_of_turn_marker(tokenizer: PreTrainedTokenizerFast, *, thinking: bool) -> str:
+    """The token that ends an assistant reply that another turn follows (`TurnEnds.inner`)."""
+    return turn_ends(tokenizer, thinking=thinking).inner
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -139,9 +180,11 @@ def _token_boundaries(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int
 
 
 def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message], full: str, *, thinking: bool,
-                end_of_turn: str, limit: int | None = None, images: Optional[ImageText] = None) -> list[ReplySpan]:
-    """The character span of every assistant reply in `full` (the rendered `messages`, `images` in place) that starts
-    before `limit` (see the module docstring)."""
+                end_of_turn: str | TurnEnds, limit: int | None = None,
+                images: Optional[ImageText] = None) -> list[ReplySpan]:
+    """The character span of every assistant reply in `full` (the rendered `messages`, `images` in place, the final
+    reply's end appended where the template writes none) that starts before `limit` (see the module docstring)."""
+    ends = TurnEnds.of(end_of_turn)
     limit = len(full) if limit is None else limit
     spans: list[ReplySpan] = []
     cursor = 0
@@ -163,13 +206,35 @@ def reply_spans(tokenizer: PreTrainedTokenizerFast, messages: Sequence[Message],
             if matched == 0:
                 raise Unmaskable("reply_not_found")
         start = len(history) + matched
+        end_of_turn = ends.final if i == len(messages) - 1 else ends.inner
         eot = full.find(end_of_turn, start)
-        core = message.content.split("</think>")[-1].strip()
-        if eot < 0 or core not in full[start:eot]:
+        reasoning, answer = split_reasoning(message.content)
+        if eot < 0 or answer not in full[start:eot]:
             raise Unmaskable("reply_not_found")
+        if thinking and i == len(messages) - 1 and reasoning not in full[start:eot]:
+            raise Unmaskable("template_drops_reasoning", _DROPPED_REASONING)
         spans.append(ReplySpan(start=start, end=eot + len(end_of_turn)))
         cursor = eot + len(end_of_turn)
     return spans
+
+
+THOUGHT_TAGS = (("<think>", "</think>"), ("<|channel>", "<channel|>"))
+"""How a reply marks its reasoning: think tags (Qwen3, DeepSeek, GLM, MiniMax, Nemotron), Gemma 4's thought channel."""
+
+
+def split_reasoning(content: str) -> tuple[str, str]:
+    """(reasoning, answer) of a reply, both stripped: the text inside its reasoning tags and the text after the last
+    closing one; ('', the whole reply) when it has none."""
+    for opening, closing in THOUGHT_TAGS:
+        if closing in content:
+            return content.split(closing)[0].split(opening)[-1].strip(), content.split(closing)[-1].strip()
+    return "", content.strip()
+
+
+_DROPPED_REASONING = ("the chat template renders the final reply without its reasoning (as DeepSeek-V3.1's and Gemma "
+                      "4's do), while with data.thinking=true the target writes that reasoning at serve time: the "
+                      "drafter would never see it. Set data.thinking=false to train for serving with thinking off, or "
+                      "data.chat_template to a template that keeps the reasoning of the reply after the last user turn")
 
 
 # ------------------------------------------------------------------------------------ special-token text
@@ -351,16 +416,20 @@ def _rest_tokens(tokenizer: PreTrainedTokenizerFast, text: str, head: _Head, *, 
 
 
 def tokenize_conversation(conversation: Conversation, tokenizer: PreTrainedTokenizerFast, *, thinking: bool,
-                          end_of_turn: str, max_length: int, min_supervised: int,
+                          end_of_turn: str | TurnEnds, max_length: int, min_supervised: int,
                           escape_special_tokens: bool = False, images: Optional[ImageText] = None) -> TokenizedSequence:
     """Token ids + assistant-only loss mask, truncated to `max_length`; raises `Unmaskable(reason)`.
+    `end_of_turn`: what ends a reply (`turn_ends`; a str: one token the template writes after every reply).
     `escape_special_tokens`: keep special-token text of user and system turns plain text (the module docstring).
     `images`: the processor's text of each image (`vision.py`), tokenized in place of the template's placeholders."""
-    text = render(tokenizer, conversation.messages, thinking=thinking, images=images)
-    escaped = escaped_spans(tokenizer, conversation.messages, text, thinking=thinking) if escape_special_tokens else []
-    head = _encode_head(tokenizer, text, end_of_turn=end_of_turn, max_length=max_length, escaped=escaped)
-    spans = reply_spans(tokenizer, conversation.messages, text, thinking=thinking, end_of_turn=end_of_turn,
-                        limit=head.limit, images=images)
+    messages, eot = conversation.messages, TurnEnds.of(end_of_turn)
+    text = render(tokenizer, messages, thinking=thinking, images=images)
+    escaped = escaped_spans(tokenizer, messages, text, thinking=thinking) if escape_special_tokens else []
+    if eot.appended and len(messages) > 1 and messages[-1].role == "assistant":
+        text += eot.final
+    head = _encode_head(tokenizer, text, end_of_turn=eot.inner, max_length=max_length, escaped=escaped)
+    spans = reply_spans(tokenizer, messages, text, thinking=thinking, end_of_turn=eot, limit=head.limit,
+                        images=images)
     starts, ends = head.offsets[:, 0], head.offsets[:, 1]
     mask = np.zeros(len(starts), dtype=bool)
     for span in spans:

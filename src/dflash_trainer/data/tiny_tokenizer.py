@@ -1,18 +1,26 @@
-"""A tiny byte-level BPE tokenizer with a chat template, built locally (tests and the demo; no download).
+"""Tiny byte-level BPE tokenizers with chat templates, built locally (tests and the demo; no download).
 
-It is trained on the first bytes of the bundled ShareGPT file, so it is deterministic for a given
-package version. Its special tokens cover the ChatML/Qwen3 and Llama-3 template families.
+One BPE is trained on the first bytes of the bundled ShareGPT file, so it is deterministic for a given package
+version. Its special tokens (ids 0-8) cover the ChatML/Qwen3 and Llama-3 template families (`tiny`, `tiny:qwen3`,
+`tiny:llama3`, `tiny:chatml`, `tiny:qwen3-vl`). A target family's tokenizer (`tiny:<family>`, `TINY_CHAT_TOKENS`)
+renames those ids to the family's own chat tokens, as its real tokenizer names them, and carries the family's own
+chat template: it knows no other family's structure tokens, so what the masks, `regenerate` and `eval` find in it is
+what they find in the real one. Image-text families add their vision tokens past the vocabulary.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+from dataclasses import dataclass
+from typing import Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from dflash_trainer.data.templates import builtin_template
+from dflash_trainer.data.templates import TEMPLATE_NAMES, builtin_template
+from dflash_trainer.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +39,62 @@ SPECIAL_TOKENS = [
     "<|eot_id|>",
 ]
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TinyChatTokens:
+    """The chat tokens of one tiny tokenizer, named as the family's real tokenizer names them."""
+
+    tokens: tuple[str, ...]
+    """At ids 0.. in place of `SPECIAL_TOKENS` (at most as many); the ids left over take unused names."""
+    eos: str
+    """The tokenizer's eos token (the real tokenizer config's; the model's generation config may stop at more)."""
+    pad: str
+    bos: Optional[str] = None
+    """What the template writes as `bos_token` (None: the template writes none)."""
+
+    def __post_init__(self) -> None:
+        unknown = {self.eos, self.pad, self.bos} - set(self.tokens) - {None}
+        if len(self.tokens) > len(SPECIAL_TOKENS) or unknown:
+            raise ValueError(f"chat tokens {self.tokens}: at most {len(SPECIAL_TOKENS)}, naming {unknown} too")
+
+
+_GENERIC = tuple(SPECIAL_TOKENS)
+_QWEN = TinyChatTokens(tokens=_GENERIC, eos="<|im_end|>", pad="<|endoftext|>")
+TINY_CHAT_TOKENS: dict[str, TinyChatTokens] = {
+    "qwen3": _QWEN,
+    "chatml": _QWEN,
+    "qwen3-vl": _QWEN,
+    "llama3": TinyChatTokens(tokens=_GENERIC, bos="<|begin_of_text|>", eos="<|eot_id|>", pad="<|endoftext|>"),
+    "gemma3": TinyChatTokens(tokens=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"), bos="<bos>",
+                             eos="<eos>", pad="<pad>"),
+    "gemma4": TinyChatTokens(tokens=("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
+                                     "<channel|>"), bos="<bos>", eos="<eos>", pad="<pad>"),
+    "llama4": TinyChatTokens(tokens=("<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>",
+                                     "<|eot|>", "<|eom|>", "<|finetune_right_pad|>"), bos="<|begin_of_text|>",
+                             eos="<|eot|>", pad="<|finetune_right_pad|>"),
+    "deepseek-v3": TinyChatTokens(tokens=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>",
+                                          "<｜Assistant｜>", "<think>", "</think>"), bos="<｜begin▁of▁sentence｜>",
+                                  eos="<｜end▁of▁sentence｜>", pad="<｜▁pad▁｜>"),
+    "glm4-moe": TinyChatTokens(tokens=("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                                       "<|observation|>", "<think>", "</think>"), eos="<|endoftext|>",
+                               pad="<|endoftext|>"),
+    "minimax-m2": TinyChatTokens(tokens=("]~!b[", "]~b]", "[e~[", "]!d~[", "<think>", "</think>"), bos="]~!b[",
+                                 eos="[e~[", pad="]!d~["),
+    "nemotron-h": TinyChatTokens(tokens=("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+                                 bos="<s>", eos="<|im_end|>", pad="<unk>"),
+    "qwen3.5": TinyChatTokens(tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                                      "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+                              eos="<|im_end|>", pad="<|endoftext|>"),
+    "kimi-k2": TinyChatTokens(tokens=("[BOS]", "[EOS]", "[PAD]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
+                                      "<|im_system|>", "<|im_middle|>"), bos="[BOS]", eos="[EOS]", pad="[PAD]"),
+}
+"""Every tiny tokenizer (`tiny:<name>`; `tiny` is `tiny:qwen3`) and its chat tokens; each carries the builtin chat
+template of its name."""
+assert set(TINY_CHAT_TOKENS) == set(TEMPLATE_NAMES)
+
 TINY_IMAGE_TOKENS: dict[str, tuple[str, ...]] = {
     "qwen3-vl": ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
+    "qwen3.5": ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
     "gemma3": ("<start_of_image>", "<image_soft_token>", "<end_of_image>"),
     "gemma4": ("<|image>", "<|image|>", "<image|>"),
     "llama4": ("<|image_start|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>",
@@ -45,8 +107,6 @@ _NAMED_TOKENS = {"gemma3": {"boi_token": "<start_of_image>", "image_token": "<im
                             "eoi_token": "<end_of_image>"},
                  "gemma4": {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>"}}
 """The tokenizer attributes naming a family's vision tokens (as the real tokenizers' configs do)."""
-_PLACEHOLDERS = {"gemma3": "<start_of_image>", "gemma4": "<|image|>", "llama4": "<|image|>"}
-"""What a family's chat template writes for an image (the Qwen3-VL-style template's image part, replaced)."""
 
 TINY_GEMMA3_TOKENS_PER_IMAGE = 4
 """Soft tokens per image of the tiny Gemma 3 (the processor's `image_seq_length`, the preset's `mm_tokens_per_image`:
@@ -95,34 +155,44 @@ def _trained_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def build_tiny_tokenizer(template: str = "qwen3") -> PreTrainedTokenizerFast:
-    """The tiny tokenizer with one of the builtin chat templates (qwen3 | qwen3-vl | llama3 | chatml), or an image-text
-    family's (`TINY_IMAGE_TOKENS`: the Qwen3-VL-style template writing the family's image placeholder), with its
-    vision tokens."""
-    tok = Tokenizer.from_str(_trained_tokenizer_json())
+def _named_tokenizer_json(name: str) -> str:
+    """The trained BPE with its special tokens (ids 0-8) renamed to `name`'s chat tokens (`TINY_CHAT_TOKENS`)."""
+    chat = TINY_CHAT_TOKENS[name].tokens
+    trained = _trained_tokenizer_json()
+    if chat == _GENERIC:
+        return trained
+    names = chat + tuple(f"<|tiny_unused_{i}|>" for i in range(len(chat), len(SPECIAL_TOKENS)))
+    data = json.loads(trained)
+    vocab = data["model"]["vocab"]
+    renamed = [t for t in data["added_tokens"] if t["id"] < len(names)]
+    for token in renamed:
+        del vocab[token["content"]]
+    for token in renamed:
+        token["content"] = names[token["id"]]
+        assert token["content"] not in vocab, f"{token['content']!r} is a token of the trained BPE already"
+        vocab[token["content"]] = token["id"]
+    return json.dumps(data)
+
+
+def build_tiny_tokenizer(name: str = "qwen3") -> PreTrainedTokenizerFast:
+    """The tiny tokenizer `name` (`TINY_CHAT_TOKENS`: qwen3 | qwen3-vl | llama3 | chatml, or a target family's) with
+    the builtin chat template of that name, and an image-text family's vision tokens (`TINY_IMAGE_TOKENS`)."""
+    if name not in TINY_CHAT_TOKENS:
+        raise ConfigError(f"target.tokenizer tiny:{name} is not a tiny tokenizer; choose one of "
+                          f"{', '.join('tiny:' + n for n in TINY_CHAT_TOKENS)}")
+    chat = TINY_CHAT_TOKENS[name]
+    tok = Tokenizer.from_str(_named_tokenizer_json(name))
     named = {}
-    if template in TINY_IMAGE_TOKENS:
-        tok.add_special_tokens(_TINY_RESERVED + list(TINY_IMAGE_TOKENS[template]))
-        expected = tiny_image_token_ids(template)
+    if name in TINY_IMAGE_TOKENS:
+        tok.add_special_tokens(_TINY_RESERVED + list(TINY_IMAGE_TOKENS[name]))
+        expected = tiny_image_token_ids(name)
         wrong = {t: tok.token_to_id(t) for t, i in expected.items() if tok.token_to_id(t) != i}
         assert not wrong, f"vision tokens at {wrong}, not at {expected}"
-        named = _NAMED_TOKENS.get(template, {})
-    eos = "<|eot_id|>" if template == "llama3" else "<|im_end|>"
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|begin_of_text|>" if template == "llama3" else None,
-        eos_token=eos,
-        pad_token="<|endoftext|>",
-        extra_special_tokens=named or None,
-    )
-    chat = builtin_template("qwen3-vl" if template in TINY_IMAGE_TOKENS else template)
-    if template in _PLACEHOLDERS:
-        chat = chat.replace(_QWEN_IMAGE_PART, _PLACEHOLDERS[template])
-    fast.chat_template = chat
+        named = _NAMED_TOKENS.get(name, {})
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=chat.bos, eos_token=chat.eos, pad_token=chat.pad,
+                                   extra_special_tokens=named or None)
+    fast.chat_template = builtin_template(name)
     return fast
-
-
-_QWEN_IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def build_tiny_image_processor(family: str = "qwen3-vl"):

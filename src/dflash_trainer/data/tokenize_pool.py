@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from dflash_trainer.data.masks import Unmaskable, tokenize_conversation
+from dflash_trainer.data.masks import TurnEnds, Unmaskable, tokenize_conversation
 from dflash_trainer.data.types import Conversation, ImageRef, TokenizedSequence
 from dflash_trainer.data.vision import ImageTokens, fit_images, image_text, images_of
 from dflash_trainer.errors import DataError
@@ -47,7 +47,8 @@ class TokenizeSettings:
     """What every conversation is tokenized with (sent once to each worker)."""
 
     thinking: bool
-    end_of_turn: str
+    end_of_turn: str | TurnEnds
+    """What ends an assistant reply (`masks.turn_ends`; a str: one token the template writes after every reply)."""
     max_length: int
     min_supervised: int
     escape_special_tokens: bool = False

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast
 
-from dflash_trainer.data.masks import end_of_turn_marker
+from dflash_trainer.data.masks import turn_ends
 from dflash_trainer.data.sources import source_fingerprint
 from dflash_trainer.data.stored_images import DatasetImages
 from dflash_trainer.data.tokenize_pool import TokenizeSettings, tokenize_in_workers, tokenize_one
@@ -145,7 +145,7 @@ def tokenize_all(conversations: Sequence[Conversation], tokenizer: PreTrainedTok
     `PROBE_CONVERSATIONS`) in this process, timed; the rest here too, or in `num_workers` processes
     (`tokenize_pool.py`) when that would take longer than `parallel_min_s` here (0: always). `images`: the
     image-text target's image processing (`vision.py`); None drops conversations with images, counted."""
-    settings = TokenizeSettings(thinking=thinking, end_of_turn=end_of_turn_marker(tokenizer, thinking=thinking),
+    settings = TokenizeSettings(thinking=thinking, end_of_turn=turn_ends(tokenizer, thinking=thinking),
                                 max_length=max_length, min_supervised=min_supervised,
                                 escape_special_tokens=escape_special_tokens, images=images)
     head = conversations[: PROBE_CONVERSATIONS if probe is None else probe] if num_workers > 1 else conversations

@@ -22,7 +22,8 @@ class TargetConfig:
     tiny | tiny-moe | tiny-gpt-oss | qwen3-1.7b | qwen3-8b | qwen3-30b-a3b | gpt-oss-20b) or a path to a
     config.json / model directory."""
     tokenizer: Optional[str] = None
-    """Tokenizer directory or hub id (default: target.path); `tiny` builds the test tokenizer."""
+    """Tokenizer directory or hub id (default: target.path); `tiny` builds the test tokenizer, `tiny:<family>` one
+    with a target family's own special tokens and chat template (docs/data.md)."""
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
