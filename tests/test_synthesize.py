@@ -95,6 +95,20 @@ def test_a_harmony_template_has_its_user_turn_found():
     assert {"<|start|>user<|message|>", "<|start|>assistant", "<|channel|>"} <= set(turns.markers)
 
 
+@pytest.mark.parametrize("family, end", [
+    ("gemma3", "<end_of_turn>"), ("gemma4", "<turn|>"), ("llama4", "<|eot|>"), ("deepseek-v3", "<｜Assistant｜>"),
+    ("glm4-moe", "<|assistant|>"), ("minimax-m2", "[e~["), ("nemotron-h", "<|im_end|>"), ("qwen3.5", "<|im_end|>"),
+    ("kimi-k2", "<|im_end|>"),
+])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_every_familys_own_template_ends_a_user_turn_at_one_special_token(family, end, thinking):
+    """A template that closes no user turn (DeepSeek-V3, GLM-4.5) ends one at its generation prompt's first special
+    token, which the target writes next; never at template text such as GLM's `/nothink` or two tokens joined."""
+    tok = build_tiny_tokenizer(family)
+    turns = find_user_turns(tok, template=family, thinking=thinking, system_prompt=None)
+    assert turns.end_of_turn == end and turns.end_token_ids == (tok.convert_tokens_to_ids(end),)
+
+
 @pytest.mark.parametrize("template, message", [
     ("{%- for m in messages -%}{%- if m['role'] != 'user' -%}{{ m['content'] }}{%- endif -%}{%- endfor -%}<|im_end|>",
      "has no user turn"),

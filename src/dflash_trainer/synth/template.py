@@ -2,8 +2,8 @@
 
 A conversation that ends with a user message holding a sentinel is rendered twice, without and with the
 generation prompt. The text before the sentinel is the user-turn prefix: given it, the target writes a user
-message (the Magpie method). The first line after the sentinel is what closes a user turn (where a written
-turn ends), and what the generation prompt adds is the assistant's header. Templates that render a user
+message (the Magpie method). The first special token after the sentinel (else its first line) is what closes a user turn (where a
+written turn ends), and what the generation prompt adds is the assistant's header. Templates that render a user
 message's text as it is (ChatML, Llama 3, Qwen3 with thinking on or off, gpt-oss harmony) all work; one that
 renders no user message, or fails to render, is refused with the fix.
 """
@@ -77,7 +77,10 @@ def find_user_turns(tokenizer: PreTrainedTokenizerBase, *, template: str, thinki
     opened = _render(tokenizer, system, template=template, thinking=thinking, generation=True)
     prefix, closed_after = closed.split(SENTINEL, 1)
     opened_after = opened.split(SENTINEL, 1)[1]
-    end = _first_line(closed_after) or _first_line(opened_after)
+    specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    specials |= set(tokenizer.all_special_tokens)
+    end = (_first_special(closed_after, specials) or _first_special(opened_after, specials)
+           or _first_line(closed_after) or _first_line(opened_after))
     if not end:
         raise ConfigError(f"the chat template ({template}) writes nothing after a user message, so the end of a "
                           f"written user turn cannot be found; {FIX}")
@@ -86,11 +89,18 @@ def find_user_turns(tokenizer: PreTrainedTokenizerBase, *, template: str, thinki
     if tokenizer.bos_token and header.startswith(tokenizer.bos_token):
         header = header[len(tokenizer.bos_token):].strip()
     assistant = opened_after[len(closed_after):] if opened_after.startswith(closed_after) else opened_after
-    specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     markers = {m for m in (header, assistant.strip(), end) if re.search(r"[^\w\s]", m)}  # never a bare word
     return UserTurns(tokenizer=tokenizer, template=template, thinking=thinking, system=system, end_of_turn=end,
                      end_token_ids=(vocab[end],) if end in vocab else (),
                      markers=tuple(sorted(markers | specials | set(tokenizer.all_special_tokens))))
+
+
+def _first_special(text: str, specials: set[str]) -> str:
+    """The special token that comes first in `text` (the longest where two start together); "" when none does. A
+    template that closes no user turn (DeepSeek-V3, GLM-4.5) ends one where its generation prompt's first special token
+    (`<｜Assistant｜>`, `<|assistant|>`) starts, which the target writes there."""
+    hits = [(text.find(s), -len(s), s) for s in specials if s and s in text]
+    return min(hits)[2] if hits else ""
 
 
 def _first_line(text: str) -> str:
