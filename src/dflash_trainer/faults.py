@@ -10,6 +10,7 @@
 - `kill_job:N`        SIGKILL the whole job after step N: torchrun's agent (this rank's parent) and every rank
 - `wipe_run:N`        delete the run dir, then SIGKILL this process, once step N is done (a run dir lost between
                       torchrun's restarts)
+- `wipe_checkpoints:N` the same with the run dir's checkpoints/ only (a run whose checkpoints were lost)
 - `delay_target:S`    sleep S seconds in every target forward (a slow producer)
 - `delay_drafter:S`   sleep S seconds before every drafter optimizer step (a slow consumer)
 - `nan_batch:J`       the taps of job id J (or of every job: `nan_batch:all`) are NaN, written by the target
@@ -70,9 +71,11 @@ def maybe_fault(stage: str, index: Optional[int] = None, *, run_dir: Optional[st
     rules = _rules()
     if not rules:
         return
-    if stage == "wipe_run" and rules.get(stage) is not None and int(rules[stage]) == index and run_dir:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    if stage == "wipe_run" and run_dir:
+        for rule, wiped in (("wipe_run", run_dir), ("wipe_checkpoints", os.path.join(run_dir, "checkpoints"))):
+            if rules.get(rule) is not None and int(rules[rule]) == index:
+                shutil.rmtree(wiped, ignore_errors=True)
+                os.kill(os.getpid(), signal.SIGKILL)
     if index is None:
         with _lock:
             _counts[stage] = index = _counts.get(stage, 0) + 1
