@@ -4,7 +4,6 @@ rendezvous, gloo), each node a target and two drafters, against one node running
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 from pipeline_helpers import assert_ok, checkpoints, committed_jobs, ledger, metrics, planned_jobs, torchrun
 
@@ -100,15 +99,13 @@ def test_a_node_whose_command_line_is_refused_ends_the_other_node_too(tmp_path):
 
 
 def test_a_node_that_does_not_see_the_run_dir_stops_every_node_named(tmp_path):
-    """run.dir is relative and each node runs in a folder of its own (a run dir on storage only node 0 has): node
-    1's rank does not find rank 0's token there and stops the run, named, after waiting pipeline.timeout_s (20 s
-    here) for it. Meanwhile node 0's rank waits in torch's set-up of a process group for node 1: its heartbeat goes
-    on (it is not named as silent), and it stops within the liveness timeout of node 1's error."""
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    for folder in nodes:
-        folder.mkdir()
-    launch = torchrun(Path("run"), 1, f"pipeline.liveness_timeout_s={LIVENESS_S}", "pipeline.timeout_s=20",
-                      nnodes=2, node_dirs=nodes, timeout_s=150)
-    assert_named_failure(launch, 1, "run.dir=run on ")
+    """Node 1's rank looks for the run dir where a node without its shared storage would (`local_run_dir`: an empty
+    folder of its own), does not find rank 0's token there and stops the run, named, after waiting pipeline.timeout_s
+    (20 s here) for it. Meanwhile node 0's rank waits in torch's set-up of a process group for node 1: its heartbeat
+    goes on (it is not named as silent), and it stops within the liveness timeout of node 1's error."""
+    run_dir = tmp_path / "run"
+    launch = torchrun(run_dir, 1, f"pipeline.liveness_timeout_s={LIVENESS_S}", "pipeline.timeout_s=20", nnodes=2,
+                      fault="local_run_dir:1@1", timeout_s=150)
+    assert_named_failure(launch, 1, f"run.dir={run_dir} on ")
     assert "is not the directory rank 0 claimed" in launch.output
-    assert "[rank 0] stopping: rank 1 failed: ConfigError: run.dir=run on " in launch.output
+    assert f"[rank 0] stopping: rank 1 failed: ConfigError: run.dir={run_dir} on " in launch.output

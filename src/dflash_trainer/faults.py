@@ -14,6 +14,7 @@
 - `delay_target:S`    sleep S seconds in every target forward (a slow producer)
 - `delay_drafter:S`   sleep S seconds before every drafter optimizer step (a slow consumer)
 - `nan_batch:J`       the taps of job id J (or of every job: `nan_batch:all`) are NaN, written by the target
+- `local_run_dir:1`   this rank looks for the run dir where a node without its shared storage would: an empty folder
 
 `DFLASH_TEST_FAULT_RESTART=K` applies the rules only in the job's K-th restart (`TORCHELASTIC_RESTART_COUNT`; 0:
 the first incarnation), so that a relaunched incarnation runs clean (tests of `torchrun --max-restarts`).
@@ -90,6 +91,11 @@ def maybe_fault(stage: str, index: Optional[int] = None, *, run_dir: Optional[st
     if stage == "kill_job":
         kill_tree(os.getppid())
     raise InjectedFault(f"injected fault ({ENV}): {stage} #{index} on rank {os.environ.get('RANK', '0')}")
+
+
+def applies(stage: str) -> bool:
+    """Whether a rule for `stage` applies to this rank (a fault that changes what the rank sees, not one it raises)."""
+    return stage in _rules()
 
 
 def inject_nan(job_id: int) -> bool:
