@@ -117,18 +117,24 @@ def test_a_restart_before_any_claim_starts_as_the_first_incarnation_did():
     assert count_start(store, 0, max_restarts=1).earlier_run_dir() is None
 
 
-def test_a_restart_stops_when_the_run_it_continues_was_deleted_or_replaced(tmp_path):
-    """Between incarnations the run dir is deleted, emptied, or replaced by another run at the same path: the restart
-    names what changed and stops, instead of training a new run from scratch that ends `ok` as if nothing happened."""
-    import shutil
-
+def _restarted_run(tmp_path):
+    """(the first incarnation, the second, the run dir the first claimed) of a job in a stand-in for torchrun's
+    store."""
     store = dist.HashStore()
     first = count_start(store, 0, max_restarts=3)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / ".dflash-run").write_text("{}")
     record_incarnation(first, run_dir)
-    second = count_start(store, 0, max_restarts=3)
+    return first, count_start(store, 0, max_restarts=3), run_dir
+
+
+def test_a_restart_stops_when_the_run_it_continues_was_deleted_or_replaced(tmp_path):
+    """Between incarnations the run dir is deleted, emptied, or replaced by another run at the same path: the restart
+    names what changed and stops, instead of training a new run from scratch that ends `ok` as if nothing happened."""
+    import shutil
+
+    first, second, run_dir = _restarted_run(tmp_path)
     second.check_continues(second.earlier_run_dir())  # the same run: it continues
     assert second.job_token() == first.job_token()
     saved = (run_dir / ".elastic.json").read_text()
@@ -152,13 +158,7 @@ def test_a_restart_stops_when_the_run_it_continues_lost_its_checkpoints(tmp_path
     """The run is there (marker, restart record), but the checkpoints an earlier incarnation wrote are gone: training
     it again from the start would end `ok` as if nothing happened. A run whose first incarnation failed before its
     first checkpoint continues from the start, as before."""
-    store = dist.HashStore()
-    first = count_start(store, 0, max_restarts=3)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / ".dflash-run").write_text("{}")
-    record_incarnation(first, run_dir)
-    second = count_start(store, 0, max_restarts=3)
+    first, second, run_dir = _restarted_run(tmp_path)
     second.check_continues(run_dir)  # no checkpoint written yet: it starts over, as before
     first.record_checkpoint(2)
     with pytest.raises(ConfigError, match=r"holds none of its checkpoints \(an earlier incarnation wrote step_2 in "):

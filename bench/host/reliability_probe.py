@@ -17,7 +17,8 @@ not ours), the message, and whether a file that was there before (a user's model
 
 The groups are the seven classes of issue 65 and the older bad inputs (`--list` shows every case). It prints a
 table and, as its last line, one JSON object; the same JSON goes to `--out` (bench/results/host/). Standard library
-only: it runs the package from `src/` with the Python that runs it (`--python` for another).
+only (and `dflash_trainer.faults`' process helpers, themselves standard library): it runs the package from `src/` with
+the Python that runs it (`--python` for another).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
+sys.path.insert(0, str(SRC))
+
+from dflash_trainer.faults import descendants, kill_tree  # noqa: E402 (standard library only, as this script)
+
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 RESULTS = ROOT / "bench" / "results" / "host"
 
@@ -242,32 +247,6 @@ class Ctx:
 
 
 # -- running one case --------------------------------------------------------------------------------------------
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    for p in [pid, *descendants(pid)]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _worker(agent: int) -> Optional[int]:
