@@ -1048,33 +1048,36 @@ def _(ctx, f):
                 names=("drafter.safetensors",), absent=(f / "export",), codes=(2,))
 
 
+def _damaged_checkpoint(ctx: Ctx, f: Path, how: str) -> Path:
+    """A copy of the shared run whose newest checkpoint's weights are cut in half or have one byte changed (its
+    COMPLETE marker left as saved: the checksums can see it)."""
+    ckpt = ctx.copy_run(f) / "checkpoints" / "step_4"
+    data = bytearray((ckpt / "drafter.safetensors").read_bytes())
+    if how == "cut":
+        data = data[: len(data) // 2]
+    else:
+        data[-5] ^= 0x40
+    (ckpt / "drafter.safetensors").write_bytes(bytes(data))
+    return ckpt
+
+
 @case("7-causes", "export-cut-checkpoint", "export a checkpoint whose weights file was cut short")
 def _(ctx, f):
-    run = ctx.copy_run(f)
-    ckpt = run / "checkpoints" / "step_4"
-    data = (ckpt / "drafter.safetensors").read_bytes()
-    (ckpt / "drafter.safetensors").write_bytes(data[: len(data) // 2])
+    ckpt = _damaged_checkpoint(ctx, f, "cut")
     return Plan(procs=[ctx.export_cmd(f, "--out", str(f / "export"), checkpoint=ckpt)], expect="refuse",
                 names=("drafter.safetensors",), absent=(f / "export",), codes=(2,))
 
 
 @case("7-causes", "export-flipped-byte", "export a checkpoint with one weight byte changed after saving")
 def _(ctx, f):
-    run = ctx.copy_run(f)
-    ckpt = run / "checkpoints" / "step_4"
-    data = bytearray((ckpt / "drafter.safetensors").read_bytes())
-    data[-5] ^= 0x40
-    (ckpt / "drafter.safetensors").write_bytes(bytes(data))
+    ckpt = _damaged_checkpoint(ctx, f, "flip")
     return Plan(procs=[ctx.export_cmd(f, "--out", str(f / "export"), checkpoint=ckpt)], expect="refuse",
                 names=("drafter.safetensors",), absent=(f / "export",), codes=(2,))
 
 
 @case("7-causes", "resume-cut-checkpoint", "resume a run whose newest checkpoint is cut: falls back, named")
 def _(ctx, f):
-    run = ctx.copy_run(f)
-    ckpt = run / "checkpoints" / "step_4"
-    data = (ckpt / "drafter.safetensors").read_bytes()
-    (ckpt / "drafter.safetensors").write_bytes(data[: len(data) // 2])
+    run = _damaged_checkpoint(ctx, f, "cut").parent.parent
 
     def named(out: Outcome) -> Optional[str]:
         return None if "step_4" in out.output and "drafter.safetensors" in out.output else \
