@@ -300,7 +300,11 @@ def execute(plan: Plan, folder: Path) -> Outcome:
         kill_tree(p.pid)
     texts = [log.read_bytes().decode(errors="replace") for log in logs]
     output = texts[0] if len(texts) == 1 else "\n".join(f"--- node {n} ---\n{t}" for n, t in enumerate(texts))
-    return Outcome(codes=[p.returncode if e is not None else None for p, e in zip(procs, ended)], ended_s=ended,
+    # exit codes as a shell reports them: a process ended by signal N is 128 + N (Python's handled Ctrl-C at start-up
+    # can end by SIGINT itself once KeyboardInterrupt was raised in code torch runs at import: the same 130 there)
+    codes = [(128 - p.returncode if p.returncode < 0 else p.returncode) if e is not None else None
+             for p, e in zip(procs, ended)]
+    return Outcome(codes=codes, ended_s=ended,
                    elapsed_s=time.monotonic() - start, output=output, timed_out=timed_out, folder=folder)
 
 
