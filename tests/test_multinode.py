@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from pipeline_helpers import assert_ok, checkpoints, committed_jobs, ledger, metrics, planned_jobs, torchrun
 
 SPLIT = ("pipeline.colocated=false", "pipeline.num_targets=1", "train.checkpoint_interval=2")
@@ -109,3 +111,20 @@ def test_a_node_that_does_not_see_the_run_dir_stops_every_node_named(tmp_path):
     assert_named_failure(launch, 1, f"run.dir={run_dir} on ")
     assert "is not the directory rank 0 claimed" in launch.output
     assert f"[rank 0] stopping: rank 1 failed: ConfigError: run.dir={run_dir} on " in launch.output
+
+
+@pytest.mark.parametrize("store", ["agent", "rank 0"])
+def test_a_rank_killed_before_it_joins_ends_the_other_node_within_the_liveness_timeout(tmp_path, monkeypatch, store):
+    """Node 1's rank is SIGKILLed before it joins the process group (while it starts: the OOM killer), so it tells
+    nobody; its agent closes torchrun's rendezvous and exits. Node 0's rank, waiting in torch's set-up for it, sees the
+    rendezvous closed and stops, saying so, within the liveness timeout instead of pipeline.timeout_s (60 s here):
+    with the agent's store and with the store hosted by rank 0 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) alike."""
+    if store == "rank 0":
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    launch = torchrun(tmp_path / "run", 1, f"pipeline.liveness_timeout_s={LIVENESS_S}", nnodes=2,
+                      fault="die_before_join:1@1", timeout_s=150)
+    assert launch.returncode != 0
+    assert "[rank 0] stopping: torchrun's rendezvous was closed: another node's torchrun gave up" in launch.output, \
+        launch.output[-6000:]
+    assert max(launch.node_ended_s) - min(launch.node_ended_s) < LIVENESS_S, (launch.node_ended_s,
+                                                                               launch.output[-6000:])

@@ -11,6 +11,7 @@
 - `wipe_run:N`        delete the run dir, then SIGKILL this process, once step N is done (a run dir lost between
                       torchrun's restarts)
 - `wipe_checkpoints:N` the same with the run dir's checkpoints/ only (a run whose checkpoints were lost)
+- `die_before_join:1` SIGKILL this rank just before it joins the process group (killed while it starts)
 - `delay_target:S`    sleep S seconds in every target forward (a slow producer)
 - `delay_drafter:S`   sleep S seconds before every drafter optimizer step (a slow consumer)
 - `nan_batch:J`       the taps of job id J (or of every job: `nan_batch:all`) are NaN, written by the target
@@ -86,7 +87,7 @@ def maybe_fault(stage: str, index: Optional[int] = None, *, run_dir: Optional[st
     arg = rules.get(stage)
     if arg is None or int(arg) != index:
         return
-    if stage == "kill":
+    if stage in ("kill", "die_before_join"):
         os.kill(os.getpid(), signal.SIGKILL)
     if stage == "kill_job":
         kill_tree(os.getppid())
