@@ -977,7 +977,7 @@ def _(ctx, f):
 
 def _killed_before_join(ctx: Ctx, f: Path, **env: str) -> Plan:
     return Plan(procs=torchrun(ctx, f, 1, nnodes=2, env=ctx.env(f, **env)), expect="fail", kill_worker=(1, 1.0),
-                within_s=LIVENESS_S, timeout_s=150)
+                names=("rendezvous was closed",), within_s=LIVENESS_S, timeout_s=150)
 
 
 @case("6-torchrun", "rank-killed-before-join", "two nodes; node 1's rank SIGKILLed before it joins")
