@@ -40,7 +40,6 @@ from dflash_trainer.runtime.env import (
     join_process_group,
 )
 from dflash_trainer.runtime.failures import (
-    EXIT_FAILED,
     AbortWatchdog,
     StopSignals,
     exit_now,
@@ -50,7 +49,7 @@ from dflash_trainer.runtime.failures import (
     stop_after_peer_failure,
 )
 from dflash_trainer.runtime.liveness import Liveness
-from dflash_trainer.runtime.rendezvous import RendezvousWatch, rendezvous_closed_check
+from dflash_trainer.runtime.rendezvous import rendezvous_closed_check, rendezvous_watch
 from dflash_trainer.runtime.roles import Role
 from dflash_trainer.runtime.setup import RunSetup, setup_run
 from dflash_trainer.runtime.summary import (
@@ -136,8 +135,7 @@ def _connect(env: DistEnv, device: torch.device, timeout_s: float,
     if env.distributed:
         # a rank of another node that died before joining is seen only by its agent, which closes the rendezvous
         closed = rendezvous_closed_check()
-        rendezvous = RendezvousWatch(closed, rank=env.rank, on_closed=lambda why: exit_now(EXIT_FAILED)).start() \
-            if closed is not None else None
+        rendezvous = rendezvous_watch(closed, rank=env.rank).start() if closed is not None else None
         maybe_fault("die_before_join")  # test-only hook: SIGKILL this rank before it joins
         joined = join_process_group(env, device, timeout_s)
         if rendezvous is not None:

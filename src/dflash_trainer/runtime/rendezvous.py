@@ -3,7 +3,7 @@
 A rank that dies before it joins the process group (SIGKILL, the OOM killer, while it imports or loads) cannot tell
 anyone; its node's torchrun agent sees it die and, with no restart left, closes the job's c10d rendezvous and exits.
 The agents of the other nodes do not act on that: their ranks would wait in torch's process-group set-up for
-`pipeline.timeout_s` (30 minutes by default). Those ranks watch the rendezvous instead (`RendezvousWatch`) until they
+`pipeline.timeout_s` (30 minutes by default). Those ranks watch the rendezvous instead (`rendezvous_watch`) until they
 have joined, and stop within seconds of its closing, saying why.
 
 The rendezvous lives in a store at the agents' `--rdzv-endpoint`, which torchrun does not pass to its workers (their
@@ -19,11 +19,11 @@ import base64
 import logging
 import os
 import pickle
-import sys
-import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
+
+from dflash_trainer.runtime.failures import StopWatch
 
 log = logging.getLogger(__name__)
 
@@ -71,35 +71,17 @@ def rendezvous_closed_check(timeout_s: float = 10.0) -> Optional[Callable[[], bo
     return closed
 
 
-class RendezvousWatch:
-    """Daemon thread, from before this rank joins the process group until it has: when the rendezvous is closed,
-    say so and end the process (`on_closed` records it first)."""
+def rendezvous_watch(closed: Callable[[], bool], *, rank: int, poll_s: float = 2.0) -> StopWatch:
+    """From before this rank joins the process group until it has (`stop()`): when the rendezvous is closed, say so and
+    end the process."""
 
-    def __init__(self, closed: Callable[[], bool], *, rank: int, on_closed: Callable[[str], None],
-                 poll_s: float = 2.0) -> None:
-        self._closed = closed
-        self._rank = rank
-        self._on_closed = on_closed
-        self._poll_s = poll_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"rendezvous-watch-{rank}", daemon=True)
+    def reason() -> Optional[str]:
+        try:
+            if not closed():
+                return None
+        except Exception:  # the store is gone (the job is ending) or its record unreadable: nothing to say
+            return None
+        return ("torchrun's rendezvous was closed: another node's torchrun gave up on the job (one of its ranks failed "
+                "before it joined; that node's log names it)")
 
-    def start(self) -> "RendezvousWatch":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._poll_s):
-            try:
-                closed = self._closed()
-            except Exception:  # the store is gone (the job is ending) or its record unreadable: stop watching
-                return
-            if closed and not self._stop.is_set():
-                why = ("torchrun's rendezvous was closed: another node's torchrun gave up on the job (one of its ranks "
-                       "failed before it joined; that node's log names it)")
-                print(f"[rank {self._rank}] stopping: {why}", file=sys.stderr, flush=True)
-                self._on_closed(why)
-                return
+    return StopWatch(reason, rank=rank, name="rendezvous-watch", poll_s=poll_s, grace_s=0.0)
