@@ -171,3 +171,54 @@ def test_a_config_mistake_is_named_before_torch_is_imported():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["2", "False"], proc.stderr
     assert "Did you mean: 'lr'?" in proc.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["drafter.noise_std=0.1"], "drafter.noise_std=0.1 is read only with drafter.noise=uniform or gaussian"),
+    (["drafter.noise_std_final=0.1"], "drafter.noise_std_final=0.1 is read only with drafter.noise="),
+    (["drafter.dpace_alpha=0.3"], "drafter.dpace_alpha=0.3 is read only with drafter.dpace=true"),
+    (["drafter.sliding_window=4"], "drafter.sliding_window=4 is read only with drafter.sliding_layers"),
+    (["train.muon_momentum=0.9"], "train.muon_momentum=0.9 is read only with train.optimizer=muon"),
+    (["train.decay_ratio=0.5"], "train.decay_ratio=0.5 is read only with train.schedule=wsd"),
+    (["regenerate.url=http://127.0.0.1:8000/v1"], "regenerate.url=http://127.0.0.1:8000/v1 is read only with "
+                                                  "regenerate.backend=openai"),
+    (["regenerate.model=org/model"], "regenerate.model=org/model is read only with regenerate.backend=openai"),
+])
+def test_an_option_whose_switch_is_off_is_refused_naming_the_switch(overrides, message):
+    """Set off its default while the setting that turns it on is off, an option would change nothing: the run
+    would train as if it were not given."""
+    with pytest.raises(ConfigError) as error:
+        load_config("demo", overrides)
+    assert message in str(error.value) and ("set " in str(error.value))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["drafter.noise=uniform", "drafter.noise_std=0.1"],
+    ["drafter.noise=gaussian", "drafter.noise_std=0.1", "drafter.noise_std_final=0.0"],
+    ["drafter.dpace=true", "drafter.dpace_alpha=0.3"],
+    ["drafter.sliding_layers=[0]", "drafter.sliding_window=4"],
+    ["train.optimizer=muon", "train.muon_momentum=0.9"],
+    ["train.schedule=wsd", "train.decay_ratio=0.5"],
+    ["regenerate.backend=openai", "regenerate.url=http://127.0.0.1:8000/v1", "regenerate.model=org/model"],
+])
+def test_the_same_options_with_their_switch_on_load(overrides):
+    load_config("demo", overrides)
+
+
+def test_a_block_of_one_slot_is_named_as_such_on_a_drafter_without_convolutions():
+    """drafter.block_size=1 on DFlash: the block size is named, not DFlash2's convolution it does not use."""
+    for variant in ("dflash", "dflash2"):
+        with pytest.raises(ConfigError, match=r"drafter\.block_size must be >= 2"):
+            load_config("demo", [f"drafter.variant={variant}", "drafter.block_size=1"])
+    load_config("demo", ["drafter.block_size=2", "drafter.gamma=1", "drafter.conv_kernel_size=2"])
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("train.lr=abc", "give a number (such as 3e-4)"),
+    ("train.num_epochs=1.5", "give a whole number"),
+    ("logging.progress=maybe", "give true or false"),
+])
+def test_a_value_of_the_wrong_type_says_what_to_give(override, fix):
+    with pytest.raises(ConfigError) as error:
+        load_config("demo", [override])
+    assert str(error.value).endswith(fix) and override.split("=")[0] in str(error.value)

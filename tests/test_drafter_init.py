@@ -75,3 +75,24 @@ def test_the_log_says_where_the_drafter_weights_start(tmp_path, caplog):
     caplog.clear()
     build_drafter(load_config("demo", [f"drafter.init_from={ckpt}"]), base.spec, torch.device("cpu"))
     assert f"drafter weights start from the training checkpoint {ckpt} (drafter.init_from={ckpt};" in caplog.text
+
+
+@pytest.mark.parametrize("given", ["missing", "typo", "file"])
+def test_an_init_from_that_is_no_folder_is_named_with_what_to_give(tmp_path, given):
+    """A missing folder, a typo of one next to it, a file: named as drafter.init_from, with the kinds it takes (not
+    'not a drafter export', which blames a folder that is not there)."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.errors import ConfigError
+    from dflash_trainer.train.trainer import build_drafter
+
+    base, _ = tiny_drafter(seed=4)
+    (tmp_path / "export").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    source = {"missing": tmp_path / "nowhere" / "export", "typo": tmp_path / "exprot",
+              "file": tmp_path / "weights.bin"}[given]
+    with pytest.raises(ConfigError) as error:
+        build_drafter(load_config("demo", [f"drafter.init_from={source}"]), base.spec, torch.device("cpu"))
+    message = str(error.value)
+    assert message.startswith(f"drafter.init_from {source}") and "give a drafter export (RUN/export" in message
+    if given == "typo":
+        assert f"did you mean {tmp_path / 'export'}" in message

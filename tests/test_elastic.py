@@ -117,18 +117,24 @@ def test_a_restart_before_any_claim_starts_as_the_first_incarnation_did():
     assert count_start(store, 0, max_restarts=1).earlier_run_dir() is None
 
 
-def test_a_restart_stops_when_the_run_it_continues_was_deleted_or_replaced(tmp_path):
-    """Between incarnations the run dir is deleted, emptied, or replaced by another run at the same path: the restart
-    names what changed and stops, instead of training a new run from scratch that ends `ok` as if nothing happened."""
-    import shutil
-
+def _restarted_run(tmp_path):
+    """(the first incarnation, the second, the run dir the first claimed) of a job in a stand-in for torchrun's
+    store."""
     store = dist.HashStore()
     first = count_start(store, 0, max_restarts=3)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / ".dflash-run").write_text("{}")
     record_incarnation(first, run_dir)
-    second = count_start(store, 0, max_restarts=3)
+    return first, count_start(store, 0, max_restarts=3), run_dir
+
+
+def test_a_restart_stops_when_the_run_it_continues_was_deleted_or_replaced(tmp_path):
+    """Between incarnations the run dir is deleted, emptied, or replaced by another run at the same path: the restart
+    names what changed and stops, instead of training a new run from scratch that ends `ok` as if nothing happened."""
+    import shutil
+
+    first, second, run_dir = _restarted_run(tmp_path)
     second.check_continues(second.earlier_run_dir())  # the same run: it continues
     assert second.job_token() == first.job_token()
     saved = (run_dir / ".elastic.json").read_text()
@@ -146,6 +152,34 @@ def test_a_restart_stops_when_the_run_it_continues_was_deleted_or_replaced(tmp_p
     (run_dir / ".elastic.json").unlink()  # a new run made by hand, no restart record
     with pytest.raises(ConfigError, match="was replaced"):
         second.check_continues(run_dir)
+
+
+def test_a_restart_stops_when_the_run_it_continues_lost_its_checkpoints(tmp_path):
+    """The run is there (marker, restart record), but the checkpoints an earlier incarnation wrote are gone: training
+    it again from the start would end `ok` as if nothing happened. A run whose first incarnation failed before its
+    first checkpoint continues from the start, as before."""
+    first, second, run_dir = _restarted_run(tmp_path)
+    second.check_continues(run_dir)  # no checkpoint written yet: it starts over, as before
+    first.record_checkpoint(2)
+    with pytest.raises(ConfigError, match=r"holds none of its checkpoints \(an earlier incarnation wrote step_2 in "):
+        second.check_continues(run_dir)
+    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_2" / "COMPLETE").write_text("{}")
+    second.check_continues(run_dir)
+    assert second.recorded_checkpoint() == 2
+
+
+def test_checkpoints_deleted_between_incarnations_stop_the_job_named(tmp_path):
+    """Rank 0 deletes the run's checkpoints/ and dies after step 3 (checkpoint at 2) in the first incarnation: the
+    restart says the checkpoints are gone and stops; nothing is trained again."""
+    run_dir = tmp_path / "run"
+    launch = torchrun(run_dir, 2, *COLOCATED, fault="wipe_checkpoints:3@0", fault_restart=0, max_restarts=1,
+                      timeout_s=240)
+    assert launch.returncode != 0, launch.output
+    assert "holds none of its checkpoints (an earlier incarnation wrote step_2" in launch.output, launch.output[-4000:]
+    assert not (run_dir / "checkpoints").exists()  # nothing trained again
+    summary = run_dir / "summary.json"
+    assert not summary.exists() or json.loads(summary.read_text())["status"] != "ok"
 
 
 def test_a_run_dir_deleted_between_incarnations_stops_the_job_named(tmp_path):

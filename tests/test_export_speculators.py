@@ -215,7 +215,9 @@ def test_cli_export_speculators(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "a"), "--format", "speculators"]) == 2
     assert "has no target.path" in capsys.readouterr().err and not (tmp_path / "a").exists()  # random-init target
     assert main([*args, "--out", str(tmp_path / "b"), "--verifier", "Qwen/Qwen3-8B"]) == 2
-    assert "--verifier is for --format speculators" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--verifier Qwen/Qwen3-8B does nothing in --format dflash" in err and "add --format speculators" in err
+    assert not (tmp_path / "b").exists()
     verifier = _verifier_folder(tmp_path / "verifier", target)
     assert main([*args, "--out", str(tmp_path / "c"), "--format", "speculators", "--verifier", str(verifier)]) == 0
     config = json.loads((tmp_path / "c" / "config.json").read_text())
@@ -250,6 +252,31 @@ def test_a_drafter_export_is_refused_as_the_verifier(tmp_path, kind):
     with pytest.raises(ConfigError, match=rf"verifier {export} is a drafter \(.*\), not a target: name the target"):
         export_speculators(drafter, tmp_path / "spec", verifier=str(export), target_config=target)
     assert not (tmp_path / "spec").exists()
+
+
+@pytest.mark.parametrize("architectures", [["BertModel"], ["Qwen3ForSequenceClassification"]])
+def test_a_model_that_generates_no_text_is_refused_as_the_verifier(tmp_path, architectures):
+    """An encoder or a classifier of the target's sizes fits every size check: its class says it is no target."""
+    drafter, target = tiny_drafter()
+    verifier = _verifier_folder(tmp_path / "other", target)
+    config = json.loads((verifier / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({**config, "architectures": architectures}))
+    with pytest.raises(ConfigError) as raised:
+        export_speculators(drafter, tmp_path / "spec", verifier=str(verifier))
+    assert f"verifier {verifier} is no model that generates text (architectures {architectures}" in str(raised.value)
+    assert "name the target model" in str(raised.value) and not (tmp_path / "spec").exists()
+
+
+def test_a_target_model_given_where_a_drafter_export_is_read_is_named_as_a_target(tmp_path):
+    from dflash_trainer.drafter.export import read_export
+
+    _, target = tiny_drafter()
+    folder = _verifier_folder(tmp_path / "target", target)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ConfigError) as raised:
+        read_export(folder)
+    assert f"{folder} is a target model (Qwen3ForCausalLM), not a drafter export: pass a drafter's folder" in \
+        str(raised.value)
 
 
 @pytest.mark.parametrize("change, named", [

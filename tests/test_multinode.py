@@ -4,7 +4,8 @@ rendezvous, gloo), each node a target and two drafters, against one node running
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
+
+import pytest
 
 from pipeline_helpers import assert_ok, checkpoints, committed_jobs, ledger, metrics, planned_jobs, torchrun
 
@@ -100,15 +101,30 @@ def test_a_node_whose_command_line_is_refused_ends_the_other_node_too(tmp_path):
 
 
 def test_a_node_that_does_not_see_the_run_dir_stops_every_node_named(tmp_path):
-    """run.dir is relative and each node runs in a folder of its own (a run dir on storage only node 0 has): node
-    1's rank does not find rank 0's token there and stops the run, named, after waiting pipeline.timeout_s (20 s
-    here) for it. Meanwhile node 0's rank waits in torch's set-up of a process group for node 1: its heartbeat goes
-    on (it is not named as silent), and it stops within the liveness timeout of node 1's error."""
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    for folder in nodes:
-        folder.mkdir()
-    launch = torchrun(Path("run"), 1, f"pipeline.liveness_timeout_s={LIVENESS_S}", "pipeline.timeout_s=20",
-                      nnodes=2, node_dirs=nodes, timeout_s=150)
-    assert_named_failure(launch, 1, "run.dir=run on ")
+    """Node 1's rank looks for the run dir where a node without its shared storage would (`local_run_dir`: an empty
+    folder of its own), does not find rank 0's token there and stops the run, named, after waiting pipeline.timeout_s
+    (20 s here) for it. Meanwhile node 0's rank waits in torch's set-up of a process group for node 1: its heartbeat
+    goes on (it is not named as silent), and it stops within the liveness timeout of node 1's error."""
+    run_dir = tmp_path / "run"
+    launch = torchrun(run_dir, 1, f"pipeline.liveness_timeout_s={LIVENESS_S}", "pipeline.timeout_s=20", nnodes=2,
+                      fault="local_run_dir:1@1", timeout_s=150)
+    assert_named_failure(launch, 1, f"run.dir={run_dir} on ")
     assert "is not the directory rank 0 claimed" in launch.output
-    assert "[rank 0] stopping: rank 1 failed: ConfigError: run.dir=run on " in launch.output
+    assert f"[rank 0] stopping: rank 1 failed: ConfigError: run.dir={run_dir} on " in launch.output
+
+
+@pytest.mark.parametrize("store", ["agent", "rank 0"])
+def test_a_rank_killed_before_it_joins_ends_the_other_node_within_the_liveness_timeout(tmp_path, monkeypatch, store):
+    """Node 1's rank is SIGKILLed before it joins the process group (while it starts: the OOM killer), so it tells
+    nobody; its agent closes torchrun's rendezvous and exits. Node 0's rank, waiting in torch's set-up for it, sees the
+    rendezvous closed and stops, saying so, within the liveness timeout instead of pipeline.timeout_s (60 s here):
+    with the agent's store and with the store hosted by rank 0 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) alike."""
+    if store == "rank 0":
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    launch = torchrun(tmp_path / "run", 1, f"pipeline.liveness_timeout_s={LIVENESS_S}", nnodes=2,
+                      fault="die_before_join:1@1", timeout_s=150)
+    assert launch.returncode != 0
+    assert "[rank 0] stopping: torchrun's rendezvous was closed: another node's torchrun gave up" in launch.output, \
+        launch.output[-6000:]
+    assert max(launch.node_ended_s) - min(launch.node_ended_s) < LIVENESS_S, (launch.node_ended_s,
+                                                                               launch.output[-6000:])

@@ -85,3 +85,39 @@ def _refused_before_the_work(command, out, message, tmp_path, monkeypatch, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"--out {out}" in err and message in err, err
+
+
+@pytest.mark.parametrize("command, theirs", [
+    ("eval", {"eval.json": '{"their": "figures"}'}),
+    ("report", {"index.html": "<p>their page</p>"}),
+    ("report", {"plot.png": "their picture", "notes.txt": "kept"}),
+])
+def test_an_out_holding_files_of_the_same_names_that_we_did_not_write_is_refused(command, theirs, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """`eval --out DIR` writes DIR/eval.json and `report --out DIR` its index.html and figures: a folder of the user's
+    holding files of those names is refused before the work, and they are left as they were."""
+    out = tmp_path / "theirs"
+    out.mkdir()
+    for name, text in theirs.items():
+        (out / name).write_text(text)
+    replaced = sorted(n for n in theirs if n != "notes.txt")
+    _refused_before_the_work(command, str(out), f"already holds {', '.join(replaced)}, which dflash-train {command} "
+                                                f"did not write", tmp_path, monkeypatch, capsys)
+    assert {p.name: p.read_text() for p in out.iterdir()} == theirs
+
+
+def test_our_own_eval_json_and_report_are_replaced(tmp_path):
+    """What tells ours apart: an eval.json with our figures, a report page as `write_report` begins it."""
+    from dflash_trainer.commands.eval import _ours
+    from dflash_trainer.report.page import PAGE_START, foreign_report_files
+
+    ours = tmp_path / "eval.json"
+    ours.write_text(json.dumps({"tau": 2.0, "acceptance_histogram": {}, "per_prompt_committed": []}))
+    assert _ours(ours)
+    ours.write_text(json.dumps({"tau": 2.0}))
+    assert not _ours(ours)
+    (tmp_path / "index.html").write_text(PAGE_START + "run</title>...")
+    (tmp_path / "loss.png").write_bytes(b"png")
+    assert foreign_report_files(tmp_path) == []
+    (tmp_path / "index.html").write_text("<html>theirs</html>")
+    assert foreign_report_files(tmp_path) == ["index.html", "loss.png"]

@@ -259,3 +259,20 @@ def test_first_failure_waits_for_the_cause_a_broken_connection_comes_before():
     start = time.monotonic()
     assert first_failure(ControlPlane(dist.HashStore(), rank=0), lambda: [], within_s=0.3, poll_s=0.05) is None
     assert time.monotonic() - start >= 0.3
+
+
+def test_the_rendezvous_a_rank_watches_comes_from_its_torchrun_agent_command_line():
+    """A c10d rendezvous's endpoint and id, as `python -m torch.distributed.run` or `torchrun` was given them (the
+    default port when none); nothing for the static rendezvous of `--master_addr`, or a command that is no torchrun."""
+    from dflash_trainer.runtime.rendezvous import agent_rendezvous
+
+    module = ["/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-a17:29555", "--rdzv-id", "dflash-731",
+              "-m", "dflash_trainer", "train", "--config", "demo"]
+    assert agent_rendezvous(module) == ("gpu-a17", 29555, "dflash-731")
+    script = ["/venv/bin/torchrun", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0", "train.py"]
+    assert agent_rendezvous(script) == ("node0", 29400, "none")
+    static = ["/venv/bin/python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+              "127.0.0.1", "--master_port", "29500", "-m", "dflash_trainer", "train"]
+    assert agent_rendezvous(static) is None
+    assert agent_rendezvous(["/usr/bin/python", "-m", "dflash_trainer", "train"]) is None

@@ -133,3 +133,26 @@ def test_a_node_whose_view_lags_waits_for_rank_0s_token(tmp_path):
         RunDir(run_dir).shared_check.write_text(token)
 
     assert _checked(run_dir, token, timeout_s=20, after=late_write) == ""
+
+
+def test_rank_0_publishes_its_run_dir_as_an_absolute_path(tmp_path, monkeypatch):
+    """run.dir relative (or the default runs/NAME-TIME): every rank reads rank 0's folder, not the folder of that
+    name under its own working folder (nodes launched from different folders, with the storage at one path)."""
+    from dflash_trainer.runtime.control import ControlPlane, make_local_store
+    from dflash_trainer.runtime.env import DistEnv
+    from dflash_trainer.runtime.setup import _shared_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    control = ControlPlane(make_local_store(), rank=0)
+    env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=1)
+    claims = []
+    run_dir = _shared_run_dir(load_config("demo", ["run.dir=runs/x"]), env, control, on_claim=claims.append)
+    claims[0].release()
+    assert run_dir == Path("runs/x") and control.wait_value("run_dir") == str(tmp_path / "runs" / "x")
+    elsewhere = tmp_path / "node1"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # rank 1, on another node, in another folder
+    other = DistEnv(rank=1, world_size=2, local_rank=0, local_world_size=1)
+    found = _shared_run_dir(load_config("demo", ["run.dir=runs/x"]), other, ControlPlane(control.store, rank=1),
+                            on_claim=claims.append)
+    assert found == tmp_path / "runs" / "x"

@@ -34,7 +34,7 @@ def _sbatch(tmp_path: Path, *args: str, slurm: bool = True, **env: str) -> subpr
 
 
 ALLOCATION = dict(SLURM_JOB_ID="731", SLURM_JOB_NODELIST="gpu-a[17-18],gpu-b02", SLURM_NNODES="3",
-                  SLURM_GPUS_ON_NODE="8", DFLASH_DRY_RUN="1")
+                  SLURM_GPUS_ON_NODE="8", DFLASH_DRY_RUN="1", DFLASH_PYTHON=sys.executable)
 
 
 def test_every_node_runs_one_torchrun_agent_meeting_at_the_first_node(tmp_path):
@@ -59,8 +59,7 @@ def test_every_node_runs_one_torchrun_agent_meeting_at_the_first_node(tmp_path):
 
 def test_the_settings_come_from_the_environment(tmp_path):
     proc = _sbatch(tmp_path, "configs/qwen3-8b.yaml", "/shared/runs/q8b", **ALLOCATION, DFLASH_MAX_RESTARTS="0",
-                   DFLASH_RDZV_PORT="29555", DFLASH_GPUS_PER_NODE="4", DFLASH_CACHE_DIR="/scratch/tok",
-                   DFLASH_PYTHON=sys.executable)
+                   DFLASH_RDZV_PORT="29555", DFLASH_GPUS_PER_NODE="4", DFLASH_CACHE_DIR="/scratch/tok")
     assert proc.returncode == 0, proc.stderr
     words = shlex.split(proc.stdout)
     assert words[3:6] == [sys.executable, "-m", "torch.distributed.run"]
@@ -113,3 +112,25 @@ def test_a_dry_run_works_without_slurm(tmp_path):
     launch = _sbatch(tmp_path, "configs/qwen3-8b.yaml", "/shared/runs/q8b", SLURM_JOB_ID="9", DFLASH_DRY_RUN="1",
                      SLURM_JOB_NODELIST="gpu-a[1-2]", slurm=False)
     assert launch.returncode == 2 and "scontrol is not on PATH" in launch.stderr and "DFLASH_RDZV_HOST" in launch.stderr
+
+
+@pytest.mark.parametrize("args, named", [
+    (["configs/qwen3-8bb.yaml", "/shared/runs/q8b"], "configs/qwen3-8bb.yaml"),
+    (["configs/qwen3-8b.yaml", "/shared/runs/q8b", "train.lrr=1"], "train.lrr"),
+    (["configs/qwen3-8b.yaml", "/shared/runs/q8b", "train.lr"], "train.lr"),
+    (["configs/qwen3-8b.yaml", "/shared/runs/q8b", "drafter.noise_std=0.1"], "drafter.noise_std"),
+])
+def test_a_config_mistake_stops_before_anything_runs(tmp_path, args, named):
+    """CONFIG and the overrides are loaded before the launch: a typo is one line here, not a failure on every node of
+    an allocation."""
+    marker = tmp_path / "launched"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text(f"#!/bin/sh\ntouch {marker}\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    for dry in ("1", "0"):
+        proc = _sbatch(tmp_path, *args, **{**ALLOCATION, "DFLASH_DRY_RUN": dry})
+        assert proc.returncode == 2 and proc.stdout == "" and not marker.exists(), (dry, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("train.sbatch: ") and named in lines[0], proc.stderr
+    proc = _sbatch(tmp_path, "configs/qwen3-8b.yaml", "/shared/runs/q8b", **{**ALLOCATION, "DFLASH_DRY_RUN": "0"})
+    assert proc.returncode == 0 and marker.exists(), proc.stderr  # a good config launches

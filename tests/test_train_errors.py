@@ -241,6 +241,40 @@ def test_overwrite_of_a_directory_that_was_never_a_run_keeps_its_files(tmp_path,
     assert (mine / "best" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("command", ["train", "plan"])
+@pytest.mark.parametrize("held", [("config.yaml",), ("plan/epoch_0.json",), ("config.yaml", "notes.txt")])
+def test_a_folder_holding_a_config_or_plan_we_did_not_write_is_refused(tmp_path, capsys, command, held):
+    """run.dir names a folder of the user's whose config.yaml (or plan/) no dflash-train command wrote (no marker):
+    `train` and `plan` would write theirs over it. Refused, naming the files, and the folder is left as it was."""
+    from pipeline_helpers import overrides
+
+    from dflash_trainer.cli import main
+
+    mine = tmp_path / "mine"
+    for name in held:
+        (mine / name).parent.mkdir(parents=True, exist_ok=True)
+        (mine / name).write_text(f"the user's {name}\n")
+    assert main([command, "--config", "demo", *overrides(mine, "train.max_steps=1")]) == 2
+    err = capsys.readouterr().err
+    assert f"run.dir={str(mine)!r} holds {held[0].split('/')[0]}, which dflash-train did not write" in err, err
+    assert "set run.dir to a new or empty directory" in err
+    for name in held:
+        assert (mine / name).read_text() == f"the user's {name}\n"
+    assert sorted(p.name for p in mine.iterdir()) == sorted({n.split("/")[0] for n in held} | {".lock"})
+
+
+def test_a_random_init_that_is_neither_preset_nor_folder_names_both_kinds():
+    from dflash_trainer.errors import ConfigError
+    from dflash_trainer.target.config import TargetConfig
+    from dflash_trainer.target.load import target_model_config
+
+    with pytest.raises(ConfigError) as error:
+        target_model_config(TargetConfig(random_init="tiny-mo"))
+    assert "did you mean tiny-moe? Or give a preset (" in str(error.value) and "config.json" in str(error.value)
+    with pytest.raises(ConfigError, match=r"is neither a preset nor a path: give a preset \(.*tiny.*\) or a folder"):
+        target_model_config(TargetConfig(random_init="/nowhere/model"))
+
+
 def test_a_run_dir_being_written_is_refused_to_a_second_train(tmp_path, capsys):
     """Another command holds the run dir's lock (as a `train` started a moment earlier does): refused at once."""
     import fcntl

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -208,11 +209,23 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: Sequence[str
         where = f"config key {key!r}: " if key else "config: "
         if key and "not in" in first and "Did you mean" not in first and (known := _synonym(key)):
             first += f". Did you mean: {known!r}?"
-        raise ConfigError(where + first) from None
+        raise ConfigError(where + _with_fix(first)) from None
     except ConfigError:
         raise
     except ValueError as e:  # a __post_init__ outside our ConfigError
         raise ConfigError(str(e)) from None
+
+
+KINDS = {"Float": "a number (such as 3e-4)", "Integer": "a whole number", "Boolean": "true or false",
+         "String": "a string"}
+"""What a value of each of omegaconf's types looks like, for the error of a value that is not one."""
+
+
+def _with_fix(message: str) -> str:
+    """omegaconf's message for a value of the wrong type, with what to give instead."""
+    found = re.search(r"could not be converted to (\w+)|is not a valid (bool)", message)
+    kind = found and (found.group(1) or "Boolean")
+    return f"{message}: give {KINDS[kind]}" if kind in KINDS else message
 
 
 SYNONYMS = {"learning_rate": "lr", "lr_min": "min_lr_ratio", "epochs": "num_epochs", "max_epochs": "num_epochs",

@@ -10,9 +10,12 @@
 - `kill_job:N`        SIGKILL the whole job after step N: torchrun's agent (this rank's parent) and every rank
 - `wipe_run:N`        delete the run dir, then SIGKILL this process, once step N is done (a run dir lost between
                       torchrun's restarts)
+- `wipe_checkpoints:N` the same with the run dir's checkpoints/ only (a run whose checkpoints were lost)
+- `die_before_join:1` SIGKILL this rank just before it joins the process group (killed while it starts)
 - `delay_target:S`    sleep S seconds in every target forward (a slow producer)
 - `delay_drafter:S`   sleep S seconds before every drafter optimizer step (a slow consumer)
 - `nan_batch:J`       the taps of job id J (or of every job: `nan_batch:all`) are NaN, written by the target
+- `local_run_dir:1`   this rank looks for the run dir where a node without its shared storage would: an empty folder
 
 `DFLASH_TEST_FAULT_RESTART=K` applies the rules only in the job's K-th restart (`TORCHELASTIC_RESTART_COUNT`; 0:
 the first incarnation), so that a relaunched incarnation runs clean (tests of `torchrun --max-restarts`).
@@ -70,9 +73,11 @@ def maybe_fault(stage: str, index: Optional[int] = None, *, run_dir: Optional[st
     rules = _rules()
     if not rules:
         return
-    if stage == "wipe_run" and rules.get(stage) is not None and int(rules[stage]) == index and run_dir:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    if stage == "wipe_run" and run_dir:
+        for rule, wiped in (("wipe_run", run_dir), ("wipe_checkpoints", os.path.join(run_dir, "checkpoints"))):
+            if rules.get(rule) is not None and int(rules[rule]) == index:
+                shutil.rmtree(wiped, ignore_errors=True)
+                os.kill(os.getpid(), signal.SIGKILL)
     if index is None:
         with _lock:
             _counts[stage] = index = _counts.get(stage, 0) + 1
@@ -82,11 +87,16 @@ def maybe_fault(stage: str, index: Optional[int] = None, *, run_dir: Optional[st
     arg = rules.get(stage)
     if arg is None or int(arg) != index:
         return
-    if stage == "kill":
+    if stage in ("kill", "die_before_join"):
         os.kill(os.getpid(), signal.SIGKILL)
     if stage == "kill_job":
         kill_tree(os.getppid())
     raise InjectedFault(f"injected fault ({ENV}): {stage} #{index} on rank {os.environ.get('RANK', '0')}")
+
+
+def applies(stage: str) -> bool:
+    """Whether a rule for `stage` applies to this rank (a fault that changes what the rank sees, not one it raises)."""
+    return stage in _rules()
 
 
 def inject_nan(job_id: int) -> bool:

@@ -336,10 +336,12 @@ def claim_run_dir(config: Config, purpose: Literal["train", "plan"]) -> RunClaim
         if purpose == "plan":
             _refuse_training_run(layout, "`dflash-train plan` would replace the epoch plans it resumes from: plan "
                                          "into a new run.dir (or train with --resume or --overwrite)")
+            _refuse_foreign_files(layout, purpose)
         elif not config.train.resume:
             if not config.train.overwrite:
                 _refuse_training_run(layout, "add --resume to continue it, set run.dir to a new directory, or pass "
                                              "--overwrite to replace it")
+            _refuse_foreign_files(layout, purpose)
             _clear_for_new_run(layout)
         if not config.train.resume or layout.trained():  # a resume marks only what holds a run to resume
             _writing(path, lambda: _mark(layout))
@@ -395,6 +397,18 @@ def _refuse_training_run(layout: RunDir, fix: str) -> None:
     found = [p.name for p in layout.outputs_present()]
     if found:
         raise ConfigError(f"run.dir={str(layout.root)!r} holds a training run ({', '.join(found)}): {fix}")
+
+
+def _refuse_foreign_files(layout: RunDir, purpose: str) -> None:
+    """A directory no dflash-train command marked that holds a file a new run writes (`config.yaml`, `plan/`): the
+    user's own, which the run would replace."""
+    found = [p.name for p in (layout.config, layout.plan) if p.exists()]
+    if found and not layout.is_marked():
+        raise ConfigError(
+            f"run.dir={str(layout.root)!r} holds {', '.join(found)}, which dflash-train did not write (no "
+            f"{layout.marker.name} file), and `dflash-train {purpose}` would replace {'it' if len(found) == 1 else 'them'}: "
+            "set run.dir to a new or empty directory, or move those files away yourself"
+        )
 
 
 def _clear_for_new_run(layout: RunDir) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from dflash_trainer.commands.out_dir import checked_out_dir
+from dflash_trainer.commands.out_dir import check_replaces_only_ours, checked_out_dir
 from dflash_trainer.config import Config
 from dflash_trainer.data.tokenizer import load_tokenizer
 from dflash_trainer.drafter.export import load_drafter
@@ -46,8 +46,19 @@ def _out_file(config: Config, args: Optional[argparse.Namespace], drafter_dir: s
     folder = checked_out_dir(out, flag="--out") if out else checked_out_dir(config.run.dir, flag="run.dir")
     run = RunDir(folder)
     if out and not (run.is_marked() or run.config.is_file()):  # not a run dir: no training evaluation to keep
-        return folder / "eval.json"
+        path = folder / "eval.json"
+        check_replaces_only_ours("--out", out, [path.name] if path.exists() and not _ours(path) else [], "eval")
+        return path
     return folder / f"eval-{Path(drafter_dir).resolve().name or 'drafter'}.json"
+
+
+def _ours(path: Path) -> bool:
+    """Whether `path` is an eval.json this command wrote (its figures), not another file of that name."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and {"tau", "acceptance_histogram", "per_prompt_committed"} <= set(found)
 
 
 def run(config: Config, args: Optional[argparse.Namespace] = None) -> int:

@@ -28,8 +28,9 @@ def run(config: Config, args) -> int:
     if save_target and given:
         raise ConfigError("pass --verifier or --save-target, not both (--save-target records the folder it writes)")
     if fmt != "speculators" and given:
-        raise ConfigError("--verifier is for --format speculators (the DFlash format does not record the target; "
-                          "--save-target DIR writes the target to serve it with)")
+        raise ConfigError(f"--verifier {given} does nothing in --format {fmt}, which records no target: add --format "
+                          "speculators to record it, or drop --verifier (--save-target DIR writes a target to serve "
+                          "the drafter with)")
     out_dir = checked_out_dir(args.out)
     save_dir = checked_out_dir(save_target, flag="--save-target") if save_target else None
     check_export_dirs(out_dir, save_dir)

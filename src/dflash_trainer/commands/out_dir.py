@@ -34,3 +34,12 @@ def checked_out_dir(out: str | Path, *, flag: str = "--out", owned_ok: Optional[
         raise ConfigError(f"{flag} {out}: cannot write in {existing} ({e.strerror or e}); give a writable "
                           "directory") from None
     return path
+
+
+def check_replaces_only_ours(flag: str, out: str | Path, found: list[str], command: str) -> None:
+    """`found`: the files of `out` that `command` would write over and that it did not write (a user's own): refused,
+    naming them, before the work."""
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise ConfigError(f"{flag} {out} already holds {shown}, which dflash-train {command} did not write; it would "
+                          "replace them: give a new or empty folder, or move those files away yourself")

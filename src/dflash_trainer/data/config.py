@@ -144,6 +144,11 @@ class RegenerateConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("local", "openai"):
             raise ConfigError(f"regenerate.backend must be local or openai, got {self.backend!r}")
+        for key in ("url", "model"):
+            if self.backend == "local" and getattr(self, key) is not None:
+                raise ConfigError(f"regenerate.{key}={getattr(self, key)} is read only with regenerate.backend=openai "
+                                  f"(the local backend runs the target itself): set regenerate.backend=openai, or "
+                                  f"drop regenerate.{key}")
         for key in ("max_turns", "max_prompt_tokens"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"regenerate.{key} must be >= 1 or null, got {getattr(self, key)}")

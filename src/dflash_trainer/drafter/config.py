@@ -169,7 +169,10 @@ class DrafterConfig:
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"drafter.{key} must be >= 1, got {getattr(self, key)}")
-        if self.conv_kernel_size > self.block_size:
+        if self.block_size < 2:
+            raise ConfigError(f"drafter.block_size must be >= 2 (the anchor and at least one drafted slot), got "
+                              f"{self.block_size}")
+        if self._option_owner("conv_kernel_size") is None and self.conv_kernel_size > self.block_size:
             raise ConfigError(f"drafter.conv_kernel_size={self.conv_kernel_size} reaches past a block of "
                               f"drafter.block_size={self.block_size} slots: at most the block size")
         weights = (self.lilicorr_w_ce, self.lilicorr_w_margin, self.lilicorr_w_pen)
@@ -183,8 +186,6 @@ class DrafterConfig:
             raise ConfigError("drafter.selector_weight must be >= 0 and drafter.selector_warmup in [0, 1]")
         if self.num_layers < 1:
             raise ConfigError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
-        if self.block_size < 2:
-            raise ConfigError(f"drafter.block_size must be >= 2, got {self.block_size}")
         if self.tap_layer_ids is not None:
             if not self.tap_layer_ids:
                 raise ConfigError("drafter.tap_layer_ids must not be empty (or null to choose them)")
@@ -226,6 +227,7 @@ class DrafterConfig:
             raise ConfigError(f"drafter.sliding_window must be >= 1 or null, got {self.sliding_window}")
         if self.sliding_layers and not self.sliding_window:
             raise ConfigError("drafter.sliding_layers needs drafter.sliding_window > 0")
+        self._check_unread_options()
         if self.flex_kernel_options.get("ROWS_GUARANTEED_SAFE"):
             raise ConfigError(
                 "drafter.flex_kernel_options.ROWS_GUARANTEED_SAFE=true gives NaN here: a 128-row query tile can span "
@@ -259,6 +261,18 @@ class DrafterConfig:
         if self.dspark_divergence not in DIVERGENCES:
             raise ConfigError(f"drafter.dspark_divergence must be one of {', '.join(DIVERGENCES)}, got "
                               f"{self.dspark_divergence!r}")
+
+    def _check_unread_options(self) -> None:
+        """An option set off its default whose switch is off: the run would train as if it were not there."""
+        defaults = DrafterConfig.__dataclass_fields__
+        unread = {"noise_std": ("drafter.noise=uniform or gaussian", self.noise == "none"),
+                  "noise_std_final": ("drafter.noise=uniform or gaussian", self.noise == "none"),
+                  "dpace_alpha": ("drafter.dpace=true", not self.dpace),
+                  "sliding_window": ("drafter.sliding_layers (the layers that use it)", not self.sliding_layers)}
+        for key, (switch, off) in unread.items():
+            if off and getattr(self, key) != defaults[key].default:
+                raise ConfigError(f"drafter.{key}={getattr(self, key)} is read only with {switch}: set that, or "
+                                  f"remove drafter.{key}")
 
     def _option_owner(self, key: str) -> Optional[str]:
         """None when this drafter reads option `key`, else the variant that does."""

@@ -22,6 +22,7 @@ from dflash_trainer.drafter.embedding_scale import (SCALE_KEY, block_embedding_s
                                                     warn_if_vllm_unscaled)
 from dflash_trainer.drafter.engines import warn_if_mrope, warn_if_unserved
 from dflash_trainer.drafter.finite import check_finite
+from dflash_trainer.drafter.fit import drafter_marks, not_generative
 from dflash_trainer.drafter.lilicorr import LatticeSpec, lattice_key_names
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
@@ -266,6 +267,11 @@ def read_export(path: str | os.PathLike) -> tuple[DrafterSpec, dict[str, torch.T
         config = json.loads((root / CONFIG_NAME).read_text())
         if not isinstance(config, dict):
             raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        if (classes := config.get("architectures")) and isinstance(classes, list) and not drafter_marks(config) \
+                and not not_generative(classes):
+            raise ConfigError(f"{root} is a target model ({', '.join(map(str, classes))}), not a drafter export: pass "
+                              "a drafter's folder (written by `dflash-train export`, RUN/export, RUN/best) or a "
+                              "training checkpoint (RUN/checkpoints/step_N)")
         if "speculators_model_type" in config:  # `export --format speculators`: for vLLM / speculators only
             raise ConfigError(f"{root} is a speculators-format export, which this command does not read; export "
                               "the checkpoint again in the default format (`dflash-train export --checkpoint ... "

@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 from dflash_trainer.drafter.embedding_scale import block_embedding_scale, refuse_speculators_scale
 from dflash_trainer.drafter.engines import model_classes, warn_if_mrope, warn_if_unserved
 from dflash_trainer.drafter.export import ARCHITECTURES, dflash2_fields, export_config, export_state, write_export
-from dflash_trainer.drafter.fit import drafter_marks, target_mismatches
+from dflash_trainer.drafter.fit import GENERATIVE_SUFFIXES, drafter_marks, not_generative, target_mismatches
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
@@ -173,6 +173,10 @@ def verifier_architectures(verifier: str, spec: DrafterSpec, target_config: Opti
         raise ConfigError(f"verifier {verifier} does not fit this drafter: it has {'; '.join(wrong)}; name the "
                           "target the drafter was trained for")
     architectures = model_classes(config)
+    if encoder := not_generative(architectures):
+        raise ConfigError(f"verifier {verifier} is no model that generates text ({encoder}; engines serve a "
+                          f"class ending in {' or '.join(GENERATIVE_SUFFIXES)}): name the target model the drafter was "
+                          "trained for (its hub id or folder)")
     if not architectures:
         log.warning("verifier %s: its config names no architectures, and transformers maps its model type %r to no "
                     "model class: the export records none", verifier, config.get("model_type"))

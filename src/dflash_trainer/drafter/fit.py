@@ -34,3 +34,17 @@ def drafter_marks(config: dict[str, Any]) -> Optional[str]:
         if key in config:
             return f"its {key}"
     return None
+
+
+GENERATIVE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
+"""How the model classes that generate text end (transformers' causal LMs and image-text-to-text models): what an
+engine serves as the target a drafter drafts for."""
+
+
+def not_generative(architectures: list[str]) -> Optional[str]:
+    """The classes, in words, when a config names classes and none of them generates text (an encoder such as
+    BertModel, a classifier); None otherwise."""
+    named = [a for a in architectures if isinstance(a, str)]
+    if named and not any(a.endswith(GENERATIVE_SUFFIXES) for a in named):
+        return f"architectures {named}"
+    return None

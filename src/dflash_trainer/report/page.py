@@ -65,6 +65,23 @@ def essentials(run: RunLog) -> list[tuple[str, str]]:
     ]
 
 
+PAGE_START = "<!doctype html><html><head><meta charset='utf-8'><title>DFlash run "
+"""How every report page we write begins: what tells a folder's index.html from someone else's."""
+
+
+def foreign_report_files(folder: Path) -> list[str]:
+    """The files of `folder` a report would write over (index.html, figures) when its index.html is not one of our
+    reports: a web page or pictures of the user's."""
+    index = folder / "index.html"
+    try:
+        ours = index.read_text(encoding="utf-8").startswith(PAGE_START)
+    except (OSError, ValueError):
+        ours = False
+    if ours or not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name == "index.html" or p.suffix == ".png")
+
+
 def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> Path:
     """Write the report of the run in `run_dir` to `out_dir` (default RUN_DIR/report); returns index.html."""
     run = read_run(run_dir)
@@ -80,7 +97,7 @@ def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> P
                         f"<figcaption>{html.escape(caption)}</figcaption></figure>")
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in essentials(run))
     title = f"DFlash run {Path(run_dir).name}"
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+    page = (f"{PAGE_START}{html.escape(Path(run_dir).name)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1><table>{rows}</table>"
             + "".join(sections) + "</body></html>\n")
     index = out / "index.html"

@@ -10,6 +10,7 @@ from typing import Optional
 from dflash_trainer.rundir import RunDir
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.failures import StopSignals
+from dflash_trainer.runtime.elastic import this_incarnation
 from dflash_trainer.runtime.feed import make_feed
 from dflash_trainer.runtime.jobs import STOP
 from dflash_trainer.runtime.remote_eval import SplitEvalClient, eval_enabled, make_tau_tracker
@@ -106,11 +107,18 @@ def run_drafter(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Dr
     if is_leader:
         log.info("budget: %s", budget_note(config, remaining_jobs, placement.replicas,
                                            resume.state.step if resume else 0))
+    incarnation = this_incarnation() if is_leader else None
+
+    def on_step(trainer: DrafterTrainer, record: StepRecord) -> None:
+        if incarnation is not None and trainer.last_saved_step == record.step:  # written this step
+            incarnation.record_checkpoint(record.step)
+        evaluations.on_step(trainer, record)
+
     trainer = DrafterTrainer(
         config, spec=setup.spec, head=head, device=device, group=setup.drafter_group, is_leader=is_leader,
         run_dir=setup.run_dir, data_digest=setup.prepared.summary.content_sha256,
         total_steps=planned_steps(config, remaining_jobs, placement.replicas, resume.state.step if resume else 0),
-        resume=resume, target_config=target_model_config(config.target), on_step=evaluations.on_step,
+        resume=resume, target_config=target_model_config(config.target), on_step=on_step,
         dummy_batch=from_wire(allocate(run_wire_spec(setup), device), empty),  # zeros: no token, no loss
         stop_requested=stop.requested, step_metrics=DepthMeter(feed.pool.stats), shards=setup.shards,
     )
@@ -122,6 +130,8 @@ def run_drafter(setup: RunSetup, control: ControlPlane, stop: StopSignals) -> Dr
     if result.state.step > 0 and trainer.last_saved_step != result.state.step:
         trainer.save_checkpoint(result.state.step)
         result.checkpoints = trainer.checkpoints
+        if incarnation is not None:
+            incarnation.record_checkpoint(result.state.step)
     model = trainer.full_model()
     if is_leader:
         result.export_dir = str(trainer.export(RunDir(setup.run_dir).export, model))

@@ -8,7 +8,8 @@ of an incarnation knows its number; the process group and control plane of incar
 prefix (`env.py`), away from the keys the incarnation before left in the same store.
 
 Rank 0 records the run dir it claimed in the store (`run_dir`) and counts the incarnation in the run dir's
-`.elastic.json` (how each earlier one ended, for `summary.json`'s `restarts`). Every rank of incarnation N > 1 reads
+`.elastic.json` (how each earlier one ended, for `summary.json`'s `restarts`); the leader records each checkpoint it
+writes (`checkpoint`), so that a restart that finds none of them stops instead of training the run again. Every rank of incarnation N > 1 reads
 that run dir and continues it: from its newest intact checkpoint (`train.resume=latest`), or, when none was written
 yet, from the start in the same dir (`train.overwrite=true`: the plan and outputs of the failed start are replaced).
 A restart before rank 0 claimed a run dir starts as the first incarnation did. Without `--max-restarts` (or with 0)
@@ -97,6 +98,16 @@ class Incarnation:
         the run."""
         self.store.set(PREFIX + "run_dir", str(Path(run_dir).resolve()))
 
+    def record_checkpoint(self, step: int) -> None:
+        """The leader, once checkpoint `step` is written: a later incarnation that finds none of the run's checkpoints
+        knows the run had some (`check_continues`)."""
+        self.store.set(PREFIX + "checkpoint", str(step))
+
+    def recorded_checkpoint(self) -> Optional[int]:
+        """The newest checkpoint step an incarnation of this job wrote, or None."""
+        key = PREFIX + "checkpoint"
+        return int(self.store.get(key).decode()) if self.store.check([key]) else None
+
     def job_token(self) -> str:
         """A random token naming this job, the same in every incarnation (the first to ask makes it): written into
         the run dir's restart record, it tells the run a restart continues from a run dir deleted or replaced
@@ -116,6 +127,9 @@ class Incarnation:
         elif _read_marker(run_dir).get("job") != self.job_token():
             gone = (f"was replaced: its {layout.restarts.name} does not name this job (another run, or the run "
                     "deleted and made again)")
+        elif (saved := self.recorded_checkpoint()) is not None and not list_checkpoints(run_dir):
+            gone = (f"holds none of its checkpoints (an earlier incarnation wrote step_{saved} in "
+                    f"{layout.checkpoints}): they were deleted or moved")
         if gone is not None:
             raise ConfigError(
                 f"torchrun restarted the job (incarnation {self.number}), but the run it was continuing, {run_dir}, "

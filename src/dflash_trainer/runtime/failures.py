@@ -114,21 +114,22 @@ def stop_after_peer_failure(control: Optional[ControlPlane], rank: int, error: B
     exit_now(EXIT_FAILED)
 
 
-class AbortWatchdog:
-    """Daemon thread: when another rank has failed, print its cause once and end this process (after a short
-    grace, so that the failing rank is the first to exit)."""
+class StopWatch:
+    """Daemon thread: polls `reason()` (why this rank must stop, or None); once it has one, prints it, calls
+    `on_stop(reason)`, waits `grace_s` (so that a failing rank exits first: torchrun names it as the root cause) and
+    ends the process."""
 
-    def __init__(self, control: ControlPlane, *, rank: int, poll_s: float = 0.25, grace_s: float = 2.0,
-                 on_abort: Callable[[AbortInfo], None] = lambda info: None) -> None:
-        self._control = control
+    def __init__(self, reason: Callable[[], Optional[str]], *, rank: int, name: str, poll_s: float,
+                 grace_s: float, on_stop: Callable[[str], None] = lambda reason: None) -> None:
+        self._reason = reason
         self._grace_s = grace_s
         self._rank = rank
         self._poll_s = poll_s
-        self._on_abort = on_abort
+        self._on_stop = on_stop
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"abort-watchdog-{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{name}-{rank}", daemon=True)
 
-    def start(self) -> "AbortWatchdog":
+    def start(self) -> "StopWatch":
         self._thread.start()
         return self
 
@@ -137,16 +138,28 @@ class AbortWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
-            info = self._control.aborted()
-            if info is not None and info.rank != self._rank:
-                msg = f"rank {info.rank} failed: {info.cause}"
-                print(f"[rank {self._rank}] stopping: {msg}", file=sys.stderr, flush=True)
+            reason = self._reason()
+            if reason is not None and not self._stop.is_set():
+                print(f"[rank {self._rank}] stopping: {reason}", file=sys.stderr, flush=True)
                 try:
-                    self._on_abort(info)
+                    self._on_stop(reason)
                 except Exception:
                     pass
-                time.sleep(self._grace_s)  # let the failing rank exit first: torchrun names it as the root cause
+                time.sleep(self._grace_s)
                 exit_now(EXIT_FAILED)
+
+
+class AbortWatchdog(StopWatch):
+    """When another rank has failed (the abort flag names it), print its cause once and end this process."""
+
+    def __init__(self, control: ControlPlane, *, rank: int, poll_s: float = 0.25, grace_s: float = 2.0,
+                 on_abort: Callable[[AbortInfo], None] = lambda info: None) -> None:
+        def reason() -> Optional[str]:
+            info = control.aborted()
+            return f"rank {info.rank} failed: {info.cause}" if info is not None and info.rank != rank else None
+
+        super().__init__(reason, rank=rank, name="abort-watchdog", poll_s=poll_s, grace_s=grace_s,
+                         on_stop=lambda _: on_abort(control.aborted()))
 
 
 def record_dead_peer(control: ControlPlane, gone_peers: Callable[[], list[int]]) -> None:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_trainer.config import Config
+from dflash_trainer.faults import maybe_fault
 from dflash_trainer.resume import Change
 from dflash_trainer.runtime.control import ControlPlane
 from dflash_trainer.runtime.drafter_role import run_drafter
@@ -48,6 +49,7 @@ from dflash_trainer.runtime.failures import (
     stop_after_peer_failure,
 )
 from dflash_trainer.runtime.liveness import Liveness
+from dflash_trainer.runtime.rendezvous import rendezvous_closed_check, rendezvous_watch
 from dflash_trainer.runtime.roles import Role
 from dflash_trainer.runtime.setup import RunSetup, setup_run
 from dflash_trainer.runtime.summary import (
@@ -131,7 +133,13 @@ def _connect(env: DistEnv, device: torch.device, timeout_s: float,
         control = ControlPlane(store, rank=env.rank, stall_timeout_s=timeout_s)
         watchdog = _watch(control, env, holder) if env.distributed else None
     if env.distributed:
+        # a rank of another node that died before joining is seen only by its agent, which closes the rendezvous
+        closed = rendezvous_closed_check()
+        rendezvous = rendezvous_watch(closed, rank=env.rank).start() if closed is not None else None
+        maybe_fault("die_before_join")  # test-only hook: SIGKILL this rank before it joins
         joined = join_process_group(env, device, timeout_s)
+        if rendezvous is not None:
+            rendezvous.stop()
         if control is None:  # the job's store exists only now: the control plane on a connection of its own
             control = ControlPlane(dist.PrefixStore(CONTROL_PREFIX, joined.clone()), rank=env.rank,
                                    stall_timeout_s=timeout_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,9 @@ def _shared_run_dir(config: Config, env: DistEnv, control: ControlPlane,
         claim = claim_run_dir(config, "train")
         on_claim(claim)
         control.set_value("run_dir_token", publish_token(claim.path))
-        control.set_value("run_dir", str(claim.path))
+        # absolute: a relative run.dir (or the default runs/NAME-TIME) names rank 0's folder on every node, whatever
+        # folder a node's ranks run in; links are kept, since a node may mount the storage behind another real path
+        control.set_value("run_dir", os.path.abspath(claim.path))
         return claim.path
     run_dir = Path(control.wait_value("run_dir"))
     if env.rank >= env.local_world_size:

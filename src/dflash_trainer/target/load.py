@@ -3,6 +3,7 @@ config."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 from pathlib import Path
 from typing import Optional
@@ -53,8 +54,11 @@ def target_model_config(cfg: TargetConfig) -> PretrainedConfig:
             return preset_config(cfg.random_init)
         path = Path(cfg.random_init)
         if not path.exists():
+            close = difflib.get_close_matches(cfg.random_init, list(PRESETS), n=1)
+            hint = f"did you mean {close[0]}? Or give" if close else "give"
             raise ConfigError(
-                f"target.random_init {cfg.random_init!r} is neither a preset ({sorted(PRESETS)}) nor a path"
+                f"target.random_init {cfg.random_init!r} is neither a preset nor a path: {hint} a preset "
+                f"({', '.join(sorted(PRESETS))}) or a folder holding a model's config.json"
             )
         key, name = "target.random_init", cfg.random_init
     else:

@@ -103,6 +103,10 @@ class TrainConfig:
             raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not 0 < self.decay_ratio <= 1 - self.warmup_ratio:
             raise ConfigError(f"train.decay_ratio must be in (0, 1 - train.warmup_ratio], got {self.decay_ratio}")
+        if self.schedule != "wsd" and self.decay_ratio != TrainConfig.__dataclass_fields__["decay_ratio"].default:
+            raise ConfigError(f"train.decay_ratio={self.decay_ratio} is read only with train.schedule=wsd (the "
+                              f"{self.schedule} schedule decays over all of training): set train.schedule=wsd, or "
+                              "drop train.decay_ratio")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.blocks_per_chunk < 0:
@@ -133,6 +137,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{key} must be a finite number > 0 or null, got {value!r}")
         if not 0 <= self.muon_momentum < 1:
             raise ConfigError(f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        if self.optimizer != "muon" and self.muon_momentum != TrainConfig.__dataclass_fields__["muon_momentum"].default:
+            raise ConfigError(f"train.muon_momentum={self.muon_momentum} is read only with train.optimizer=muon: set "
+                              "train.optimizer=muon, or drop train.muon_momentum (AdamW's are train.betas)")
 
     @property
     def muon_peak_lr(self) -> float:

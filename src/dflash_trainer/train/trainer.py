@@ -26,7 +26,7 @@ from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.drafter.spec import DrafterSpec
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.faults import maybe_fault
-from dflash_trainer.rundir import RunDir, write_atomic
+from dflash_trainer.rundir import RunDir, input_dir_problem, write_atomic
 from dflash_trainer.target.context_parallel import ShardGroup
 from dflash_trainer.target.head import TargetHead, decoder_layout, read_target_tensors
 from dflash_trainer.train.checkpoint import (
@@ -370,6 +370,9 @@ def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DF
     with torch.no_grad():
         model.init_weights()
     source = config.drafter.init_from
+    if source and source != "target" and (problem := input_dir_problem("drafter.init_from", Path(source).expanduser())):
+        raise ConfigError(f"{problem}; give a drafter export (RUN/export, RUN/best), a training checkpoint "
+                          "(RUN/checkpoints/step_N), `target` (the target's own layers), or null (random weights)")
     if source == "target":
         layout = decoder_layout(config.target)
         check_target_layers(model, layout.layer_parameter_names)
