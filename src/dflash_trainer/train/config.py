@@ -106,7 +106,8 @@ class TrainConfig:
         if self.schedule != "wsd" and self.decay_ratio != TrainConfig.__dataclass_fields__["decay_ratio"].default:
             raise ConfigError(f"train.decay_ratio={self.decay_ratio} is read only with train.schedule=wsd (the "
                               f"{self.schedule} schedule decays over all of training): set train.schedule=wsd, or "
-                              "drop train.decay_ratio")
+                              f"drop train.decay_ratio (a recipe's: train.decay_ratio="
+                              f"{TrainConfig.__dataclass_fields__['decay_ratio'].default}, its default)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.blocks_per_chunk < 0:
