@@ -276,3 +276,31 @@ def test_the_rendezvous_a_rank_watches_comes_from_its_torchrun_agent_command_lin
               "127.0.0.1", "--master_port", "29500", "-m", "dflash_trainer", "train"]
     assert agent_rendezvous(static) is None
     assert agent_rendezvous(["/usr/bin/python", "-m", "dflash_trainer", "train"]) is None
+
+
+def test_the_rendezvous_record_is_read_with_its_own_classes_only():
+    """torch's record (as its agents write it: base64 of a pickle) reads back whole; bytes naming any other callable
+    (here os.system) are refused before anything is built."""
+    import base64
+    import os
+    import pickle
+    from datetime import datetime
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from dflash_trainer.runtime.rendezvous import read_rendezvous_state
+
+    state = _RendezvousState()
+    state.closed = True
+    node = _NodeDesc("node0", 4242, 0)
+    state.participants[node] = 0
+    state.last_heartbeats[node] = datetime(2026, 12, 6)
+    read = read_rendezvous_state(base64.b64encode(pickle.dumps(state)))
+    assert read.closed and read.participants == {node: 0} and read.last_heartbeats[node] == datetime(2026, 12, 6)
+
+    class Hostile:
+        def __reduce__(self):
+            return os.system, ("echo never",)
+
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        read_rendezvous_state(base64.b64encode(pickle.dumps(Hostile())))

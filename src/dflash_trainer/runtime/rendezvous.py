@@ -16,6 +16,7 @@ rendezvous backend, another torch), nothing is watched and the rank waits as bef
 from __future__ import annotations
 
 import base64
+import io
 import logging
 import os
 import pickle
@@ -48,6 +49,24 @@ def agent_rendezvous(cmdline: list[str]) -> Optional[tuple[str, int, str]]:
     return host, port, args.rdzv_id
 
 
+_RENDEZVOUS_TYPES = {("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+                     ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+                     ("datetime", "datetime"), ("datetime", "timedelta"), ("datetime", "timezone")}
+"""The only classes torch's rendezvous record holds: anything else in the store's bytes is refused, never built."""
+
+
+class _RendezvousUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) not in _RENDEZVOUS_TYPES:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of torch's rendezvous record")
+        return super().find_class(module, name)
+
+
+def read_rendezvous_state(raw: bytes) -> object:
+    """torch's rendezvous record from the store's value (base64 of its pickle), built from its own classes only."""
+    return _RendezvousUnpickler(io.BytesIO(base64.b64decode(raw))).load()
+
+
 def rendezvous_closed_check(timeout_s: float = 10.0) -> Optional[Callable[[], bool]]:
     """Under torchrun with a c10d rendezvous: a function telling whether the job's rendezvous was closed; else None."""
     try:
@@ -66,7 +85,7 @@ def rendezvous_closed_check(timeout_s: float = 10.0) -> Optional[Callable[[], bo
     key = f"torch.rendezvous.{run_id}"
 
     def closed() -> bool:
-        return bool(getattr(pickle.loads(base64.b64decode(store.get(key))), "closed", False))
+        return bool(getattr(read_rendezvous_state(store.get(key)), "closed", False))
 
     return closed
 
