@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from dflash_trainer.drafter.dflash2 import walk
 from dflash_trainer.drafter.dspark import markov_walk
 from dflash_trainer.drafter.lilicorr import AnchorTracker, draft_block
-from dflash_trainer.errors import ConfigError
 from dflash_trainer.drafter.model import DFlashDrafter, DraftContext
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.eval.batched import BlockDrafts, ContextUpdate
 
 
