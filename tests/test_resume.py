@@ -170,3 +170,17 @@ def test_a_resumed_run_keeps_its_best_drafter(tmp_path, monkeypatch):
     assert (summary.best_tau, summary.best_step, summary.tau) == (1.679, 2, 1.664)
     assert resumed.evaluate(model, 6, export=export_as(6)).best_step == 6
     assert (tmp_path / "best" / "drafter.txt").read_text() == "step 6"
+
+
+def test_a_resume_does_not_read_its_warm_start_again(tmp_path):
+    """A run started from another run's export (`drafter.init_from`) resumes after that export was deleted: the
+    checkpoint holds the weights, so the warm start is not read again."""
+    import shutil
+
+    first, run_dir = tmp_path / "first", tmp_path / "run"
+    assert train_in_process(first, "train.max_steps=2") == 0
+    warm = (f"drafter.init_from={first / 'export'}", "train.checkpoint_interval=2")
+    assert train_in_process(run_dir, *warm, "train.max_steps=2") == 0
+    shutil.rmtree(first)
+    assert train_in_process(run_dir, *warm, "train.max_steps=4", resume=True) == 0
+    assert [r["step"] for r in metrics(run_dir) if "jobs" in r] == [1, 2, 3, 4]

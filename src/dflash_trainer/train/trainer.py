@@ -134,7 +134,7 @@ class DrafterTrainer:
         self.step_metrics = step_metrics
         self.signature = model_signature(spec)
         self.fingerprint = data_fingerprint(config, data_digest)
-        self.model = build_drafter(config, spec, device)
+        self.model = build_drafter(config, spec, device, resuming=resume is not None)
         world = dist.get_world_size(group) if group is not None else 1
         # context parallel keeps the weights whole on every rank (train.fsdp=true is refused at start)
         self.sharded = shards is None and want_sharding(config.train.fsdp, self.model, device, world)
@@ -362,14 +362,15 @@ class DrafterTrainer:
         self.sink.close()
 
 
-def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DFlashDrafter:
-    """The drafter to train, initialised from the seed, the target's layers or an export (`drafter.init_from`)."""
+def build_drafter(config: Config, spec: DrafterSpec, device: torch.device, *, resuming: bool = False) -> DFlashDrafter:
+    """The drafter to train, initialised from the seed, the target's layers or an export (`drafter.init_from`).
+    `resuming`: a checkpoint's weights replace these, so `drafter.init_from` is not read (it may be gone)."""
     torch.manual_seed(config.run.seed)
     model = DFlashDrafter(spec, attention=config.drafter.attention, mask_tiles=config.drafter.mask_tiles,
                           flex_kernel_options=config.drafter.flex_kernel_options).to(device)
     with torch.no_grad():
         model.init_weights()
-    source = config.drafter.init_from
+    source = None if resuming else config.drafter.init_from
     if source and source != "target" and (problem := input_dir_problem("drafter.init_from", Path(source).expanduser())):
         raise ConfigError(f"{problem}; give a drafter export (RUN/export, RUN/best), a training checkpoint "
                           "(RUN/checkpoints/step_N), `target` (the target's own layers), or null (random weights)")
@@ -387,6 +388,10 @@ def build_drafter(config: Config, spec: DrafterSpec, device: torch.device) -> DF
     elif source:
         init_from_export(model, source)
         start = f"the export {source}"
+    elif resuming:
+        log.info("drafter weights come from the checkpoint it resumes (drafter.init_from=%s is not read again)",
+                 config.drafter.init_from)
+        return model
     else:
         start = f"random weights (run.seed={config.run.seed})"
     log.info("drafter weights start from %s (drafter.init_from=%s; a resume then loads its checkpoint's)", start,
