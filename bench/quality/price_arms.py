@@ -12,7 +12,8 @@ the same per optimizer step whatever its tokens, so a bigger step is priced, not
 
 A variant with no price keeps the arm's written step count (and says so): equal target tokens instead of equal time.
 `--price-as LABEL=KEY` prices the arms labelled LABEL as variant KEY (a model scaled down to the practice target, priced
-at its 8B size).
+at its 8B size). `--bar-price VARIANT=SECONDS` rescales every price so that VARIANT's is SECONDS: arms compared with
+a bar trained in an earlier call, priced on another card, get that bar's GPU time (the ratios of this call's prices).
 """
 import argparse
 import glob
@@ -71,8 +72,17 @@ def main() -> None:
     p.add_argument("--price-as", action="append", default=[], metavar="LABEL=KEY",
                    help="price the arms labelled LABEL at another priced variant KEY (e.g. lcv=lilicorr/h1024: a head "
                         "a quarter of the 8B drafter's width, trained on the practice target at a quarter of its own)")
+    p.add_argument("--bar-price", metavar="VARIANT=SECONDS",
+                   help="rescale every price so that VARIANT's is SECONDS (e.g. dflash2=0.2392: the H200 price an "
+                        "earlier bar's step counts came from)")
     args = p.parse_args()
     prices = step_prices(args.prices)
+    if args.bar_price:
+        bar, seconds = args.bar_price.split("=", 1)
+        if bar not in prices:
+            raise SystemExit(f"--bar-price {args.bar_price}: {bar} has no price here (priced: {sorted(prices)})")
+        scale = float(seconds) / prices[bar]
+        prices = {k: v * scale for k, v in prices.items()}
     print(f"step seconds: {prices}")
     price_as = dict(item.split("=", 1) for item in args.price_as)
     lines = [priced_line(line, prices, price_as) for line in args.arms.read_text().splitlines(keepends=True)]
