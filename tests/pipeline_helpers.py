@@ -249,6 +249,8 @@ def train_in_process(run_dir: Path, *extra: str, resume: bool = False) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same reduction order as the single-threaded torchrun ranks
     try:
-        return main(["train", "--config", "demo", *overrides(run_dir, *extra), *(["--resume"] if resume else [])])
+        # one thread whatever the machine's load (the automatic count follows it): runs compared bit for bit sum alike
+        return main(["train", "--config", "demo", *overrides(run_dir, "run.cpu_threads=1", *extra),
+                     *(["--resume"] if resume else [])])
     finally:
         torch.set_num_threads(threads)

@@ -1,7 +1,7 @@
 """`train.optimizer=muon`: our Muon steps as torch.optim.Muon does; the parameters go where they should (matrices to
 Muon, vocabulary tables to AdamW at Muon's lr, the rest to AdamW) on DFlash, DFlash2, DSpark and a module we have not
 written; the schedule drives every group; FSDP2-sharded matrices step exactly as whole ones; a resumed run continues
-bit for bit."""
+bit for bit; data-parallel ranks split the orthogonalisations and step exactly as one rank."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from drafter_helpers import tiny_drafter
-from pipeline_helpers import checkpoints, free_port, metrics, train_in_process
+from pipeline_helpers import (assert_ok, checkpoints, committed_jobs, free_port, metrics, planned_jobs, torchrun,
+                              train_in_process)
 from safetensors.torch import load_file
 from torch import nn
 
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.train.config import TrainConfig
-from dflash_trainer.train.muon import Muon, MuonAdamW, orthogonalize, route_parameters
+from dflash_trainer.train import muon
+from dflash_trainer.train.muon import Muon, MuonAdamW, deal_owners, ns_flops, orthogonalize, route_parameters
 from dflash_trainer.train.optim import build_optimizer
 from dflash_trainer.train.schedule import build_scheduler, lr_factor
 
@@ -198,7 +200,8 @@ def _sharded_equals_whole(rank: int, world: int, port: int) -> None:
         sharded = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3, bias=False))
         sharded.load_state_dict(whole.state_dict())
         fully_shard(sharded, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
-        opts = [build_optimizer(m, MUON, vocab_size=1000) for m in (whole, sharded)]
+        # the sharded one splits its orthogonalisations over the ranks
+        opts = [build_optimizer(m, MUON, vocab_size=1000, group=g) for m, g in ((whole, None), (sharded, dist.group.WORLD))]
         x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))  # the same batch on every rank
         for _ in range(3):
             for model, opt in zip((whole, sharded), opts):
@@ -219,7 +222,7 @@ def _sharded_equals_whole(rank: int, world: int, port: int) -> None:
         # and into a freshly sharded one, which then steps on as the whole run does (a sharded resume)
         again = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3, bias=False))
         fully_shard(again, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
-        again_opt = build_optimizer(again, MUON, vocab_size=1000)
+        again_opt = build_optimizer(again, MUON, vocab_size=1000, group=dist.group.WORLD)
         load_full_state(again, again_opt, got, state)
         for model, opt in ((whole, opts[0]), (again, again_opt)):
             opt.zero_grad()
@@ -234,6 +237,58 @@ def _sharded_equals_whole(rank: int, world: int, port: int) -> None:
 
 def test_fsdp_sharded_matrices_step_exactly_as_whole_ones():
     mp.spawn(_sharded_equals_whole, args=(2, free_port()), nprocs=2, join=True)
+
+
+SHAPES = ((6, 9), (11, 4), (5, 5), (8, 8), (3, 12), (7, 2))
+
+
+def _split_equals_one_rank(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)  # the same weights and gradients on every rank (as after the gradients' all-reduce)
+        split = [nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+        alone = [nn.Parameter(p.detach().clone()) for p in split]
+        opts = Muon(split, lr=0.05, weight_decay=0.1, group=dist.group.WORLD), Muon(alone, lr=0.05, weight_decay=0.1)
+        calls = {"n": 0}
+        plain = muon.orthogonalize
+
+        def counted(matrix):
+            calls["n"] += 1
+            return plain(matrix)
+
+        muon.orthogonalize = counted
+        for _ in range(3):
+            for p, q in zip(split, alone):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+            opts[0].step()
+            split_calls = calls["n"]
+            opts[1].step()
+            calls["n"] = split_calls
+        muon.orthogonalize = plain
+        for p, q in zip(split, alone):
+            assert torch.equal(p, q)
+        counts = [None] * world
+        dist.all_gather_object(counts, calls["n"])
+        assert sum(counts) == 3 * len(SHAPES) and max(counts) < 3 * len(SHAPES), counts  # each matrix once, shared
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_split_the_orthogonalisations_and_step_as_one_rank():
+    mp.spawn(_split_equals_one_rank, args=(2, free_port()), nprocs=2, join=True)
+
+
+def test_matrices_are_dealt_by_their_newton_schulz_flops():
+    shapes = [torch.Size(s) for s in ((4096, 12288), (12288, 4096), (4096, 4096), (1024, 4096), (4096, 4096),
+                                      (1024, 4096), (4096, 20480))]
+    owners = deal_owners(shapes, 3)
+    assert owners == deal_owners(shapes, 3) and set(owners) == {0, 1, 2}
+    load = [sum(ns_flops(s) for s, o in zip(shapes, owners) if o == r) for r in range(3)]
+    assert max(load) <= ns_flops(shapes[-1]) + min(load), load  # no rank more than the largest matrix above another
+    assert deal_owners(shapes, 1) == [0] * len(shapes)
+    assert ns_flops(torch.Size((3, 5))) == ns_flops(torch.Size((5, 3))) == 5 * 2 * (2 * 9 * 5 + 27)
 
 
 RESUME = ("train.optimizer=muon", "drafter.variant=dflash2", "pipeline.deterministic=true", "train.grad_accum=1",
@@ -268,3 +323,17 @@ def test_a_resumed_muon_run_continues_bit_for_bit(tmp_path, capsys):
     assert train_in_process(run_dir, f"train.resume={step_4}") == 2
     assert ("was trained with train.optimizer=muon, the config asks for train.optimizer=adamw: resume with "
             "train.optimizer=muon") in capsys.readouterr().err
+
+
+def test_two_drafter_ranks_train_with_split_orthogonalisations(tmp_path, monkeypatch):
+    """Unsharded drafter ranks (their gradients averaged) split Muon's orthogonalisations in a real run: the ranks'
+    broadcasts meet (no hang) and every job trains. That the split steps as one rank does, bit for bit:
+    `test_data_parallel_ranks_split_the_orthogonalisations_and_step_as_one_rank`."""
+    monkeypatch.delenv("DFLASH_TEST_FAULT", raising=False)
+    run_dir = tmp_path / "run"
+    launch = torchrun(run_dir, 3, "pipeline.colocated=false", "pipeline.num_targets=1", "train.fsdp=false",
+                      "train.optimizer=muon", "train.checkpoint_interval=3")
+    s = assert_ok(launch)
+    assert "each of the 2 drafter ranks orthogonalises its share" in launch.output
+    assert s["roles"] == ["target", "drafter", "drafter"] and s["status"] == "ok"
+    assert sorted(committed_jobs(metrics(run_dir))) == sorted(planned_jobs(run_dir))

@@ -37,6 +37,7 @@ The last line printed is JSON, also written to `<out>/<date>T<time>-run-<model>-
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.util
 import json
 import shlex
@@ -405,6 +406,7 @@ def print_table(summary: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    faulthandler.dump_traceback_later(240.0, repeat=True)  # a stall (e.g. a compile that does not end) shows where
     rss_start = rss_gb()
     t_start = time.perf_counter()
     device = bench_device(args)

@@ -6,8 +6,13 @@ Newton-Schulz iteration in bf16 brings its singular values near 1 (Keller Jordan
 0.2 * sqrt(max(rows, cols)) so that its RMS is about AdamW's (Moonshot's "match_rms_adamw").
 
 Ours rather than `torch.optim.Muon` for FSDP2: the orthogonalisation needs the whole matrix, so a sharded (DTensor)
-matrix's momentum is gathered, orthogonalised whole on every rank and the rank keeps its own rows of the result;
-the momentum and the weights stay sharded. On unsharded matrices nothing is gathered.
+matrix's momentum is gathered and the rank keeps its own rows of the orthogonalised result; the momentum and the
+weights stay sharded. On unsharded matrices nothing is gathered.
+
+Split across data-parallel ranks (`group` of more than one rank): every rank holds the same momentum (the gradients
+were averaged), so each matrix is orthogonalised by one rank, its owner (matrices dealt out by their Newton-Schulz
+FLOPs, largest first, to the least loaded rank), and broadcast from it: each rank does about 1/world of the work,
+and every rank applies the same bits it would have computed itself.
 
 `MuonAdamW` holds torch's AdamW and our Muon under one `torch.optim.Optimizer`: one lr scheduler scales every
 group of both, and one state dict (the groups in order, the state by parameter) saves and restores both,
@@ -17,9 +22,10 @@ sharded or not.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -43,16 +49,74 @@ def orthogonalize(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     return x.T if tall else x
 
 
-def _orthogonalize_whole(update: torch.Tensor) -> torch.Tensor:
-    """`orthogonalize` of the whole matrix; for a DTensor (FSDP2) gathered first, and this rank's shard returned."""
+def ns_flops(shape: torch.Size, steps: int = NS_STEPS) -> int:
+    """Multiply-adds x 2 of `orthogonalize` on an (A, B) matrix: per step two (n, n, m) products and one (n, n, n),
+    n = min(A, B), m = max(A, B)."""
+    n, m = min(shape[0], shape[1]), max(shape[0], shape[1])
+    return steps * 2 * (2 * n * n * m + n * n * n)
+
+
+def deal_owners(shapes: list[torch.Size], world: int) -> list[int]:
+    """The rank that orthogonalises each matrix: largest first, each to the rank with the fewest FLOPs so far (ties to
+    the lowest rank). The same on every rank (it depends on the shapes alone)."""
+    load = [0] * world
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i]), i)):
+        owners[i] = min(range(world), key=lambda r: (load[r], r))
+        load[owners[i]] += ns_flops(shapes[i])
+    return owners
+
+
+def _whole(update: torch.Tensor) -> torch.Tensor:
+    """The whole matrix of an update: a DTensor (FSDP2) gathered (a collective), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return update.full_tensor() if isinstance(update, DTensor) else update
+
+
+def _as_update(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """An orthogonalised whole matrix laid out as `like`: for a DTensor, this rank's rows (a local slice)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    if not isinstance(update, DTensor):
-        return orthogonalize(update)
-    mesh = update.device_mesh
-    whole = orthogonalize(update.full_tensor())  # a collective: every rank steps every matrix
+    if not isinstance(like, DTensor):
+        return whole
+    mesh = like.device_mesh
     replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return replicated.redistribute(mesh, update.placements)  # this rank's rows (a local slice, no communication)
+    return replicated.redistribute(mesh, like.placements)
+
+
+def orthogonalized(params: list[torch.Tensor], update_of: Callable[[int], torch.Tensor],
+                   group: Optional[dist.ProcessGroup]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(i, the orthogonalised update of params[i], laid out as the parameter) for each matrix in order; `update_of(i)`
+    makes that update (A, B) on demand, so that no more than one exists at a time on one rank. With a `group` of more
+    than one rank, whose ranks all hold the same updates, each matrix is computed by its owner alone (`deal_owners`)
+    and broadcast to the others; every rank must go through the same list."""
+    from torch.distributed.tensor import DTensor
+
+    world = 1 if group is None else dist.get_world_size(group)
+    if world == 1:
+        for i in range(len(params)):
+            update = update_of(i)
+            yield i, _as_update(orthogonalize(_whole(update)), update)
+        return
+    rank = dist.get_rank(group)
+    pending = []
+    for i, owner in enumerate(deal_owners([p.shape for p in params], world)):
+        sharded = isinstance(params[i], DTensor)
+        # a sharded update is gathered by a collective that every rank joins; a whole one only its owner needs
+        update = update_of(i) if owner == rank or sharded else None
+        if owner == rank:
+            out = orthogonalize(_whole(update)).contiguous()  # (A, B) bf16
+        else:
+            if sharded:
+                _whole(update)  # the gather's collective, joined (its result is the owner's to use)
+            device = params[i].to_local().device if sharded else params[i].device
+            out = torch.empty(params[i].shape, dtype=torch.bfloat16, device=device)  # (A, B), the owner's result
+        work = dist.broadcast(out, src=dist.get_global_rank(group, owner), group=group, async_op=True)
+        pending.append((i, out, work, update if sharded else None))  # a sharded update: the layout to slice to
+    for i, out, work, layout in pending:
+        work.wait()  # the owner's result has arrived (on CUDA: the compute stream waits for the copy)
+        yield i, out if layout is None else _as_update(out, layout)
 
 
 def update_scale(shape: torch.Size) -> float:
@@ -72,8 +136,10 @@ class Muon(torch.optim.Optimizer):
     """Muon over 2-D parameters (whole or FSDP2-sharded); weight decay decoupled, as AdamW's."""
 
     def __init__(self, params, *, lr: float, momentum: float = 0.95, weight_decay: float = 0.0,
-                 nesterov: bool = True) -> None:
+                 nesterov: bool = True, group: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov))
+        self.group = group
+        """Data-parallel ranks holding the same gradients, which split the orthogonalisations (None: this rank alone)."""
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -82,20 +148,26 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _evaluate(closure)
+        stepped = []
         for group in self.param_groups:
-            lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)  # (A, B), or this rank's rows of it: the momentum
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf  # (A, B): Nesterov's look-ahead
-                update = _orthogonalize_whole(update)  # (A, B) bf16
-                p.mul_(1 - lr * decay)
-                p.add_(update, alpha=-lr * update_scale(p.shape))
+                state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])  # (A, B), or this rank's rows of it
+                stepped.append((p, group))
+
+        def update_of(i: int) -> torch.Tensor:  # (A, B): the step's direction before orthogonalising
+            p, group = stepped[i]
+            buf = self.state[p]["momentum_buffer"]
+            return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf  # Nesterov's look-ahead
+
+        for i, update in orthogonalized([p for p, _ in stepped], update_of, self.group):  # (A, B) bf16
+            p, group = stepped[i]
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(update, alpha=-group["lr"] * update_scale(p.shape))
         return loss
 
 
@@ -105,12 +177,12 @@ class MuonAdamW(torch.optim.Optimizer):
     (`group["optimizer"]`: adamw | muon); `step` steps both."""
 
     def __init__(self, adamw_groups: list[dict], muon_groups: list[dict], *, betas: tuple[float, float],
-                 fused: Optional[bool], momentum: float) -> None:
+                 fused: Optional[bool], momentum: float, group: Optional[dist.ProcessGroup] = None) -> None:
         self.parts: dict[str, torch.optim.Optimizer] = {}
         if adamw_groups:
             self.parts["adamw"] = torch.optim.AdamW(adamw_groups, betas=betas, fused=fused)
         if muon_groups:
-            self.parts["muon"] = Muon(muon_groups, lr=muon_groups[0]["lr"], momentum=momentum)
+            self.parts["muon"] = Muon(muon_groups, lr=muon_groups[0]["lr"], momentum=momentum, group=group)
         groups = []
         for name, part in self.parts.items():
             for group in part.param_groups:

@@ -17,10 +17,12 @@ from dflash_trainer.train.parallel import global_norm
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, *, vocab_size: int) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, *, vocab_size: int,
+                    group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
     """`train.optimizer`: AdamW over everything, or Muon over the weight matrices beside AdamW over the rest
     (`muon.py`); weight decay on parameters of 2 or more dimensions only; fused AdamW on CUDA. Which parameters
-    go where is logged once. `vocab_size`: the drafter's vocabulary, which marks the vocabulary tables."""
+    go where is logged once. `vocab_size`: the drafter's vocabulary, which marks the vocabulary tables; `group`: the
+    data-parallel ranks whose gradients are averaged, which split Muon's orthogonalisations."""
     fused = next(model.parameters()).is_cuda or None
     if cfg.optimizer == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
@@ -33,8 +35,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, *, vocab_size: int) -> t
     log.info("train.optimizer=muon: Muon at lr %.3g: %s; AdamW at Muon's lr %.3g: %s; AdamW at lr %.3g: %s",
              cfg.muon_peak_lr, _count(routes["muon"], "matrices"), cfg.muon_table_peak_lr,
              _count(routes["tables"], "vocabulary tables", names=True), cfg.lr, _count(routes["adamw"], "others"))
+    world = dist.get_world_size(group) if group is not None else 1
+    if world > 1:
+        log.info("train.optimizer=muon: each of the %d drafter ranks orthogonalises its share of the matrices and "
+                 "broadcasts it (muon.py)", world)
     return MuonAdamW([g for g in adamw + tables if g["params"]], [g for g in muon if g["params"]],
-                     betas=tuple(cfg.betas), fused=fused, momentum=cfg.muon_momentum)
+                     betas=tuple(cfg.betas), fused=fused, momentum=cfg.muon_momentum, group=group)
 
 
 def _by_decay(params: list[nn.Parameter], lr: float, weight_decay: float) -> list[dict]:

@@ -142,7 +142,7 @@ class DrafterTrainer:
             shard_drafter(self.model, group, device)
         if config.train.compile and device.type == "cuda":
             compile_forward_train(self.model, mode=config.train.compile_mode)
-        self.optimizer = build_optimizer(self.model, config.train, vocab_size=spec.vocab_size)
+        self.optimizer = build_optimizer(self.model, config.train, vocab_size=spec.vocab_size, group=group)
         train = config.train
         self.scheduler = build_scheduler(self.optimizer, total_steps=self.total_steps, warmup_ratio=train.warmup_ratio,
                                          min_lr_ratio=train.min_lr_ratio, schedule=train.schedule,
