@@ -239,6 +239,16 @@ def test_target_parallel_smoke_tp2_taps_equal_tp1_taps():
     assert max(last["tp2_vs_tp1_rel_error"]) < 1e-5 and last["rank0_vs_rank1_rel_error"] < 1e-6
 
 
+def test_muon_step_smoke_times_every_rank_against_the_split_on_two_ranks():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           str(ROOT / "bench" / "speed" / "muon_step.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["world"] == 2 and last["matrices"] > 0 and last["ns_tflop"] > 0
+    assert set(last["step_ms"]) == {"every rank", "split over 2"}
+
+
 def test_bench_scripts_take_the_moe_presets():
     from bench.speed import run
 
