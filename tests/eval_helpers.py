@@ -42,6 +42,55 @@ def target_taps(target, ids: torch.Tensor, tap_layer_ids) -> torch.Tensor:
     return torch.cat([out.hidden_states[l + 1][0] for l in tap_layer_ids], dim=-1)  # (T, K*H)
 
 
+@dataclass(frozen=True)
+class BlockCase:
+    """The reference proposer's greedy drafts after the first fitted prompt, and the block's hidden states."""
+
+    anchor: int
+    drafted: torch.Tensor
+    """(draft_length,) the reference proposer's drafts."""
+    hidden: torch.Tensor
+    """(slots, H) the drafter's block (the anchor, then mask tokens) after the prompt's taps."""
+
+
+def block_case(setup, drafter: DFlashDrafter, slots: int) -> BlockCase:
+    """Draft after `setup.prompts[0]` with the reference proposer, and run the block of `slots` slots as its
+    definition says: the target's taps as context, the anchor's and mask tokens' embeddings."""
+    prompt = setup.prompts[0]
+    taps = target_taps(setup.target, prompt, drafter.spec.tap_layer_ids)  # (T, K*H)
+    reference = proposer_for(drafter, setup.target)
+    reference.add_context(taps, torch.arange(prompt.shape[0]))
+    anchor = int(prompt[-1]) + 1
+    drafted = reference.propose(anchor, prompt.shape[0], drafter.spec.draft_length + 1, 0.0, None).tokens
+    ids = torch.tensor([anchor] + [drafter.spec.mask_token_id] * (slots - 1))
+    embed = setup.target.get_input_embeddings().weight
+    hidden = drafter.forward_block(block_embeds=torch.nn.functional.embedding(ids, embed),
+                                   block_positions=prompt.shape[0] + torch.arange(slots), context_taps=taps,
+                                   context_positions=torch.arange(prompt.shape[0])).hidden  # (slots, H)
+    return BlockCase(anchor=anchor, drafted=drafted, hidden=hidden)
+
+
+def decoded_alike(setup, drafter: DFlashDrafter, max_new: int) -> list[int]:
+    """Decode `setup.prompts` together (`decode_batch`), each alone with the reference loop, and with the target
+    alone; assert the three give the same tokens (lossless) and the first two the same acceptance lengths, which
+    are returned (every step's, every prompt's)."""
+    from dflash_trainer.eval.batched import decode_batch
+    from dflash_trainer.eval.speculative import speculative_generate
+
+    width, taps = drafter.spec.draft_length + 1, drafter.spec.tap_layer_ids
+    results = decode_batch(setup.target, setup.prompts, proposer=batch_proposer_for(drafter, setup.target),
+                           block_size=width, tap_layer_ids=taps, max_new_tokens=max_new, stop_token_ids=[])
+    lengths = []
+    for prompt, result in zip(setup.prompts, results):
+        ref = speculative_generate(setup.target, proposer_for(drafter, setup.target), prompt, block_size=width,
+                                   tap_layer_ids=taps, max_new_tokens=max_new, stop_token_ids=[])
+        plain = target_generate(setup.target, prompt, max_new_tokens=max_new, stop_token_ids=[])
+        assert result.output_ids == ref.output_ids == plain.output_ids
+        assert result.acceptance_lengths == ref.acceptance_lengths
+        lengths += result.acceptance_lengths
+    return lengths
+
+
 LATTICE_FIT = DrafterConfig(variant="lilicorr", block_size=4, gamma=2.0, lilicorr_w_ce=1.0, lilicorr_w_pen=0.0)
 """A LiLiCorr drafter's lattice terms when fitting (no penalty: it needs the target's last hidden state)."""
 

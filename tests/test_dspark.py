@@ -20,10 +20,11 @@ from dflash_trainer.drafter.dspark import markov_walk
 from dflash_trainer.drafter.export import export_drafter, init_from_export, load_drafter
 from dflash_trainer.drafter.model import DFlashDrafter
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.eval.batched import ContextUpdate, decode_batch
-from dflash_trainer.eval.speculative import speculative_generate, target_generate
+from dflash_trainer.eval.batched import ContextUpdate
+from dflash_trainer.eval.speculative import target_generate
 from tests.drafter_helpers import tiny_drafter
-from tests.eval_helpers import batch_proposer_for, fitted, proposer_for, target_taps, tiny_target_model
+from tests.eval_helpers import (batch_proposer_for, block_case, decoded_alike, fitted, proposer_for, target_taps,
+                                tiny_target_model)
 
 RANK = 64
 
@@ -81,7 +82,7 @@ def test_the_confidence_head_is_left_out_and_other_heads_are_refused(tmp_path):
     config = json.loads((out / "config.json").read_text())
     for change, named in [({"markov_head_type": "gated"}, "markov_head_type 'gated'"),
                           ({"shift_label": False}, "shift_label false"),
-                          ({"projector_type": "domino"}, "projector_type is 'domino'")]:
+                          ({"projector_type": "medusa"}, "projector_type is 'medusa'")]:
         (out / "config.json").write_text(json.dumps(config | {"dflash_config": config["dflash_config"] | change}))
         with pytest.raises(ConfigError, match=named):
             load_drafter(out)
@@ -98,18 +99,10 @@ def test_every_slot_drafts_with_the_previous_slots_bias():
     """The batched proposer against the definition: one forward of the block (the anchor, then mask tokens), slot k's
     logits from its own hidden state (the anchor's slot drafts the next token), plus W2 W1[the token picked before]."""
     setup, drafter = fitted(), dspark_drafter()
-    prompt = setup.prompts[0]
-    taps = target_taps(setup.target, prompt, drafter.spec.tap_layer_ids)  # (T, K*H)
-    reference = proposer_for(drafter, setup.target)
-    reference.add_context(taps, torch.arange(prompt.shape[0]))
-    anchor = int(prompt[-1]) + 1
-    drafted = reference.propose(anchor, prompt.shape[0], drafter.spec.draft_length + 1, 0.0, None).tokens
+    case = block_case(setup, drafter, slots=3)
+    drafted, hidden, anchor = case.drafted, case.hidden, case.anchor  # hidden (3, H)
     assert drafted.shape == (3,)
-
-    embed, head = setup.target.get_input_embeddings().weight, setup.target.lm_head.weight
-    ids = torch.tensor([anchor] + [drafter.spec.mask_token_id] * 2)
-    hidden = drafter.forward_block(block_embeds=F.embedding(ids, embed), block_positions=prompt.shape[0] + torch.arange(3),
-                                   context_taps=taps, context_positions=torch.arange(prompt.shape[0])).hidden  # (3, H)
+    head = setup.target.lm_head.weight
     prev, expected = anchor, []
     for k in range(3):
         scores = hidden[k] @ head.T + drafter.markov_w2.weight @ drafter.markov_w1.weight[prev]
@@ -136,19 +129,7 @@ def test_dspark_decoding_batched_equals_the_reference_loop_and_the_target():
     setup, drafter = fitted(), dspark_drafter()
     bigram_head(drafter)
     width = drafter.spec.draft_length + 1
-    lengths = []
-    for max_new in (26, 9):  # 9 ends inside a block: the last block shrinks there
-        results = decode_batch(setup.target, setup.prompts, proposer=batch_proposer_for(drafter, setup.target),
-                               block_size=width, tap_layer_ids=drafter.spec.tap_layer_ids, max_new_tokens=max_new,
-                               stop_token_ids=[])
-        for prompt, result in zip(setup.prompts, results):
-            ref = speculative_generate(setup.target, proposer_for(drafter, setup.target), prompt, block_size=width,
-                                       tap_layer_ids=drafter.spec.tap_layer_ids, max_new_tokens=max_new,
-                                       stop_token_ids=[])
-            plain = target_generate(setup.target, prompt, max_new_tokens=max_new, stop_token_ids=[])
-            assert result.output_ids == ref.output_ids == plain.output_ids
-            assert result.acceptance_lengths == ref.acceptance_lengths
-            lengths += result.acceptance_lengths
+    lengths = decoded_alike(setup, drafter, 26) + decoded_alike(setup, drafter, 9)  # 9 ends inside a block: it shrinks
     assert max(lengths) == width and min(lengths) == 1
 
 

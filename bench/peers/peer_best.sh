@@ -22,6 +22,16 @@
 #     dflash.dflash_num_anchors=80" PHASE=start bash bench/peers/peer_best.sh
 # Ran 2026-12-06 on one H100 with only the 80-anchor line in PRICES, BUDGETS=5 PRICE_BY_S=260 (one call, 477 s;
 # bench/RESULTS.md section 6). Next: the 15-minute cells, PRICED="<that call's price JSON> <its run JSON>" BUDGETS=15.
+# The peer's Domino (`projector_type: domino`, its recipe's head: emb_dim 256, gru_hidden_dim 1024; ModelOpt's main.py
+# adds its base-to-final loss curriculum by itself); a block of 16 verifies 16 tokens and drafts 15, as ours, and
+# `dflash-train eval` drafts as SGLang serves it (greedy; scripts/serving_check/domino_case.py):
+#   DOMINO="--peer-overrides dflash.dflash_architecture_config.projector_type=domino \
+#     dflash.dflash_architecture_config.emb_dim=256 dflash.dflash_architecture_config.gru_hidden_dim=1024 \
+#     dflash.dflash_architecture_config.pure_draft_prefix_len=1 dflash.dflash_architecture_config.shift_label=true"
+#   INITS=random OURS_BUDGETS=none BUDGETS=5 PRICE_BY_S=260 PRICES="b8-a80-768-domino --batch 8 --seq-len 768 $DOMINO \
+#     dflash.dflash_num_anchors=80 dflash.dflash_use_torch_compile=true" FALLBACK="b8-a80-768-domino-eager --batch 8 \
+#     --seq-len 768 $DOMINO dflash.dflash_num_anchors=80" PHASE=start bash bench/peers/peer_best.sh
+# (Its CPU smoke, 60 steps, ran 2026-12-06: bench/README.md "The peer's Domino".)
 # Every export is evaluated alone with the fp32 target on the 200 held-out prompts of .quality/first200. Carry .whl
 # .whl-peer .practice .peer/modelopt .quality/first200. Then `python bench/quality/compare.py --seeds 3` on the JSONs.
 T0=$SECONDS

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 
-DSPARK_HEADS = ("markov_w1.", "markov_w2.", "gate_proj.", "joint_proj.", "confidence_proj.")
-"""A DSpark draft module's head tensors (ModelOpt's names): not in a DFlash-layout file."""
+HEADS = ("markov_w1.", "markov_w2.", "gate_proj.", "joint_proj.", "confidence_proj.", "prefix_gru.", "embed_proj.")
+"""A DSpark or Domino draft module's head tensors (ModelOpt's names): not in a DFlash-layout file."""
 
 
 def load_draft_weights(model, path: Path) -> int:
@@ -37,9 +37,9 @@ def load_draft_weights(model, path: Path) -> int:
     from safetensors.torch import load_file
 
     draft = model.dflash_module
-    own = {k: v for k, v in draft.state_dict().items()  # a DSpark's heads keep the peer's own initialisation
+    own = {k: v for k, v in draft.state_dict().items()  # a DSpark's or Domino's heads keep the peer's initialisation
            if "rotary_emb" not in k and k not in ("embed_tokens.weight", "lm_head.weight")
-           and not k.startswith(DSPARK_HEADS)}
+           and not k.startswith(HEADS)}
     given = load_file(str(path))
     missing, extra = sorted(set(own) - set(given)), sorted(set(given) - set(own))
     shapes = [f"{k} {tuple(given[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()

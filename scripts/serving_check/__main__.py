@@ -4,6 +4,7 @@
     .serving-venv/bin/python scripts/serving_check      # the check alone (in .serving-venv)
         [--old-speculators-field]                       # the speculators export as before issue 53's fix
         [--old-mrope-fields] [--no-image]               # the image case's exports as before issue 63's fix; skip it
+        [--no-domino]                                   # skip the Domino case (domino_case.py)
         [--export DIR --reference DFLASH_EXPORT [--target FOLDER]]   # an existing export against our forward
         [--engines vllm,sglang] [--variants dflash,dflash2] [--work DIR] [--keep]
 
@@ -41,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[0] = str(HERE.parent)  # import the package as serving_check, not its files as top-level modules
 
 from serving_check.cases import build_jobs, given_job, make_target  # noqa: E402
+from serving_check.domino_case import check_domino  # noqa: E402
 from serving_check.image_case import build_image_jobs  # noqa: E402
 from serving_check.jobs import ENGINES, read_results, write_jobs  # noqa: E402
 from serving_check.report import FAIL, judge, summary_json, table  # noqa: E402
@@ -68,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="write the target's M-RoPE fields in the image case's exports (before issue 63's fix)")
     parser.add_argument("--no-image", action="store_true",
                         help="skip the image case (a Qwen3-VL target's drafter after a conversation with an image)")
+    parser.add_argument("--no-domino", action="store_true",
+                        help="skip the Domino case (our drafting of a Domino export against SGLang's rollout)")
     parser.add_argument("--work", type=Path, help="work folder (default: a temporary one, removed unless --keep)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (exports, logs, outputs)")
     args = parser.parse_args(argv)
@@ -129,10 +133,18 @@ def main(argv=None) -> int:
         for job in jobs:
             rows.append(judge(engine, job, results.get(job.id), references[job.id], targets[job.id].head,
                               VARIANTS[job.variant].engine_classes))
+    domino_ok = True
+    if args.export is None and "sglang" in args.engines and not args.no_domino:
+        domino = check_domino(work, target, target_config)
+        domino_ok = domino["alike"] == domino["total"] and domino["moved"] > 0
+        print(f"Domino (SGLang's domino_greedy_rollout, candidate pool 0, against dflash-train eval's drafting): "
+              f"{domino['alike']} of {domino['total']} drafts alike, {domino['moved']} moved by the correction head "
+              f"({'ok' if domino_ok else 'FAIL'}); at SGLang's default pool of 2,048: {domino['pool_2048_alike']} "
+              "alike. vLLM does not serve Domino.")
     _print(rows, work, jobs, args, time.monotonic() - t0)
     if not args.keep and args.work is None:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if any(r.result == FAIL for r in rows) else 0
+    return 1 if any(r.result == FAIL for r in rows) or not domino_ok else 0
 
 
 def _print(rows, work: Path, jobs, args, seconds: float) -> None:

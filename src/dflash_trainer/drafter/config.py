@@ -161,6 +161,10 @@ class DrafterConfig:
     """Drafter layers that use sliding-window attention (layer_types = sliding_attention)."""
 
     def __post_init__(self) -> None:
+        if self.variant == "domino":
+            raise ConfigError("drafter.variant=domino: dflash-train evaluates ModelOpt's Domino exports (`dflash-train "
+                              "eval --drafter EXPORT`) but does not train Domino; train dflash2 (the recipe), dflash, "
+                              "dspark or lilicorr")
         if self.variant not in VARIANTS:
             raise ConfigError(f"drafter.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         self._check_variant_options()

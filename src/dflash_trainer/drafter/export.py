@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.drafter.domino import DOMINO_KEYS, domino_fields
 from dflash_trainer.drafter.dspark import CONFIDENCE_KEYS, MARKOV_KEYS, engine_names
 from dflash_trainer.drafter.embedding_scale import (SCALE_KEY, block_embedding_scale, embedding_scale_fields,
                                                     warn_if_vllm_unscaled)
@@ -51,7 +52,7 @@ _DFLASH2_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.
 """DFlash2's tensors, named as the reference, vLLM and SGLang read them (the codebooks without `.weight`)."""
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel",
-                 "lilicorr": "LiLiCorrDraftModel"}
+                 "lilicorr": "LiLiCorrDraftModel", "domino": "DFlashDraftModel"}
 """`architectures` of each variant's export: the class the reference package, vLLM and SGLang build. A DSpark
 export names the class both engines build (ModelOpt's names DFlash's, which neither engine serves as DSpark) and says
 `dflash_config.projector_type: dspark` as ModelOpt's does, which is what this file reads."""
@@ -68,6 +69,7 @@ def expected_keys(num_layers: int, variant: str = "dflash", spec: Optional[Draft
     keys = {f"layers.{i}.{name}" for i in range(num_layers) for name in layer_keys}
     keys |= set(_DFLASH2_KEYS) if variant == "dflash2" else set()
     keys |= set(MARKOV_KEYS) if variant == "dspark" else set()
+    keys |= set(DOMINO_KEYS) if variant == "domino" else set()
     return keys | {"fc.weight", "hidden_norm.weight", "norm.weight"}
 
 
@@ -110,6 +112,10 @@ def export_config(spec: DrafterSpec, *, dtype: torch.dtype, target_config: Optio
         vocab_size=spec.vocab_size,
         dtype=str(dtype).removeprefix("torch."),
     )
+    if spec.variant == "domino":  # as ModelOpt's DominoExporter writes them (domino.py)
+        config["emb_dim"] = spec.domino_emb_dim
+        config["dflash_config"].update(projector_type="domino", shift_label=True, pure_draft_prefix_len=1,
+                                       gru_hidden_dim=spec.domino_gru_hidden, emb_dim=spec.domino_emb_dim)
     if spec.variant == "dspark":  # where the engines read them (dspark.py)
         config.update(markov_rank=spec.markov_rank, markov_head_type="vanilla", sample_from_anchor=True,
                       enable_confidence_head=False)
@@ -221,9 +227,11 @@ def spec_from_export(config: dict) -> DrafterSpec:
     projector = dflash.get("projector_type")
     if projector == "dspark":
         fields = {"variant": "dspark", "markov_rank": dspark_rank(dflash)}
-    elif projector not in (None, "dflash"):  # other trainers' heads (ModelOpt's Domino)
-        raise ConfigError(f"dflash_config.projector_type is {projector!r}: dflash-train runs DFlash, DFlash2 and "
-                          "DSpark drafters (projector_type dspark) only")
+    elif projector == "domino":
+        fields = domino_fields(dflash, config)
+    elif projector not in (None, "dflash"):  # other trainers' heads
+        raise ConfigError(f"dflash_config.projector_type is {projector!r}: dflash-train runs DFlash, DFlash2, "
+                          "DSpark (projector_type dspark) and Domino (domino) drafters only")
     return DrafterSpec(
         hidden_size=config["hidden_size"],
         num_attention_heads=heads,
@@ -340,6 +348,9 @@ def warm_start(model: DFlashDrafter, state: dict[str, torch.Tensor], *, variant:
     the DFlash drafter computed, and a DSpark `model` its backbone (its Markov head keeps its initialisation); a
     LiLiCorr `model` starts from one likewise (its lattice head as initialised), and with its convolutions on from a
     DFlash2 drafter too (its backbone and convolutions; the selector is left out)."""
+    if variant == "domino":
+        raise ConfigError(f"{where} is a Domino drafter (ModelOpt's), which dflash-train evaluates but does not train "
+                          "or start a run from: give a DFlash, DFlash2, DSpark or LiLiCorr drafter")
     if variant == "dspark" and model.spec.variant != "dspark":  # its slots predict one position further on
         raise ConfigError(f"{where} is a DSpark drafter and this one is {model.spec.variant}: its slots predict one "
                           "token further on and its Markov head would be lost; set drafter.variant=dspark")

@@ -26,6 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from dflash_trainer.drafter.anchors import BlockPlan, token_seq_ids
 from dflash_trainer.drafter.attention_mask import FlexMaskBuilder, dense_mask, mask_index
 from dflash_trainer.drafter.dflash2 import BlockConv, CandidateSelector
+from dflash_trainer.drafter.domino import correction_head
 from dflash_trainer.drafter.dspark import MarkovHead
 from dflash_trainer.drafter.lilicorr import LatticeHead
 from dflash_trainer.drafter.spec import DrafterSpec
@@ -281,6 +282,13 @@ class DFlashDrafter(nn.Module):
         """DSpark's Markov head (`dspark.py`); None for DFlash and DFlash2."""
         if spec.variant == "dspark":
             self.markov_head = MarkovHead(spec.vocab_size, spec.markov_rank)
+        self.prefix_gru: Optional[nn.GRU] = None
+        """Domino's correction head (`domino.py`; read from exports only), with `embed_proj`; None for the others."""
+        self.embed_proj: Optional[nn.Sequential] = None
+        if spec.variant == "domino":
+            with torch.random.fork_rng(devices=[]):
+                self.prefix_gru, self.embed_proj = correction_head(spec.hidden_size, spec.vocab_size,
+                                                                   spec.domino_gru_hidden, spec.domino_emb_dim)
         self.lilicorr: Optional[LatticeHead] = None
         """LiLiCorr's lattice head over the top-K of each slot's logits (`lilicorr.py`); None for the others."""
         if spec.lattice is not None:
@@ -297,7 +305,7 @@ class DFlashDrafter(nn.Module):
         `CandidateSelector.reset_parameters`, DSpark's Markov head as `MarkovHead.reset_parameters`, drawn from a generator of its own (seeded from the run's seed): a
         DFlash2 drafter's backbone is the DFlash drafter's of the same seed, and the random state moves on as that
         one's does."""
-        extras = ("_conv.", "candidate_selector.", "markov_head.", "lilicorr.")
+        extras = ("_conv.", "candidate_selector.", "markov_head.", "lilicorr.", "prefix_gru.", "embed_proj.")
         for name, p in self.named_parameters():
             if any(e in name for e in extras):
                 continue

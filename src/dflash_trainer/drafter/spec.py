@@ -47,14 +47,19 @@ class DrafterSpec:
     """One of full_attention | sliding_attention per drafter layer."""
     sliding_window: Optional[int] = None
     variant: str = "dflash"
-    """dflash | dflash2 (`dflash2.py`) | dspark (`dspark.py`) | lilicorr (`lilicorr.py`); the four fields below are
-    DFlash2's (0 otherwise; LiLiCorr's convolutions use the first two)."""
+    """dflash | dflash2 (`dflash2.py`) | dspark (`dspark.py`) | lilicorr (`lilicorr.py`) | domino (`domino.py`: read
+    from other trainers' exports, not trained); the four fields below are DFlash2's (0 otherwise; LiLiCorr's
+    convolutions use the first two)."""
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
     markov_rank: int = 0
     """DSpark's Markov head rank (0 otherwise)."""
+    domino_gru_hidden: int = 0
+    """Domino's GRU width (`gru_hidden_dim`; 0 otherwise)."""
+    domino_emb_dim: int = 0
+    """Domino's correction projection width (`emb_dim`; 0 otherwise)."""
     lattice: Optional[LatticeSpec] = None
     """LiLiCorr's lattice head (`lilicorr.py`; None otherwise); its convolutions, when on, are DFlash2's
     (conv_kernel_size, conv_group_size; 0 when off)."""
@@ -96,6 +101,10 @@ class DrafterSpec:
         elif self.variant == "dspark":
             if self.markov_rank < 1:
                 raise ConfigError(f"a DSpark drafter needs markov_rank >= 1, got {self.markov_rank}")
+        elif self.variant == "domino":
+            if min(self.domino_gru_hidden, self.domino_emb_dim) < 1:
+                raise ConfigError(f"a Domino drafter needs gru_hidden_dim and emb_dim >= 1, got "
+                                  f"{self.domino_gru_hidden} and {self.domino_emb_dim}")
         elif self.variant == "lilicorr":
             if self.lattice is None:
                 raise ConfigError("a LiLiCorr drafter needs its lattice head's geometry (lilicorr_*)")
@@ -107,7 +116,7 @@ class DrafterSpec:
                 raise ConfigError("a LiLiCorr drafter's convolutions need both conv_kernel_size and conv_group_size "
                                   f"(or neither), got {self.conv_kernel_size}, {self.conv_group_size}")
         elif self.variant != "dflash":
-            raise ConfigError(f"unknown drafter variant {self.variant!r}: dflash, dflash2, dspark or lilicorr")
+            raise ConfigError(f"unknown drafter variant {self.variant!r}: dflash, dflash2, dspark, lilicorr or domino")
 
     @property
     def block_conv(self) -> bool:
@@ -120,15 +129,16 @@ class DrafterSpec:
 
     @property
     def draft_length(self) -> int:
-        """Tokens a block drafts: its slots after the anchor's (DFlash, DFlash2), or all of them (DSpark, whose anchor
-        slot predicts the next token)."""
+        """Tokens a block drafts: its slots after the anchor's (DFlash, DFlash2), all of them (DSpark, whose anchor
+        slot predicts the next token), or all but the last (Domino: its anchor slot predicts the next token, and
+        SGLang verifies a block of block_size)."""
         return self.block_size if self.variant == "dspark" else self.block_size - 1
 
     @property
     def label_offset(self) -> int:
         """How far past its own position a slot's label is: 0 (DFlash: slot k labels anchor + k, slot 0 none), 1
-        (DSpark: slot k labels anchor + k + 1)."""
-        return 1 if self.variant == "dspark" else 0
+        (DSpark and Domino: slot k labels anchor + k + 1)."""
+        return 1 if self.variant in ("dspark", "domino") else 0
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The attention window of drafter layer `layer` (None: full attention)."""

@@ -94,6 +94,8 @@ def evaluate_drafter(
             f"({config.data.max_length}); lower eval.max_new_tokens"
         )
     spec = drafter.spec
+    if spec.variant == "domino" and ecfg.temperature > 0:
+        raise ConfigError("a Domino drafter drafts greedily (SGLang serves it so): evaluate it with eval.temperature=0")
     device = next(drafter.parameters()).device
     embed, lm_head = head.embed_weight.to(device), head.lm_head_weight.to(device)
     images = None

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_trainer.drafter.dflash2 import walk
+from dflash_trainer.drafter.domino import domino_walk
 from dflash_trainer.drafter.dspark import markov_walk
 from dflash_trainer.drafter.lilicorr import AnchorTracker, draft_block
 from dflash_trainer.drafter.model import DFlashDrafter, DraftContext
@@ -24,7 +25,8 @@ class DFlashBatchProposer:
     """Drafts every row's block in one drafter forward, over the target's frozen embedding and LM head; a DFlash2
     drafter's selector then walks the slots (`dflash2.walk`), a DSpark drafter's Markov head too
     (`dspark.markov_walk`, every slot drafting: its blocks are one slot shorter than the verified block), a LiLiCorr
-    drafter's lattice head too (`lilicorr.draft_block`, anchored on each row's newest committed context)."""
+    drafter's lattice head too (`lilicorr.draft_block`, anchored on each row's newest committed context), a Domino
+    drafter's correction head too (`domino.domino_walk`, from the anchor's slot on)."""
 
     needs_taps = True
 
@@ -72,6 +74,10 @@ class DFlashBatchProposer:
             walked = markov_walk(self.drafter.markov_w1, self.drafter.markov_w2, logits, last_tokens, temperature,
                                  generator)
             return BlockDrafts(tokens=walked.tokens, lengths=max_lengths, probs=walked.probs)
+        if self.drafter.prefix_gru is not None:  # Domino: slots 0..B-2 draft, its correction head walks them
+            walked = domino_walk(self.drafter.prefix_gru, self.drafter.embed_proj, hidden[:, :-1], self.lm_head_weight,
+                                 self.embed_weight, last_tokens, temperature)
+            return BlockDrafts(tokens=walked.tokens, lengths=max_lengths)
         logits = F.linear(hidden[:, 1:].to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (R, B-1, V)
         if self.lattice is not None:  # LiLiCorr: the lattice head walks each slot's top-K candidates
             walked = draft_block(self.lattice, hidden[:, 1:], self.lm_head_weight, self.embed_weight,

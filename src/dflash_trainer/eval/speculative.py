@@ -29,6 +29,7 @@ from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache
 
 from dflash_trainer.drafter.dflash2 import walk
+from dflash_trainer.drafter.domino import domino_walk
 from dflash_trainer.drafter.dspark import markov_walk
 from dflash_trainer.drafter.lilicorr import draft_block
 from dflash_trainer.target.capture import SDPA_WITHOUT_CUDNN
@@ -225,7 +226,7 @@ def _accept_sampled(logits: torch.Tensor, draft: Draft, temperature: float, gene
 class DFlashProposer:
     """Drafts a block with a DFlash drafter over the target's frozen embedding and LM head (DFlash2: its selector
     walks the slots; DSpark: its Markov head does, every slot drafting; LiLiCorr: its lattice head does, anchored on
-    the newest committed context)."""
+    the newest committed context; Domino: its correction head does, from the anchor's slot on)."""
 
     def __init__(self, drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, mask_token_id: int) -> None:
         self.drafter = drafter
@@ -271,6 +272,10 @@ class DFlashProposer:
             walked = markov_walk(self.drafter.markov_w1, self.drafter.markov_w2, logits[None], ids[:1], temperature,
                                  generator)
             return Draft(tokens=walked.tokens[0], probs=None if walked.probs is None else walked.probs[0])
+        if getattr(self.drafter, "prefix_gru", None) is not None:  # Domino: slots 0..B-2 draft, its head walks them
+            walked = domino_walk(self.drafter.prefix_gru, self.drafter.embed_proj, result.hidden[None, :-1],
+                                 self.lm_head_weight, self.embed_weight, ids[:1], temperature)
+            return Draft(tokens=walked.tokens[0])
         logits = F.linear(result.hidden[1:].to(self.lm_head_weight.dtype), self.lm_head_weight).float()  # (B-1, V)
         if lattice is not None:  # LiLiCorr: the lattice head walks each slot's top-K candidates
             anchor = self._anchor if self._anchor is not None else result.hidden.new_zeros(result.hidden.shape[-1])
