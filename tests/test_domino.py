@@ -99,3 +99,14 @@ def test_domino_decoding_batched_equals_the_reference_loop_and_the_target():
     setup, drafter = fitted(block_size=4), domino_drafter()
     lengths = decoded_alike(setup, drafter, 26) + decoded_alike(setup, drafter, 9)  # 9 ends inside a block
     assert max(lengths) > 1  # some drafts were accepted: the drafting decided something
+
+
+def test_checkpoints_saved_before_domino_keep_their_signature():
+    """Domino's fields enter a drafter's signature only when set: the checkpoints of the trained variants, saved
+    before those fields existed, still resume."""
+    from dflash_trainer.train.trainer import DOMINO_FIELDS, model_signature
+
+    for variant in ("dflash", "dflash2"):
+        model, _ = tiny_drafter(block_size=4, variant=variant)
+        assert not set(DOMINO_FIELDS) & set(model_signature(model.spec))
+    assert {model_signature(domino_drafter().spec)[k] for k in DOMINO_FIELDS} == {GRU, EMB}

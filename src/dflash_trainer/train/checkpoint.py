@@ -319,11 +319,9 @@ def check_fits(path: Path, *, model_signature: dict[str, Any], data_fingerprint:
     plan settings (else a ConfigError naming the difference)."""
     payload = read_state(path)
     if payload["model_signature"] != model_signature:
-        diff = {
-            k: (payload["model_signature"].get(k), v)
-            for k, v in model_signature.items()
-            if payload["model_signature"].get(k) != v
-        }
+        saved = payload["model_signature"]
+        diff = {k: (saved.get(k), model_signature.get(k)) for k in sorted(set(saved) | set(model_signature))
+                if saved.get(k) != model_signature.get(k)}
         raise ConfigError(
             f"checkpoint {path} is of another model shape (checkpoint vs config: {diff}); "
             "resume with the config it was trained with, or start a new run.dir"

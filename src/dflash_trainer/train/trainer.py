@@ -65,10 +65,14 @@ def model_signature(spec: DrafterSpec) -> dict:
         d = {k: v for k, v in d.items() if k not in DFLASH2_FIELDS}
     if d.get("lattice", 0) is None:  # a drafter without LiLiCorr's lattice head: its signature as before that variant
         del d["lattice"]
+    for key in DOMINO_FIELDS:  # Domino's head (read from exports, never trained): checkpoints keep their signature
+        if not d.get(key):
+            d.pop(key, None)
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k != "rope_parameters"}
 
 
 DFLASH2_FIELDS = ("variant", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DOMINO_FIELDS = ("domino_gru_hidden", "domino_emb_dim")
 
 
 def data_fingerprint(config: Config, data_digest: str) -> str:
