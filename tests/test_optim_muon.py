@@ -247,6 +247,7 @@ def _split_equals_one_rank(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)  # the same weights and gradients on every rank (as after the gradients' all-reduce)
+        muon.IN_FLIGHT_BYTES = 200  # a result or two held at a time: the oldest are handed out mid-list
         split = [nn.Parameter(torch.randn(shape)) for shape in SHAPES]
         alone = [nn.Parameter(p.detach().clone()) for p in split]
         opts = Muon(split, lr=0.05, weight_decay=0.1, group=dist.group.WORLD), Muon(alone, lr=0.05, weight_decay=0.1)

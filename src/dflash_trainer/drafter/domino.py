@@ -76,15 +76,19 @@ def domino_walk(gru: nn.GRU, proj: nn.Sequential, hidden: torch.Tensor, lm_head:
         raise ConfigError("a Domino drafter drafts greedily (SGLang serves it so): evaluate it with "
                           "eval.temperature=0")
     dtype = gru.weight_ih_l0.dtype
-    base = F.linear(hidden.to(lm_head.dtype), lm_head).float()  # (R, S, V)
+    # in the weights' dtype, as SGLang sums them: in bf16 the sum's rounding decides near-ties
+    base = F.linear(hidden.to(lm_head.dtype), lm_head)  # (R, S, V)
     drafted = base[:, 0].argmax(-1)  # (R,): slot 0 keeps the backbone's logits
     tokens = [drafted]
-    state = None
+    if hidden.shape[1] == 1:
+        return DominoDrafts(tokens=drafted[:, None])
+    _, state = gru(F.embedding(torch.stack([anchors, drafted], dim=1), embed_weight).to(dtype))  # (1, R, G)
+    state = state[0]  # (R, G): the GRU's state after the anchor's token and slot 0's draft
     for k in range(1, hidden.shape[1]):  # each slot's correction reads the drafts before it: a sequential walk
-        # the GRU's state after the tokens up to slot k (the anchor's first): two at slot 1, one more each slot after
-        inputs = torch.stack([anchors, drafted], dim=1) if state is None else drafted[:, None]  # (R, 1 or 2)
-        _, state = gru(F.embedding(inputs, embed_weight).to(dtype), state)  # (1, R, G)
-        correction = proj(torch.cat([hidden[:, k].to(dtype), state[0]], dim=-1)).float()  # (R, V)
+        correction = proj(torch.cat([hidden[:, k].to(dtype), state], dim=-1))  # (R, V)
         drafted = (base[:, k] + correction).argmax(-1)
         tokens.append(drafted)
+        if k + 1 < hidden.shape[1]:  # one GRU step per draft, the cell SGLang steps (not cuDNN's packed GRU)
+            state = torch.ops.aten.gru_cell.default(F.embedding(drafted, embed_weight).to(dtype), state,
+                                                    gru.weight_ih_l0, gru.weight_hh_l0, None, None)
     return DominoDrafts(tokens=torch.stack(tokens, dim=1))

@@ -21,6 +21,7 @@ sharded or not.
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any, Callable, Iterator, Optional
 
@@ -74,15 +75,30 @@ def _whole(update: torch.Tensor) -> torch.Tensor:
     return update.full_tensor() if isinstance(update, DTensor) else update
 
 
-def _as_update(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """An orthogonalised whole matrix laid out as `like`: for a DTensor, this rank's rows (a local slice)."""
+Layout = Optional[tuple[Any, tuple]]
+"""A sharded (DTensor) matrix's (device mesh, placements); None for a plain tensor."""
+
+
+def _layout(update: torch.Tensor) -> Layout:
+    from torch.distributed.tensor import DTensor
+
+    return (update.device_mesh, tuple(update.placements)) if isinstance(update, DTensor) else None
+
+
+def _laid_out(whole: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """An orthogonalised whole matrix in `layout`: for a sharded one, this rank's rows (a local slice)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    if not isinstance(like, DTensor):
+    if layout is None:
         return whole
-    mesh = like.device_mesh
+    mesh, placements = layout
     replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return replicated.redistribute(mesh, like.placements)
+    return replicated.redistribute(mesh, placements)
+
+
+IN_FLIGHT_BYTES = 1 << 30
+"""Orthogonalised matrices a rank holds before it applies the oldest (with several ranks): enough to keep every
+owner computing while the broadcasts arrive, a bound on the memory they take."""
 
 
 def orthogonalized(params: list[torch.Tensor], update_of: Callable[[int], torch.Tensor],
@@ -90,21 +106,31 @@ def orthogonalized(params: list[torch.Tensor], update_of: Callable[[int], torch.
     """(i, the orthogonalised update of params[i], laid out as the parameter) for each matrix in order; `update_of(i)`
     makes that update (A, B) on demand, so that no more than one exists at a time on one rank. With a `group` of more
     than one rank, whose ranks all hold the same updates, each matrix is computed by its owner alone (`deal_owners`)
-    and broadcast to the others; every rank must go through the same list."""
+    and broadcast to the others, at most about IN_FLIGHT_BYTES of results held at once; every rank must go through
+    the same list (the collectives, and when each result is handed out, follow the shapes alone: the same order on
+    every rank)."""
     from torch.distributed.tensor import DTensor
 
     world = 1 if group is None else dist.get_world_size(group)
     if world == 1:
         for i in range(len(params)):
             update = update_of(i)
-            yield i, _as_update(orthogonalize(_whole(update)), update)
+            yield i, _laid_out(orthogonalize(_whole(update)), _layout(update))
         return
     rank = dist.get_rank(group)
-    pending = []
+    pending: collections.deque = collections.deque()
+    held = 0  # bytes of the results in `pending`
+
+    def handed(entry) -> tuple[int, torch.Tensor]:
+        i, out, work, layout = entry
+        work.wait()  # the owner's result has arrived (on CUDA: the compute stream waits for the copy)
+        return i, _laid_out(out, layout)
+
     for i, owner in enumerate(deal_owners([p.shape for p in params], world)):
         sharded = isinstance(params[i], DTensor)
         # a sharded update is gathered by a collective that every rank joins; a whole one only its owner needs
         update = update_of(i) if owner == rank or sharded else None
+        layout = _layout(update) if sharded else None
         if owner == rank:
             out = orthogonalize(_whole(update)).contiguous()  # (A, B) bf16
         else:
@@ -112,11 +138,16 @@ def orthogonalized(params: list[torch.Tensor], update_of: Callable[[int], torch.
                 _whole(update)  # the gather's collective, joined (its result is the owner's to use)
             device = params[i].to_local().device if sharded else params[i].device
             out = torch.empty(params[i].shape, dtype=torch.bfloat16, device=device)  # (A, B), the owner's result
+        del update
         work = dist.broadcast(out, src=dist.get_global_rank(group, owner), group=group, async_op=True)
-        pending.append((i, out, work, update if sharded else None))  # a sharded update: the layout to slice to
-    for i, out, work, layout in pending:
-        work.wait()  # the owner's result has arrived (on CUDA: the compute stream waits for the copy)
-        yield i, out if layout is None else _as_update(out, layout)
+        pending.append((i, out, work, layout))
+        held += out.numel() * out.element_size()
+        while held > IN_FLIGHT_BYTES and len(pending) > 1:  # the oldest first: their owners are furthest ahead
+            entry = pending.popleft()
+            held -= entry[1].numel() * entry[1].element_size()
+            yield handed(entry)
+    while pending:
+        yield handed(pending.popleft())
 
 
 def update_scale(shape: torch.Size) -> float:
