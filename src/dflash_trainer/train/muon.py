@@ -140,8 +140,8 @@ def orthogonalized(params: list[torch.Tensor], update_of: Callable[[int], torch.
             out = torch.empty(params[i].shape, dtype=torch.bfloat16, device=device)  # (A, B), the owner's result
         del update
         work = dist.broadcast(out, src=dist.get_global_rank(group, owner), group=group, async_op=True)
-        if sharded:  # the next matrix's gather is a functional collective: not beside an async one on this group
-            work.wait()  # (gloo ran the two on separate threads and aborted the process now and then)
+        if sharded:  # the next matrix's gather is a functional collective: gloo may run it on another thread
+            work.wait()  # beside an async one on the same group, which it does not support
         pending.append((i, out, work, layout))
         held += out.numel() * out.element_size()
         while held > IN_FLIGHT_BYTES and len(pending) > 1:  # the oldest first: their owners are furthest ahead
