@@ -161,6 +161,19 @@ def test_every_shipped_recipe_loads(recipe):
     assert cfg.target.path or cfg.target.random_init
 
 
+def test_the_8b_recipe_trains_with_muon_and_its_adamw_is_named_by_the_error():
+    """configs/qwen3-8b.yaml trains with Muon at its own lr; `train.optimizer=adamw` alone would leave that lr set
+    and unread, so it is refused with the second override that makes the run AdamW's."""
+    recipe = Path(__file__).parents[1] / "configs" / "qwen3-8b.yaml"
+    cfg = load_config(recipe, [])
+    assert cfg.train.optimizer == "muon" and cfg.train.muon_peak_lr == pytest.approx(2e-3)
+    with pytest.raises(ConfigError, match=r"train.muon_lr=0.002 is read only with train.optimizer=muon.*"
+                                          r"train.muon_lr=null where a recipe sets it"):
+        load_config(recipe, ["train.optimizer=adamw"])
+    adamw = load_config(recipe, ["train.optimizer=adamw", "train.muon_lr=null"])
+    assert adamw.train.optimizer == "adamw" and adamw.train.muon_lr is None
+
+
 def test_a_config_mistake_is_named_before_torch_is_imported():
     """Config mistakes are named in well under a second, even on a loaded machine: torch's import comes later."""
     import subprocess
