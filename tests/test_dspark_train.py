@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from dflash_trainer.config import load_config
 from dflash_trainer.drafter.anchors import plan_blocks
 from dflash_trainer.drafter.config import DrafterConfig
-from dflash_trainer.drafter.dspark import markov_loss
+from dflash_trainer.drafter.dspark import MarkovLoss, markov_loss
 from dflash_trainer.drafter.loss import Teacher, drafter_loss
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.target.head import TargetHead
@@ -145,6 +145,58 @@ def test_dspark_loss_and_gradients_equal_the_slow_reference(case):
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert ours[1].abs().sum() > 0 and ours[2].abs().sum() > 0  # the Markov head learns
+
+
+def check_compiled_chunks(case: str, device: str, backend: str, tol: float) -> None:
+    """DSpark's loss with its chunks compiled by `backend` on `device` gives eager's sums, hits and gradients (the
+    hidden rows' and the Markov factors'), chunked under activation checkpointing as training runs it."""
+    kw = CASES[case]
+    drafter, _ = dspark()
+    perturb_markov(drafter, scale=0.5)
+    batch = packed_batch(drafter, seqlens=(15, 18, 4))
+    plan = dspark_plan(drafter, batch)
+    plan = dataclasses.replace(plan, **{f.name: getattr(plan, f.name).to(device) for f in dataclasses.fields(plan)})
+    gen = torch.Generator().manual_seed(3)
+    spec = drafter.spec
+    head = (torch.randn(spec.vocab_size, spec.hidden_size, generator=gen) * 0.3).to(device)
+    teacher = Teacher(last_hidden=torch.randn(batch.input_ids.shape[0], spec.hidden_size, generator=gen).to(device),
+                      final_norm=torch.nn.RMSNorm(spec.hidden_size).to(device))
+    rows = torch.randn(plan.num_blocks, plan.block_size, spec.hidden_size, generator=gen)  # (N, B, H)
+    markov = drafter.markov_head.to(device)
+    kernels = {"eager": markov_loss(drafter, kw.get("divergence", "l1")).chunk_kernel,
+               backend: torch.compile(markov_loss(drafter, "l1").chunk_kernel, backend=backend, fullgraph=True,
+                                         dynamic=False)}
+    results = {}
+    for name, kernel in kernels.items():
+        hidden = rows.to(device).requires_grad_(True)
+        loss = MarkovLoss(head=markov, divergence=kw.get("divergence", "l1"), chunk_kernel=kernel)
+        out = drafter_loss(hidden, plan, lm_head_weight=head, gamma=2.0, chunk_rows=7,
+                           kd_weight=kw.get("kd_weight", 0.0), teacher=teacher, dpace=kw.get("dpace", False),
+                           markov=loss)
+        grads = torch.autograd.grad(out.loss_sum, [hidden, *markov.parameters()])
+        results[name] = (out, grads)
+    (eager, eager_grads), (traced, traced_grads) = results["eager"], results[backend]
+    assert plan.num_blocks * plan.block_size % 7 != 0  # chunks of two sizes
+    for field in ("loss_sum", "weight_sum", "ce_sum", "accept_sum"):
+        torch.testing.assert_close(getattr(traced, field), getattr(eager, field), atol=tol, rtol=tol, msg=field)
+    assert torch.equal(traced.slot_correct, eager.slot_correct)
+    for want, got in zip(eager_grads, traced_grads):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert all(g.abs().sum() > 0 for g in eager_grads)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dspark_loss_chunks_traced_and_compiled_give_eagers_values(case):
+    """The graph torch.compile builds of a chunk (AOTAutograd's forward and backward, run eagerly here: Inductor's
+    kernels are checked on CUDA, tests/test_dspark_gpu.py) computes what eager computes."""
+    check_compiled_chunks(case, "cpu", "aot_eager", tol=1e-5)
+
+
+def test_dspark_loss_chunks_compile_on_cuda_only():
+    """`drafter.loss_kernel: compiled` compiles the chunks where training is fast (CUDA); a CPU run stays eager, as
+    the CE kernel does (a compile there costs more than it saves)."""
+    drafter, _ = dspark()
+    assert markov_loss(drafter, "l1", compiled=True).chunk_kernel is markov_loss(drafter, "l1").chunk_kernel
 
 
 def test_dspark_hits_are_the_markov_walk_teacher_forced():

@@ -140,7 +140,8 @@ class DrafterConfig:
     """Rows per chunk of the vocab projection + CE (bounds fp32 logits memory)."""
     loss_kernel: str = "compiled"
     """compiled | eager: the CE-and-gradient pass over each logits chunk, torch.compile'd on CUDA (one fused
-    pass) or eager (an fp32 copy and separate passes); LiLiCorr's lattice head and its terms likewise. A speed knob
+    pass) or eager (an fp32 copy and separate passes); LiLiCorr's lattice head and its terms, and DSpark's loss
+    chunks, likewise. A speed knob
     only: the values are the same."""
     mask_tiles: str = "intervals"
     """intervals | pairs: full-attention BlockMasks find their tiles from each query block's key intervals, or

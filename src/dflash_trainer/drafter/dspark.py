@@ -35,7 +35,7 @@ file holds us to:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +137,19 @@ def _chunk_losses(rows: torch.Tensor, labels: torch.Tensor, previous: torch.Tens
     return ce, distance, hit
 
 
+_compiled_chunk_losses = None
+
+
+def compiled_chunk_losses() -> Callable:
+    """`_chunk_losses` torch.compile'd for fixed shapes (a run's chunks have one size, its last another): the
+    softmax, its gathers, argmax and distance over each fp32 logits chunk fused into few passes, where eager makes
+    one pass over memory per operation, forward, recompute and backward."""
+    global _compiled_chunk_losses
+    if _compiled_chunk_losses is None:
+        _compiled_chunk_losses = torch.compile(_chunk_losses, dynamic=False)
+    return _compiled_chunk_losses
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MarkovLoss:
     """DSpark's loss (module docstring): `drafter_loss` hands a DSpark drafter's blocks to `loss`."""
@@ -144,6 +157,8 @@ class MarkovLoss:
     head: MarkovHead
     divergence: str
     """l1 | kl: the distance to the target's distribution that kd_weight weighs."""
+    chunk_kernel: Callable = _chunk_losses
+    """The loss of one chunk of rows: `_chunk_losses`, or the same compiled (`compiled_chunk_losses`)."""
 
     def loss(self, hidden: torch.Tensor, plan: BlockPlan, *, lm_head_weight: torch.Tensor, gamma: float,
              chunk_rows: int, kd_weight: float = 0.0, teacher: Optional[Teacher] = None, dpace: bool = False,
@@ -172,7 +187,7 @@ class MarkovLoss:
                     self.head.markov_w1.weight, self.head.markov_w2.weight,
                     None if teacher is None else teacher.final_norm, self.divergence)
             # fp32 logits of one chunk at a time, forward and backward
-            parts.append(checkpoint(_chunk_losses, *args, use_reentrant=False) if grad else _chunk_losses(*args))
+            parts.append(checkpoint(self.chunk_kernel, *args, use_reentrant=False) if grad else self.chunk_kernel(*args))
         ce, distance, hit = (torch.cat(t).view(n, b) for t in zip(*parts))  # (N, B) each
         hit = hit & valid
         if dpace:
@@ -190,7 +205,12 @@ class MarkovLoss:
         )
 
 
-def markov_loss(model: nn.Module, divergence: str) -> Optional[MarkovLoss]:
-    """The DSpark loss of `model` (a `DFlashDrafter`), None unless it is a DSpark drafter."""
+def markov_loss(model: nn.Module, divergence: str, compiled: bool = False) -> Optional[MarkovLoss]:
+    """The DSpark loss of `model` (a `DFlashDrafter`), None unless it is a DSpark drafter; `compiled`
+    (`drafter.loss_kernel`) computes its chunks compiled on CUDA."""
     head = getattr(model, "markov_head", None)
-    return None if head is None else MarkovLoss(head=head, divergence=divergence)
+    if head is None:
+        return None
+    on_cuda = head.markov_w2.weight.device.type == "cuda"
+    kernel = compiled_chunk_losses() if compiled and on_cuda else _chunk_losses
+    return MarkovLoss(head=head, divergence=divergence, chunk_kernel=kernel)

@@ -144,7 +144,7 @@ def make_micro_step(
         lattice = lattice_loss(dcfg, model, taps=taps, embed=embed, lm_head=lm_head, last_hidden=batch.last_hidden,
                                final_norm=head.final_norm)
         loss_of = step_loss(dcfg, lm_head, teacher, selector_loss(dcfg, model, progress()),
-                            markov_loss(model, dcfg.dspark_divergence), lattice)
+                            markov_loss(model, dcfg.dspark_divergence, dcfg.loss_kernel == "compiled"), lattice)
         if shard is not None:
             sums = shard_forward_backward(model, taps=taps, shard=shard, group=shards.group, plan=plan,
                                           cu_seqlens=batch.cu_seqlens, embed=embed, autocast=autocast, loss_of=loss_of,
