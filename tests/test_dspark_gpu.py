@@ -5,7 +5,8 @@ evaluates with them."""
 import pytest
 import torch
 
-from tests.test_dspark_train import CASES, check_compiled_chunks
+from dflash_trainer.drafter.dspark import compiled_chunk_losses, markov_loss
+from tests.test_dspark_train import CASES, check_compiled_chunks, dspark
 from tests.test_gpu import train_on_cuda
 
 pytestmark = [
@@ -15,9 +16,16 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_dspark_loss_chunks_compiled_by_inductor_give_eagers_values(case):
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls on both sides: compare the kernels, not TF32
+def test_dspark_loss_chunks_compiled_by_inductor_give_eagers_values(case, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 matmuls: compare kernels
     check_compiled_chunks(case, "cuda", "inductor", tol=1e-4)
+
+
+def test_a_cuda_dspark_drafter_trains_with_the_compiled_chunks():
+    drafter, _ = dspark()
+    drafter.to("cuda")
+    assert markov_loss(drafter, "l1", compiled=True).chunk_kernel is compiled_chunk_losses()
+    assert markov_loss(drafter, "l1", compiled=False).chunk_kernel is not compiled_chunk_losses()
 
 
 def test_dspark_colocated_training_and_eval_run_on_cuda(tmp_path):

@@ -163,9 +163,8 @@ def check_compiled_chunks(case: str, device: str, backend: str, tol: float) -> N
                       final_norm=torch.nn.RMSNorm(spec.hidden_size).to(device))
     rows = torch.randn(plan.num_blocks, plan.block_size, spec.hidden_size, generator=gen)  # (N, B, H)
     markov = drafter.markov_head.to(device)
-    kernels = {"eager": markov_loss(drafter, kw.get("divergence", "l1")).chunk_kernel,
-               backend: torch.compile(markov_loss(drafter, "l1").chunk_kernel, backend=backend, fullgraph=True,
-                                         dynamic=False)}
+    eager = markov_loss(drafter, kw.get("divergence", "l1")).chunk_kernel
+    kernels = {"eager": eager, backend: torch.compile(eager, backend=backend, fullgraph=True, dynamic=False)}
     results = {}
     for name, kernel in kernels.items():
         hidden = rows.to(device).requires_grad_(True)
