@@ -141,8 +141,7 @@ class DrafterConfig:
     loss_kernel: str = "compiled"
     """compiled | eager: the CE-and-gradient pass over each logits chunk, torch.compile'd on CUDA (one fused
     pass) or eager (an fp32 copy and separate passes); LiLiCorr's lattice head and its terms, and DSpark's loss
-    chunks, likewise. A speed knob
-    only: the values are the same."""
+    chunks, likewise. A speed knob only: the values are the same."""
     mask_tiles: str = "intervals"
     """intervals | pairs: full-attention BlockMasks find their tiles from each query block's key intervals, or
     from `create_block_mask` evaluating every (query, key) pair. A speed knob only: the mask is the same."""

@@ -187,7 +187,8 @@ class MarkovLoss:
                     self.head.markov_w1.weight, self.head.markov_w2.weight,
                     None if teacher is None else teacher.final_norm, self.divergence)
             # fp32 logits of one chunk at a time, forward and backward
-            parts.append(checkpoint(self.chunk_kernel, *args, use_reentrant=False) if grad else self.chunk_kernel(*args))
+            kernel = self.chunk_kernel
+            parts.append(checkpoint(kernel, *args, use_reentrant=False) if grad else kernel(*args))
         ce, distance, hit = (torch.cat(t).view(n, b) for t in zip(*parts))  # (N, B) each
         hit = hit & valid
         if dpace:

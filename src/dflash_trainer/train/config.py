@@ -133,7 +133,8 @@ class TrainConfig:
                 continue
             if self.optimizer != "muon":
                 raise ConfigError(f"train.{key}={value} is read only with train.optimizer=muon: set "
-                                  f"train.optimizer=muon, or drop train.{key} (train.{key}=null where a recipe sets it)")
+                                  f"train.optimizer=muon, or drop train.{key} "
+                                  f"(train.{key}=null where a recipe sets it)")
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"train.{key} must be a finite number > 0 or null, got {value!r}")
         if not 0 <= self.muon_momentum < 1:
