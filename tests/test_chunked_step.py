@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from pipeline_helpers import leave_spawned_rank
 
 from dflash_trainer.config import load_config
 from dflash_trainer.drafter.spec import drafter_spec
@@ -218,7 +219,7 @@ def _sharded_worker(rank, port, out_dir):
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "sharded.pt"))
     dist.barrier()
-    dist.destroy_process_group()
+    leave_spawned_rank()
 
 
 def test_a_sharded_drafter_steps_in_chunks_as_in_one_pass(tmp_path):

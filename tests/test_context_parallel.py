@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pipeline_helpers import free_port, leave_spawned_rank
 from test_target_capture import H, capture, make_sequences
 
 from dflash_trainer.config import load_config
@@ -96,20 +96,14 @@ def _worker(rank: int, size: int, port: int, out_dir: str) -> None:
         dist.all_reduce(grad, group=group)
     torch.save({"taps": taps, "sums": packed, "grads": grads, "own_blocks": own},
                os.path.join(out_dir, f"r{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leave_spawned_rank()
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["cp2", "cp3"])
 def sharded(request, tmp_path_factory):
     """Every rank's results of one spawned CP group of `size` ranks."""
     size, out_dir = request.param, tmp_path_factory.mktemp(f"cp{request.param}")
-    mp.start_processes(_worker, args=(size, _free_port(), str(out_dir)), nprocs=size, start_method="spawn")
+    mp.start_processes(_worker, args=(size, free_port(), str(out_dir)), nprocs=size, start_method="spawn")
     return size, [torch.load(out_dir / f"r{i}.pt", weights_only=True) for i in range(size)]
 
 

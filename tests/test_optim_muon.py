@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from drafter_helpers import tiny_drafter
-from pipeline_helpers import (assert_ok, checkpoints, committed_jobs, free_port, metrics, planned_jobs, torchrun,
-                              train_in_process)
+from pipeline_helpers import (assert_ok, checkpoints, committed_jobs, free_port, leave_spawned_rank, metrics,
+                              planned_jobs, torchrun, train_in_process)
 from safetensors.torch import load_file
 from torch import nn
 
@@ -187,18 +187,16 @@ def test_a_muon_state_dict_restores_both_parts():
 
 
 def _gloo_rank(rank: int, body, world: int, port: int) -> None:
-    """One spawned rank: joins a gloo group, runs `body(rank, world)`, destroys the group. After a pass it leaves with
-    os._exit(0): gloo's worker threads may still be releasing a finished collective's tensors when the interpreter
-    finalizes, and the GIL they then take aborts the process (SIGABRT, "terminate called without an active
-    exception", seen in gdb in ProcessGroupGloo::runLoop; about one run in twenty of the FSDP body on torch 2.13's
-    CPU build) after every assertion has passed. A failure still raises, and mp.spawn reports it."""
+    """One spawned rank: joins a gloo group, runs `body(rank, world)`, and leaves (`leave_spawned_rank`); a failure
+    raises, and mp.spawn reports it."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         body(rank, world)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    os._exit(0)
+        raise
+    leave_spawned_rank()
 
 
 def _sharded_equals_whole(rank: int, world: int) -> None:

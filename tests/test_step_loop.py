@@ -2,13 +2,13 @@
 ends together with uneven inputs (2 gloo ranks against a single-process reference)."""
 
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pipeline_helpers import free_port, leave_spawned_rank
 
 from dflash_trainer.train.step_loop import MicroResult, StepLoop
 
@@ -68,13 +68,7 @@ def _worker(rank, port, shards, out_dir, sharded):
     torch.save({"weight": weight, "steps": state.step, "committed": state.committed, "skipped": state.skipped_steps,
                 "losses": [r.loss for r in records]}, os.path.join(out_dir, f"r{rank}.pt"))
     dist.barrier()  # neither rank tears its connections down while the other still finishes the last collective
-    dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leave_spawned_rank()
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fsdp2"])
@@ -82,7 +76,7 @@ def test_two_ranks_equal_one_process_with_uneven_inputs(tmp_path, sharded):
     b = _batches()
     # Step 1: rank0 {0,1}, rank1 {2,3}; step 2 (partial): rank0 {4}, rank1 nothing (FSDP2: a dummy pass).
     shards = [[b[0], b[1], b[4]], [b[2], b[3]]]
-    mp.start_processes(_worker, args=(_free_port(), shards, str(tmp_path), sharded), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), shards, str(tmp_path), sharded), nprocs=2, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"r{i}.pt", weights_only=True) for i in range(2))
     ref_weight, ref_records, _ = _run([b[0], b[1], b[2], b[3], b[4]], None, grad_accum=4)
     torch.testing.assert_close(r0["weight"], r1["weight"])
@@ -203,11 +197,11 @@ def _paused_worker(rank, port, out_dir):
     loop.run(lambda: (queue.pop(0), lambda: None) if queue else None, on_step)
     torch.save({"spent": spent}, os.path.join(out_dir, f"t{rank}.pt"))
     dist.barrier()
-    dist.destroy_process_group()
+    leave_spawned_rank()
 
 
 def test_every_rank_reads_the_first_ranks_training_time_without_its_pauses(tmp_path):
-    mp.start_processes(_paused_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_paused_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     s0, s1 = (torch.load(tmp_path / f"t{i}.pt", weights_only=True)["spent"] for i in range(2))
     assert s0 == s1 and len(s0) == 3  # one value on every rank, step by step
     assert all(5.0 <= a <= b for a, b in zip(s0, s0[1:]))  # from the earlier sessions' 5 s on, never backwards

@@ -4,12 +4,12 @@ same weights on one rank; a target whose heads do not split is refused with the 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pipeline_helpers import free_port, leave_spawned_rank
 from test_target_capture import H, LENGTHS, capture, make_sequences
 
 from dflash_trainer.errors import ConfigError
@@ -36,17 +36,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 "up_local": tuple(up.to_local().shape),
                 "up_full": tuple(up.shape),
                 "up_bytes": up.to_local().untyped_storage().nbytes()}, os.path.join(out_dir, f"r{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    leave_spawned_rank()
 
 
 def test_tp2_taps_equal_tp1_taps(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"r{i}.pt", weights_only=True) for i in range(2)]
     _, ref = capture(load_target(TARGET, "cpu", seed=7), make_sequences(LENGTHS), TAPS, last_hidden=True)
     n = sum(LENGTHS)
