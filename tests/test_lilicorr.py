@@ -518,3 +518,18 @@ def test_eval_without_the_lattice_head_drafts_the_backbones_top_1(tmp_path):
     dflash, _ = tiny_drafter(variant="dflash")
     with pytest.raises(ConfigError, match="eval.lattice_head=false reads only a LiLiCorr"):
         DFlashBatchProposer(dflash, embed, lm_head, lattice_head=False)
+
+
+def test_the_default_lattice_is_modelopts_published_recipe():
+    """A LiLiCorr drafter from the defaults at Qwen3-8B's drafter width (4,096) exports the head geometry and trains
+    the terms of ModelOpt's published `base` recipe (modelopt_recipes/general/speculative_decoding/lilicorr.yaml), the
+    head its acceptance lengths were measured with; vector_eps and logit_scale change the scores, not a shape."""
+    from dflash_trainer.drafter.spec import variant_fields
+
+    drafter = DrafterConfig(variant="lilicorr")
+    dflash = variant_fields(drafter, 4096)["lattice"].export_fields()
+    assert dflash == {"lilicorr_enabled": True, "lilicorr_hidden_size": 1024, "lilicorr_candidate_topk": 8,
+                      "lilicorr_num_layers": 2, "lilicorr_num_heads": 8, "lilicorr_mlp_ratio": 2.0,
+                      "lilicorr_factor_dim": 1024, "lilicorr_vector_eps": 1e-4, "lilicorr_logit_scale": 8.0}
+    assert (drafter.lilicorr_w_ce, drafter.lilicorr_w_margin, drafter.lilicorr_w_pen, drafter.lilicorr_margin) == \
+        (0.25, 0.0, 0.25, 2.0)

@@ -99,10 +99,13 @@ class DrafterConfig:
     lilicorr_num_layers: int = 2
     lilicorr_num_heads: int = 8
     lilicorr_mlp_ratio: float = 2.0
-    lilicorr_factor_dim: int = 128
-    """LiLiCorr: width of the out/in vectors whose cosines score the transitions."""
-    lilicorr_vector_eps: float = 1e-6
-    lilicorr_logit_scale: float = 10.0
+    lilicorr_factor_dim: int = 1024
+    """LiLiCorr: width of the out/in vectors whose cosines score the transitions. This and the head's other sizes,
+    `lilicorr_vector_eps` and `lilicorr_logit_scale` default to ModelOpt's published recipe (its
+    modelopt_recipes/general/speculative_decoding/lilicorr.yaml)."""
+    lilicorr_vector_eps: float = 1e-4
+    """LiLiCorr: the floor of the out/in vectors' norms when they are normalised."""
+    lilicorr_logit_scale: float = 8.0
     """LiLiCorr: the fixed scale of the cosine scores (their log-factors lie in [-scale, scale])."""
     lilicorr_w_ce: float = 0.25
     """LiLiCorr: weight of the lattice's K-way cross-entropy (ModelOpt's `base` recipe: 0.25, `margin`: 0.125)."""
