@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from spawn_helpers import free_port
 
 from dflash_trainer.faults import kill_tree
 
@@ -50,26 +51,6 @@ class Launch:
     run_dir: Path
     node_ended_s: tuple[float, ...] = ()
     """When each node's torchrun ended, in seconds after the launch (one entry per node)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def leave_spawned_rank() -> None:
-    """The end of a spawned gloo rank whose work is done and written: destroys the process group and leaves with
-    os._exit(0). Gloo's worker threads may still be releasing a finished collective's tensors when the interpreter
-    finalizes, and the GIL they then take aborts the process (SIGABRT, "terminate called without an active
-    exception"; gdb shows it in ProcessGroupGloo::runLoop), after every result was saved. Seen in about one run in
-    twenty of test_optim_muon's FSDP ranks on torch 2.13's CPU build, none in 60 runs with this exit."""
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def overrides(run_dir: Path, *extra: str) -> list[str]:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from pipeline_helpers import leave_spawned_rank
+from spawn_helpers import leave_spawned_rank
 
 from dflash_trainer.config import load_config
 from dflash_trainer.drafter.spec import drafter_spec

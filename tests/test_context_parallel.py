@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pipeline_helpers import free_port, leave_spawned_rank
+from spawn_helpers import free_port, leave_spawned_rank
 from test_target_capture import H, capture, make_sequences
 
 from dflash_trainer.config import load_config

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from drafter_helpers import tiny_drafter
-from pipeline_helpers import (assert_ok, checkpoints, committed_jobs, free_port, leave_spawned_rank, metrics,
-                              planned_jobs, torchrun, train_in_process)
+from pipeline_helpers import assert_ok, checkpoints, committed_jobs, metrics, planned_jobs, torchrun, train_in_process
 from safetensors.torch import load_file
+from spawn_helpers import free_port, leave_spawned_rank
 from torch import nn
 
 from dflash_trainer.drafter.model import DFlashDrafter

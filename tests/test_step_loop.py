@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pipeline_helpers import free_port, leave_spawned_rank
+from spawn_helpers import free_port, leave_spawned_rank
 
 from dflash_trainer.train.step_loop import MicroResult, StepLoop
 

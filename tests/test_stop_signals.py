@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_helpers import SRC, free_port, kill_tree, metrics, overrides, summary
+from pipeline_helpers import SRC, kill_tree, metrics, overrides, summary
+from spawn_helpers import free_port
 
 from dflash_trainer.runtime.launch import entry_point
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pipeline_helpers import free_port, leave_spawned_rank
+from spawn_helpers import free_port, leave_spawned_rank
 from test_target_capture import H, LENGTHS, capture, make_sequences
 
 from dflash_trainer.errors import ConfigError
