@@ -18,8 +18,8 @@ def leave_spawned_rank() -> None:
     """The end of a spawned gloo rank whose work is done and written: destroys the process group and leaves with
     os._exit(0). Gloo's worker threads may still be releasing a finished collective's tensors when the interpreter
     finalizes, and the GIL they then take aborts the process (SIGABRT, "terminate called without an active
-    exception"; gdb shows it in ProcessGroupGloo::runLoop), after every result was saved. Seen in about one run in
-    twenty of test_optim_muon's FSDP ranks on torch 2.13's CPU build, none in 60 runs with this exit."""
+    exception"; gdb shows it in ProcessGroupGloo::runLoop), after every result was saved; leaving before the
+    interpreter finalizes cannot meet it."""
     import torch.distributed as dist
 
     dist.destroy_process_group()
