@@ -8,6 +8,8 @@ Importing this module puts `src/` on `sys.path` (the scripts need no install of 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -170,6 +172,19 @@ def drafter_loop(config: Config, spec: DrafterSpec, head: TargetHead, device: to
 
 
 # ----------------------------------------------------------------------------------- timing and memory
+
+
+@contextlib.contextmanager
+def stall_dumps(every_s: float):
+    """While the block runs, every thread's stack goes to stderr every `every_s` seconds (a stall, e.g. a compile
+    that does not end, shows where it is); the watchdog is cancelled however the block ends. Left armed in a process
+    that goes on (a test calling a script's `main`), it would dump the stacks of threads while they run, which can
+    crash the interpreter."""
+    faulthandler.dump_traceback_later(every_s, repeat=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def log(message: str) -> None:

@@ -86,6 +86,23 @@ def test_run_with_an_fp8_target_asks_for_it_and_is_refused_on_the_cpu_by_name():
         run.main(["--smoke", "--quantize", "fp8"])
 
 
+def test_a_scripts_stall_dumps_end_with_its_main_however_it_ends(monkeypatch):
+    """The stall watchdog a bench script arms is cancelled when its `main` raises: left armed in a process that goes on
+    (this one), it dumps the stacks of running threads every few minutes, which can crash the interpreter."""
+    import faulthandler
+
+    from bench.speed import run
+
+    from dflash_trainer.errors import ConfigError
+
+    calls = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda *a, **k: calls.append("armed"))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: calls.append("cancelled"))
+    with pytest.raises(ConfigError):
+        run.main(["--smoke", "--quantize", "fp8"])
+    assert calls == ["armed", "cancelled"]
+
+
 def test_smoke_drafter_step_compares_variants_with_the_same_loss(tmp_path):
     """Named and free-form variants run the trainer's step on the same batch and head: a speed-only knob
     (chunk rows) leaves the loss unchanged; a bad variant is refused by name."""

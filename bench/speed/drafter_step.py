@@ -31,7 +31,6 @@ Model FLOPs: bench/flops.py (drafter_step_flops). The last line printed is JSON;
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import sys
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
 from bench.common import (add_shape_args, apply_smoke, bench_config, bench_device, device_name, drafter_loop, git_commit,
-                          log, mfu_workload, peak_gb, reset_memory, synchronize, write_result)
+                          log, mfu_workload, peak_gb, reset_memory, stall_dumps, synchronize, write_result)
 import torch
 from bench.flops import PEAK_TFLOPS, drafter_step_flops, lilicorr_step_flops, mfu
 from bench.kernel_profile import print_profile, profile_dict, profile_steps
@@ -166,23 +165,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    faulthandler.dump_traceback_later(args.stall_dump_s, repeat=True)  # a stall shows where it is
-    device = bench_device(args)
-    if device is None:
-        return 2
-    results = []
-    for text in args.variant:
-        log(f"variant {text}: start")
-        try:
-            results.append(run_variant(text, args, device))
-        except torch.OutOfMemoryError as e:
-            results.append({"variant": variant(text)[0], "error": f"OOM: {str(e).splitlines()[0]}"})
-        except Exception as e:  # a variant's options can be rejected by the kernel: report, go on
-            traceback.print_exc()
-            results.append({"variant": variant(text)[0], "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        torch._dynamo.reset()  # the next variant compiles its own model (and this one's memory is freed)
-        reset_memory(device)
-    faulthandler.cancel_dump_traceback_later()
+    with stall_dumps(args.stall_dump_s):
+        device = bench_device(args)
+        if device is None:
+            return 2
+        results = []
+        for text in args.variant:
+            log(f"variant {text}: start")
+            try:
+                results.append(run_variant(text, args, device))
+            except torch.OutOfMemoryError as e:
+                results.append({"variant": variant(text)[0], "error": f"OOM: {str(e).splitlines()[0]}"})
+            except Exception as e:  # a variant's options can be rejected by the kernel: report, go on
+                traceback.print_exc()
+                results.append({"variant": variant(text)[0], "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            torch._dynamo.reset()  # the next variant compiles its own model (and this one's memory is freed)
+            reset_memory(device)
     ref = next((r for r in results if "error" not in r), None)
     print(f"\ndrafter step ({args.model}, {args.seqs} x {args.seq_len} tokens, {args.seqs * args.blocks_per_seq} "
           f"blocks of {args.block_size}, {args.drafter_layers} layers) on {device}; MFU against {PEAK_TFLOPS} TFLOP/s")

@@ -37,7 +37,6 @@ The last line printed is JSON, also written to `<out>/<date>T<time>-run-<model>-
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib.util
 import json
 import shlex
@@ -52,7 +51,7 @@ from typing import Callable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the `bench` package
 from bench.common import (Workload, add_shape_args, apply_smoke, bench_config, bench_device, device_name, drafter_loop,
                           git_commit, make_sequence, mfu_workload, peak_gb, prompt_tokens, reset_memory, rss_gb,
-                          synchronize, write_result)
+                          stall_dumps, synchronize, write_result)
 import torch
 import torch.nn.functional as F
 from bench.flops import PEAK_TFLOPS, drafter_step_flops, mfu, target_forward_flops
@@ -406,7 +405,12 @@ def print_table(summary: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    faulthandler.dump_traceback_later(240.0, repeat=True)  # a stall (e.g. a compile that does not end) shows where
+    with stall_dumps(240.0):
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
+    """Time our pipeline (and the baseline unless --no-baseline), print the table, write the result."""
     rss_start = rss_gb()
     t_start = time.perf_counter()
     device = bench_device(args)
