@@ -6,8 +6,10 @@ Every launch gets its own port and log dir and is bounded by a timeout, after wh
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,21 @@ from spawn_helpers import free_port
 from dflash_trainer.faults import kill_tree
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-_CACHE_DIR = tempfile.mkdtemp(prefix="dflash-test-tokenized-")
+_CACHE_ENV = "DFLASH_TEST_TOKENIZED_CACHE"
+
+
+def _session_cache_dir() -> str:
+    """The test session's tokenized-data cache: made (and removed at exit) by the first process that imports this
+    module; the processes it starts inherit it through the environment, so they neither make nor remove one."""
+    if os.environ.get(_CACHE_ENV):
+        return os.environ[_CACHE_ENV]
+    path = tempfile.mkdtemp(prefix="dflash-test-tokenized-")
+    os.environ[_CACHE_ENV] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+_CACHE_DIR = _session_cache_dir()
 """One tokenized-data cache for the whole test session (the first run tokenizes, the others reuse it)."""
 
 SMALL = (
