@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_helpers import SRC, kill_tree, metrics, overrides, summary
+from pipeline_helpers import SRC, kill_tree, metrics, overrides, summary, train_in_process
 from spawn_helpers import free_port
 
+from dflash_trainer.faults import InjectedFault
 from dflash_trainer.runtime.launch import entry_point
 
 LONG = ("train.max_steps=100000", "train.num_epochs=50", "train.checkpoint_interval=100000", "train.log_interval=1")
@@ -185,3 +186,18 @@ def test_ctrl_c_in_the_first_seconds_is_a_clean_exit_130(stage, monkeypatch, cap
         pytest.fail("KeyboardInterrupt escaped dflash-train's main (a traceback for the user)")
     assert rc == 130
     assert capsys.readouterr().err.strip() == "dflash-train train: interrupted (Ctrl-C)"
+
+
+def test_training_called_from_python_gives_the_signal_handlers_back(tmp_path, monkeypatch):
+    """`dflash-train train` run in a process that goes on (a notebook, a script) holds SIGINT and SIGTERM for the run
+    only: once it has ended, or failed, a Ctrl-C interrupts as it did before."""
+    handled = (signal.SIGINT, signal.SIGTERM)
+    before = [signal.getsignal(s) for s in handled]
+    assert train_in_process(tmp_path / "ok", "train.max_steps=2") == 0
+    assert [signal.getsignal(s) for s in handled] == before
+
+    monkeypatch.setenv("DFLASH_TEST_FAULT", "drafter_step:2")
+    with pytest.raises(InjectedFault):
+        train_in_process(tmp_path / "failed", "train.max_steps=4")
+    assert summary(tmp_path / "failed")["status"] == "failed"
+    assert [signal.getsignal(s) for s in handled] == before

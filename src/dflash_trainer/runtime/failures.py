@@ -193,7 +193,8 @@ class StopSignals:
 
     Under torchrun the agent also sends SIGTERM to the ranks left when one of them fails: when a peer's failure
     is recorded in the store, the signal is that failure's, not a stop, and the rank leaves at once.
-    Install from the main thread (Python delivers signals there).
+    Install from the main thread (Python delivers signals there); `uninstall` gives the earlier handlers back when the
+    run returns to a process that goes on (training called from Python: a later Ctrl-C interrupts it again).
     """
 
     def __init__(self, *, control: ControlPlane, on_failure: Callable[[int], None],
@@ -205,13 +206,21 @@ class StopSignals:
         self.on_failure = on_failure
         self.on_second = on_second
         self.signum: Optional[int] = None
+        self._earlier: dict[int, object] = {}
 
     def install(self) -> "StopSignals":
         import signal
 
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._handle)
+            self._earlier[signum] = signal.signal(signum, self._handle)
         return self
+
+    def uninstall(self) -> None:
+        import signal
+
+        for signum, handler in self._earlier.items():
+            signal.signal(signum, handler)
+        self._earlier.clear()
 
     def requested(self) -> bool:
         return self.signum is not None

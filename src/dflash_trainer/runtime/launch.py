@@ -99,6 +99,7 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
         if not env.distributed:
             write_failed_summary(holder.get("run_dir"), env.rank, cause)
             _release(holder, failed=True)
+            stop.uninstall()
             raise
         if is_secondary(error, control, env.rank):
             # Failing *because* another rank did (Aborted, a broken connection): name that rank, not this one.
@@ -118,6 +119,7 @@ def run_training(config: Config, resume_changes: tuple[Change, ...] = ()) -> int
         watchdog.stop()
     if env.distributed:
         dist.destroy_process_group()
+    stop.uninstall()
     return stop.exit_code
 
 
